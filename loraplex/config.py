@@ -1,0 +1,126 @@
+"""Root configuration: frozen dataclasses, one per part, composed into `EngineConfig`.
+
+Derived values are properties; bad values raise `ValueError`. Runtime facts (how many KV blocks
+fit, which device was found) live in state objects, never in a mutated config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DTYPE_ALIASES = {
+    "fp32": "float32",
+    "float": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+}
+
+
+def normalize_dtype(dtype: str) -> str:
+    name = _DTYPE_ALIASES.get(dtype, dtype)
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+    return name
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to load and how. `model=None` means the embedded SmolLM2-135M-Instruct."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    quantization: str | None = None
+    seed: int = 0
+    served_model_name: str | None = None
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache. `num_kv_blocks=None` sizes the cache from `gpu_memory_utilization`
+    (on CUDA) or from `cpu_kv_cache_gib` (on CPU)."""
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gib: float = 1.0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.cpu_kv_cache_gib <= 0:
+            raise ValueError(f"cpu_kv_cache_gib must be positive, got {self.cpu_kv_cache_gib}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits: running sequences and tokens per step."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving: GPU slots, the largest rank, and the CPU cache of adapters."""
+
+    max_loras: int = 8
+    max_lora_rank: int = 64
+    max_cpu_loras: int = 32
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras must be >= max_loras ({self.max_cpu_loras} < {self.max_loras})"
+            )
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """How the model runs: eager, or decode replayed from CUDA graphs of these batch sizes."""
+
+    enforce_eager: bool = False
+    cuda_graph_max_bs: int = 256
+
+    def __post_init__(self) -> None:
+        if self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)

@@ -1,0 +1,44 @@
+"""Every environment variable loraplex reads, in one typed place.
+
+Read lazily through functions, never at import time, so tests can set them per process.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _path(name: str, default: Path) -> Path:
+    value = os.environ.get(name)
+    return Path(value).expanduser() if value else default
+
+
+def _xdg_cache() -> Path:
+    return _path("XDG_CACHE_HOME", Path.home() / ".cache")
+
+
+def cache_dir() -> Path:
+    """Converted models and compiled grammars (LORAPLEX_CACHE_DIR, default ~/.cache/loraplex)."""
+    return _path("LORAPLEX_CACHE_DIR", _xdg_cache() / "loraplex")
+
+
+def data_dir() -> Path:
+    """The persistent adapter registry and tenants (LORAPLEX_DATA_DIR,
+    default ~/.local/share/loraplex)."""
+    xdg = _path("XDG_DATA_HOME", Path.home() / ".local" / "share")
+    return _path("LORAPLEX_DATA_DIR", xdg / "loraplex")
+
+
+def admin_key() -> str | None:
+    """The admin API key (LORAPLEX_ADMIN_KEY), if set."""
+    return os.environ.get("LORAPLEX_ADMIN_KEY") or None
+
+
+def log_level() -> str:
+    return os.environ.get("LORAPLEX_LOG_LEVEL", "INFO").upper()
+
+
+def triton_interpret() -> bool:
+    """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -1,0 +1,58 @@
+"""Structured output: JSON schemas, regexes and choice lists compiled into token automata
+(outlines-core) over the model's vocabulary, a per-request matcher, and packed token bitmasks.
+
+Knows tokenizers and token masks, not engines. `bitmask` needs only torch, so the sampler can
+import it where outlines-core is absent; everything else imports outlines-core on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from loraplex.grammar.errors import (
+    GrammarCompileError,
+    GrammarError,
+    GrammarMemoryError,
+    GrammarTimeoutError,
+    UnsupportedSchemaError,
+)
+from loraplex.grammar.params import StructuredOutputs
+
+if TYPE_CHECKING:
+    from loraplex.grammar.compiled import CompiledGrammar
+    from loraplex.grammar.compiler import GrammarCompiler
+    from loraplex.grammar.config import GrammarConfig
+    from loraplex.grammar.matcher import GrammarMatcher
+    from loraplex.grammar.vocabulary import GrammarVocabulary, build_vocabulary
+
+_LAZY = {
+    "CompiledGrammar": "loraplex.grammar.compiled",
+    "GrammarCompiler": "loraplex.grammar.compiler",
+    "GrammarConfig": "loraplex.grammar.config",
+    "GrammarMatcher": "loraplex.grammar.matcher",
+    "GrammarVocabulary": "loraplex.grammar.vocabulary",
+    "build_vocabulary": "loraplex.grammar.vocabulary",
+}
+
+__all__ = [
+    "CompiledGrammar",
+    "GrammarCompileError",
+    "GrammarCompiler",
+    "GrammarConfig",
+    "GrammarError",
+    "GrammarMatcher",
+    "GrammarMemoryError",
+    "GrammarTimeoutError",
+    "GrammarVocabulary",
+    "StructuredOutputs",
+    "UnsupportedSchemaError",
+    "build_vocabulary",
+]
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'loraplex.grammar' has no attribute {name!r}")

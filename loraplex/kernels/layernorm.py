@@ -1,0 +1,40 @@
+"""RMSNorm, optionally fused with the residual add that precedes it."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # x: [num_tokens, hidden]
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight.float()).to(x.dtype)
+
+
+def fused_add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual)."""
+    new_residual = (x.float() + residual.float()).to(x.dtype)
+    return rms_norm_ref(new_residual, weight, eps), new_residual
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm(x) * weight in fp32 math, returned in x's dtype; Triton on CUDA."""
+    if x.is_cuda:
+        from loraplex.kernels.triton_norm import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps)
+    return rms_norm_ref(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual) as new tensors; inputs are not modified."""
+    if x.is_cuda:
+        from loraplex.kernels.triton_norm import fused_add_rms_norm_triton
+
+        return fused_add_rms_norm_triton(x, residual, weight, eps)
+    return fused_add_rms_norm_ref(x, residual, weight, eps)

@@ -1,0 +1,188 @@
+"""Engine: add requests, step the batch, abort — the offline core under LLM and the server."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from loraplex.config import EngineConfig
+from loraplex.platform.engine.output_processor import OutputProcessor
+from loraplex.platform.engine.outputs import RequestOutput
+from loraplex.platform.engine.request import Request, RequestStatus
+from loraplex.platform.engine.sampling_params import SamplingParams
+from loraplex.platform.models.model_loader import generation_eos_ids
+from loraplex.platform.models.model_store import resolve_model_path
+from loraplex.platform.models.tokenizer import Tokenizer
+from loraplex.platform.runner.model_runner import ModelRunner
+from loraplex.platform.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class PromptTooLongError(ValueError):
+    """The prompt plus the requested tokens do not fit the model's context."""
+
+    def __init__(self, message: str, param: str = "messages") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_dir = resolve_model_path(config.model.model)
+        self.tokenizer = Tokenizer(self.model_dir)
+        self.runner = ModelRunner(config, self.model_dir, ())
+        arch = self.runner.arch
+        eos = generation_eos_ids(self.model_dir, arch)
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
+            eos = (self.tokenizer.eos_token_id, *eos)
+        self.eos_token_ids = eos
+        self.runner.eos_token_ids = eos
+        self.max_model_len = min(
+            config.model.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings
+        )
+        self.scheduler = Scheduler(
+            config.scheduler, config.cache, self.runner.num_blocks, self.max_model_len
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.served_model_name = config.model.served_model_name or self.model_dir.name
+        self._ids = itertools.count()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    # -- requests ------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        vocab = self.runner.arch.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        return ids
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        tenant: str = "default",
+    ) -> str:
+        """Queue a request; returns its id. Raises ValueError for prompts that cannot fit."""
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if self.output_processor.has(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        token_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        max_tokens = self._check_length(len(token_ids), params)
+        core_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        self.output_processor.add_request(
+            request_id, prompt if isinstance(prompt, str) else None, token_ids, params, core_ids
+        )
+        for index, core_id in enumerate(core_ids):
+            child = params if params.n == 1 else params.for_child(index)
+            self.scheduler.add_request(
+                Request(
+                    core_id,
+                    token_ids,
+                    child,
+                    self.eos_token_ids,
+                    max_tokens=max_tokens,
+                    tenant=tenant,
+                )
+            )
+        self.prompt_tokens_total += len(token_ids)
+        return request_id
+
+    def _check_length(self, num_prompt: int, params: SamplingParams) -> int:
+        limit = self.max_model_len
+        if num_prompt >= limit:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {limit} tokens, but the prompt has "
+                f"{num_prompt} tokens. Please shorten the prompt."
+            )
+        if params.max_tokens is None:
+            return limit - num_prompt
+        if num_prompt + params.max_tokens > limit:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt + params.max_tokens} tokens ({num_prompt} in the prompt, "
+                f"{params.max_tokens} for the completion). Please reduce the prompt or "
+                "max_tokens.",
+                param="max_tokens",
+            )
+        return params.max_tokens
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        core_ids = self.output_processor.core_ids(request_id)
+        self.scheduler.finish_requests(core_ids, RequestStatus.FINISHED_ABORTED)
+        return self.output_processor.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- one step ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        so = self.scheduler.schedule()
+        runner_out = self.runner.execute(so)
+        core_outputs = self.scheduler.update_from_output(so, runner_out)
+        self.generation_tokens_total += len(core_outputs)
+        outputs, stopped = self.output_processor.process(core_outputs)
+        if stopped:
+            # NOTE: the stop-string hit was already recorded on the sample; freeing the core
+            # request here only releases its blocks.
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    def stats(self) -> EngineStats:
+        kv = self.scheduler.kv
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=kv.num_blocks,
+            kv_usage=kv.pool.usage,
+            prefix_cache_queries=kv.stats.queries,
+            prefix_cache_hits=kv.stats.hits,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    def generate_blocking(self, deadline_s: float | None = None) -> list[RequestOutput]:
+        """Step until every request has finished; returns the final outputs in finish order."""
+        start = time.monotonic()
+        done: list[RequestOutput] = []
+        while self.has_unfinished_requests():
+            done.extend(o for o in self.step() if o.finished)
+            if deadline_s is not None and time.monotonic() - start > deadline_s:
+                raise TimeoutError(f"generation did not finish within {deadline_s} s")
+        return done
+
+    @property
+    def model_path(self) -> Path:
+        return self.model_dir

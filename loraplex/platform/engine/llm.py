@@ -1,0 +1,155 @@
+"""LLM: the offline API in vLLM's shape (`generate`, `chat`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from loraplex.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
+from loraplex.platform.engine.engine import Engine, EngineStats
+from loraplex.platform.engine.outputs import RequestOutput
+from loraplex.platform.engine.sampling_params import RequestOutputKind, SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, Any]
+
+
+class LLM:
+    """Offline batched generation.
+
+    >>> llm = LLM()  # the embedded SmolLM2-135M-Instruct
+    >>> out = llm.generate(["Hello, my name is"], SamplingParams(max_tokens=16))
+    >>> out[0].outputs[0].text
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "auto",
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        max_model_len: int | None = None,
+        quantization: str | None = None,
+        seed: int = 0,
+        device: str = "auto",
+        gpu_memory_utilization: float = 0.9,
+        max_loras: int = 8,
+        max_lora_rank: int = 64,
+        max_cpu_loras: int = 32,
+        enforce_eager: bool = False,
+    ) -> None:
+        from loraplex.config import RunnerConfig
+
+        config = EngineConfig(
+            model=ModelConfig(
+                model=model,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                quantization=quantization,
+                seed=seed,
+                device=device,
+            ),
+            cache=CacheConfig(
+                block_size=block_size,
+                num_kv_blocks=num_kv_blocks,
+                gpu_memory_utilization=gpu_memory_utilization,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+            ),
+            lora=LoRAConfig(
+                max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras
+            ),
+            runner=RunnerConfig(enforce_eager=enforce_eager),
+        )
+        self.engine = Engine(config)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def stats(self) -> EngineStats:
+        """Running / waiting requests, free and total KV blocks, prefix-cache counters."""
+        return self.engine.stats()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in prompt order."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        params_list = self._params_per_prompt(sampling_params, len(prompts))
+        return self._run([(p, None) for p in prompts], params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        items: list[tuple[Prompt, list[int] | None]] = []
+        for conv in conversations:
+            ids = self.tokenizer.encode_chat(conv, add_generation_prompt=add_generation_prompt)
+            items.append((self.tokenizer.decode(ids, skip_special_tokens=False), ids))
+        params_list = self._params_per_prompt(sampling_params, len(items))
+        return self._run(items, params_list, use_tqdm)
+
+    @staticmethod
+    def _params_per_prompt(
+        params: SamplingParams | Sequence[SamplingParams] | None, n: int
+    ) -> list[SamplingParams]:
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise ValueError(f"{len(params)} sampling params for {n} prompts")
+        return params
+
+    def _run(
+        self,
+        items: list[tuple[Prompt, list[int] | None]],
+        params_list: list[SamplingParams],
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        engine = self.engine
+        ids = []
+        for (prompt, token_ids), params in zip(items, params_list):
+            params = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+            ids.append(engine.add_request(None, prompt, params, prompt_token_ids=token_ids))
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for req_id in ids:
+                if req_id not in results:
+                    engine.abort_request(req_id)
+            raise
+        finally:
+            bar.close()
+        return [results[i] for i in ids]

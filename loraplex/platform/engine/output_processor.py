@@ -1,0 +1,187 @@
+"""Turns the scheduler's token outputs into RequestOutputs: detokenization, stop strings,
+logprob decoding, and the merge of n > 1 samples into one output."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from loraplex.platform.engine.detokenizer import IncrementalDetokenizer
+from loraplex.platform.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from loraplex.platform.engine.sampling_params import RequestOutputKind, SamplingParams
+from loraplex.platform.models.tokenizer import Tokenizer
+from loraplex.platform.scheduler.output import EngineCoreOutput
+
+
+@dataclass
+class _Sample:
+    """One of a request's n samples (one engine-core request)."""
+
+    index: int
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
+    sent_tokens: int = 0  # token ids already handed out (DELTA mode)
+    sent_logprobs: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: dict[str, _Sample]  # core request id -> sample
+    arrival: float
+    num_cached_tokens: int = 0
+    first_token_time: float | None = None
+    num_generated: int = 0
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._parents: dict[str, _Parent] = {}
+        self._core_to_parent: dict[str, str] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        core_ids: list[str],
+    ) -> None:
+        samples = {}
+        for index, core_id in enumerate(core_ids):
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                prompt_token_ids,
+                params.skip_special_tokens,
+                params.stop,
+                params.include_stop_str_in_output,
+            )
+            samples[core_id] = _Sample(
+                index, detok, logprobs=[] if params.logprobs is not None else None
+            )
+            self._core_to_parent[core_id] = request_id
+        self._parents[request_id] = _Parent(
+            request_id, prompt, prompt_token_ids, params, samples, time.monotonic()
+        )
+
+    def core_ids(self, request_id: str) -> list[str]:
+        parent = self._parents.get(request_id)
+        return [] if parent is None else list(parent.samples)
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self._parents
+
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns (outputs to hand out, core request ids that hit a stop string)."""
+        touched: dict[str, _Parent] = {}
+        stopped: list[str] = []
+        now = time.monotonic()
+        for out in outputs:
+            parent_id = self._core_to_parent.get(out.req_id)
+            if parent_id is None:
+                continue
+            parent = self._parents[parent_id]
+            sample = parent.samples[out.req_id]
+            if parent.first_token_time is None:
+                parent.first_token_time = now
+            parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+            parent.num_generated += len(out.new_token_ids)
+            sample.token_ids.extend(out.new_token_ids)
+            if sample.logprobs is not None and out.new_logprobs is not None:
+                sample.logprobs.append(self._decode_logprobs(out.new_logprobs))
+                sample.cumulative_logprob += out.new_logprobs[0][1]
+            stop_str = sample.detokenizer.add_tokens(out.new_token_ids)
+            if stop_str is not None and out.finish_reason is None:
+                sample.finish_reason, sample.stop_reason = "stop", stop_str
+                stopped.append(out.req_id)
+            elif out.finish_reason is not None:
+                sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+                if stop_str is not None:
+                    sample.finish_reason, sample.stop_reason = "stop", stop_str
+            touched[parent_id] = parent
+        results = []
+        for parent in touched.values():
+            result = self._make_output(parent)
+            if result is not None:
+                results.append(result)
+        return results, stopped
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Mark a request's unfinished samples aborted; returns its final output."""
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return None
+        for sample in parent.samples.values():
+            if sample.finish_reason is None:
+                sample.finish_reason = "abort"
+        return self._make_output(parent)
+
+    def _decode_logprobs(self, entries: list[tuple[int, float, int]]) -> dict[int, Logprob]:
+        decoded: dict[int, Logprob] = {}
+        for token_id, logprob, rank in entries:
+            if token_id not in decoded:
+                text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+                decoded[token_id] = Logprob(logprob, rank, text)
+        return decoded
+
+    def _make_output(self, parent: _Parent) -> RequestOutput | None:
+        kind = parent.params.output_kind
+        finished = all(s.finish_reason is not None for s in parent.samples.values())
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        completions = []
+        for sample in sorted(parent.samples.values(), key=lambda s: s.index):
+            done = sample.finish_reason is not None
+            if kind == RequestOutputKind.DELTA:
+                text = sample.detokenizer.take_delta(final=done)
+                token_ids = sample.token_ids[sample.sent_tokens :]
+                sample.sent_tokens = len(sample.token_ids)
+                logprobs = None
+                if sample.logprobs is not None:
+                    logprobs = sample.logprobs[sample.sent_logprobs :]
+                    sample.sent_logprobs = len(sample.logprobs)
+                if not text and not token_ids and not done:
+                    continue
+            else:
+                text, token_ids = sample.detokenizer.text, list(sample.token_ids)
+                logprobs = sample.logprobs
+            completions.append(
+                CompletionOutput(
+                    index=sample.index,
+                    text=text,
+                    token_ids=token_ids,
+                    logprobs=logprobs,
+                    cumulative_logprob=sample.cumulative_logprob if logprobs is not None else None,
+                    finish_reason=sample.finish_reason,
+                    stop_reason=sample.stop_reason,
+                )
+            )
+        if not completions and not finished:
+            return None
+        metrics = {
+            "arrival_time": parent.arrival,
+            "num_generation_tokens": float(parent.num_generated),
+        }
+        if parent.first_token_time is not None:
+            metrics["first_token_time"] = parent.first_token_time
+        if finished:
+            del self._parents[parent.request_id]
+            for core_id in parent.samples:
+                self._core_to_parent.pop(core_id, None)
+        return RequestOutput(
+            parent.request_id,
+            parent.prompt,
+            parent.prompt_token_ids,
+            completions,
+            finished,
+            parent.num_cached_tokens,
+            metrics,
+        )

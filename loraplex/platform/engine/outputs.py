@@ -1,0 +1,42 @@
+"""What the engine hands back to callers: RequestOutput with one CompletionOutput per sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Logprob:
+    logprob: float
+    rank: int  # 1 = the most likely token
+    decoded_token: str
+
+
+# One dict per generated token: the sampled token and the top-k alternatives.
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    stop_reason: int | str | None = None  # the stop string or token id that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,17 @@
+"""Per-step batch metadata that every attention layer reads (DESIGN.md's batch layout)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = padding
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32, context incl. new tokens
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    max_query_len: int
+    max_seq_len: int

@@ -1,0 +1,217 @@
+"""The Llama family: Llama 2/3 (llama3 rope scaling), Mistral, Qwen2 (qkv bias), Qwen3 (qk norm),
+SmolLM2; tied or separate embeddings. Attention runs over the paged KV cache."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from loraplex.kernels.activation import silu_and_mul
+from loraplex.kernels.attention import paged_attention
+from loraplex.kernels.kv_cache import write_kv_cache
+from loraplex.kernels.layernorm import fused_add_rms_norm, rms_norm
+from loraplex.kernels.rotary import apply_rotary, cos_sin_cache
+from loraplex.platform.models.arch_config import ArchConfig
+from loraplex.platform.models.attention_metadata import AttentionMetadata
+from loraplex.platform.models.linear import Linear
+from loraplex.platform.models.registry import register_model
+from loraplex.platform.models.weight_loader import load_named_weights
+from loraplex.quant.base import QuantizationConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, cfg: ArchConfig, quant: QuantizationConfig | None, dtype: torch.dtype, prefix: str
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        self.scale = cfg.head_dim**-0.5
+        self.qkv_proj = Linear(
+            cfg.hidden_size,
+            [cfg.q_size, cfg.kv_size, cfg.kv_size],
+            bias=cfg.attention_bias,
+            shard_names=("q_proj", "k_proj", "v_proj"),
+            quant_config=quant,
+            prefix=f"{prefix}.qkv_proj",
+            params_dtype=dtype,
+        )
+        self.o_proj = Linear(
+            cfg.q_size,
+            [cfg.hidden_size],
+            quant_config=quant,
+            prefix=f"{prefix}.o_proj",
+            params_dtype=dtype,
+        )
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        rope_cache: torch.Tensor,  # [max_positions, head_dim]
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
+        q, k = apply_rotary(positions, q, k, rope_cache)
+        k_cache, v_cache = kv_cache
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = paged_attention(
+            q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale
+        )
+        return self.o_proj(out.reshape(num_tokens, q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(
+        self, cfg: ArchConfig, quant: QuantizationConfig | None, dtype: torch.dtype, prefix: str
+    ) -> None:
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = Linear(
+            cfg.hidden_size,
+            [inter, inter],
+            shard_names=("gate_proj", "up_proj"),
+            quant_config=quant,
+            prefix=f"{prefix}.gate_up_proj",
+            params_dtype=dtype,
+        )
+        self.down_proj = Linear(
+            inter,
+            [cfg.hidden_size],
+            quant_config=quant,
+            prefix=f"{prefix}.down_proj",
+            params_dtype=dtype,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, cfg: ArchConfig, quant: QuantizationConfig | None, dtype: torch.dtype, prefix: str
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(cfg, quant, dtype, f"{prefix}.self_attn")
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(cfg, quant, dtype, f"{prefix}.mlp")
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        rope_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta, rope_cache)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+@register_model("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+class LlamaForCausalLM(nn.Module):
+    def __init__(
+        self,
+        cfg: ArchConfig,
+        quant: QuantizationConfig | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, quant, dtype, f"model.layers.{i}") for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = nn.Parameter(
+                torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False
+            )
+        self.register_buffer(
+            "rope_cache",
+            cos_sin_cache(
+                cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+            ),
+            persistent=False,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        hidden = self.embed_tokens[input_ids]
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta, self.rope_cache)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [num_sampled, hidden] -> [num_sampled, vocab] in fp32
+        return torch.matmul(hidden, self.lm_head.t()).float()
+
+    # Checkpoint names (after the "model." prefix) that differ from our module paths.
+    checkpoint_renames = {
+        "model.embed_tokens.weight": "embed_tokens",
+        "lm_head.weight": "lm_head",
+        "model.norm.weight": "norm.weight",
+    }
+    stacked_shards = {
+        "q_proj": "qkv_proj",
+        "k_proj": "qkv_proj",
+        "v_proj": "qkv_proj",
+        "gate_proj": "gate_up_proj",
+        "up_proj": "gate_up_proj",
+    }
+    ignored_suffixes = ("rotary_emb.inv_freq",)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_named_weights(self, weights)

@@ -1,0 +1,83 @@
+"""Build a model from a Hugging Face-layout folder: architecture, dtype, quantization, weights."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from loraplex.platform.models.arch_config import ArchConfig
+from loraplex.platform.models.linear import Linear
+from loraplex.platform.models.registry import get_model_class
+from loraplex.platform.models.weight_loader import iterate_checkpoint
+from loraplex.quant.base import QuantizationConfig
+from loraplex.quant.registry import find_quantization_config, get_quantization_config
+
+logger = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str, arch: ArchConfig, device: torch.device) -> torch.dtype:
+    """`auto`: the checkpoint's dtype on CUDA (fp32 checkpoints run in bf16 there), fp32 on CPU."""
+    if dtype != "auto":
+        return _TORCH_DTYPES[dtype]
+    if device.type != "cuda":
+        return torch.float32
+    return torch.float16 if arch.torch_dtype == "float16" else torch.bfloat16
+
+
+def quantization_for(
+    model_dir: Path, arch: ArchConfig, quantization: str | None
+) -> QuantizationConfig | None:
+    return get_quantization_config(quantization, find_quantization_config(model_dir, arch.raw))
+
+
+def build_model(
+    arch: ArchConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    quant: QuantizationConfig | None = None,
+) -> nn.Module:
+    cls = get_model_class(arch.architecture)
+    with torch.device(device):
+        model = cls(arch, quant, dtype)
+    return model.eval()
+
+
+def finish_loading(model: nn.Module) -> None:
+    """Let each linear layer's weight method repack what it loaded."""
+    methods: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.method.process_weights_after_loading(module)
+            methods[module.method.name] = methods.get(module.method.name, 0) + 1
+    logger.info("linear layers by weight method: %s", methods)
+
+
+def load_model(
+    model_dir: Path, dtype: str, device: torch.device, quantization: str | None = None
+) -> tuple[nn.Module, ArchConfig, torch.dtype]:
+    model_dir = Path(model_dir)
+    arch = ArchConfig.from_path(model_dir)
+    torch_dtype = resolve_dtype(dtype, arch, device)
+    quant = quantization_for(model_dir, arch, quantization)
+    model = build_model(arch, torch_dtype, device, quant)
+    model.load_weights(iterate_checkpoint(model_dir))
+    finish_loading(model)
+    return model, arch, torch_dtype
+
+
+def generation_eos_ids(model_dir: Path, arch: ArchConfig) -> tuple[int, ...]:
+    """EOS ids from generation_config.json if present, else config.json."""
+    path = Path(model_dir) / "generation_config.json"
+    if path.is_file():
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        if isinstance(eos, int):
+            return (eos,)
+        if isinstance(eos, list) and eos:
+            return tuple(int(e) for e in eos)
+    return arch.eos_token_ids

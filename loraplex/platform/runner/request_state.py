@@ -1,0 +1,23 @@
+"""What the runner remembers about each request between steps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loraplex.platform.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]  # prompt, then sampled tokens
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    lora_slot: int
+    banned_until_min: tuple[int, ...]  # EOS and stop ids, masked until min_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens

@@ -1,0 +1,62 @@
+"""The typed hand-overs between the scheduler and the model runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from loraplex.platform.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the runner has not seen (or saw before it was preempted): everything it needs."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    lora_slot: int = -1
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """A request the runner already holds: only what changed."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    new_reqs: list[NewRequestData]
+    cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # req_id -> tokens to compute this step
+    total_num_scheduled_tokens: int
+    # Requests the runner must forget before this step (finished, aborted or preempted).
+    finished_req_ids: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """Sampled tokens of the requests whose prompt (or chunk) reached its end this step."""
+
+    sampled: dict[str, int]  # req_id -> token id
+    # req_id -> [(token_id, logprob, rank)]: the sampled token first, then the top-k.
+    logprobs: dict[str, list[tuple[int, float, int]]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineCoreOutput:
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[tuple[int, float, int]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_cached_tokens: int

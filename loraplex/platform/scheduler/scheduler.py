@@ -1,0 +1,281 @@
+"""Scheduler: iteration-level continuous batching under a token budget.
+
+One rule drives everything: each step, every scheduled request catches its
+`num_computed_tokens` up towards its token count, within `max_num_batched_tokens`. That gives
+chunked prefill (a long prompt takes several steps), prefix-cache skipping (cached tokens count
+as computed), and prefill mixed with decode in one step. Running requests go first; when the
+KV pool runs dry the most recently admitted running request is preempted and recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+from loraplex.config import CacheConfig, SchedulerConfig
+from loraplex.platform.engine.request import Request, RequestStatus
+from loraplex.platform.scheduler.kv_cache_manager import KVCacheManager
+from loraplex.platform.scheduler.output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from loraplex.platform.scheduler.request_queue import FairRequestQueue
+
+
+class AdapterAdmission(Protocol):
+    """What the scheduler asks of the adapter side (never its slot tables)."""
+
+    def can_schedule(self, adapter_key: object) -> bool: ...
+    def acquire(self, req_id: str, adapter_key: object) -> int: ...
+    def release(self, req_id: str) -> None: ...
+    def prefetch(self, adapter_key: object) -> None: ...
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        max_model_len: int,
+        adapters: AdapterAdmission | None = None,
+    ) -> None:
+        self.config = scheduler_config
+        self.max_model_len = max_model_len
+        self.kv = KVCacheManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.adapters = adapters
+        self.waiting = FairRequestQueue()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: set[str] = set()
+        self._lora_slots: dict[str, int] = {}
+        self.num_preemptions = 0
+
+    # -- requests in and out -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.push(request)
+        if self.adapters is not None and request.adapter_key is not None:
+            self.adapters.prefetch(request.adapter_key)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside the step (abort, stop string found by the detokenizer)."""
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.status.finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._free(request, status)
+
+    def _free(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+        self._release_adapter(request)
+        self._finished_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def _release_adapter(self, request: Request) -> None:
+        if self._lora_slots.pop(request.request_id, None) is not None and self.adapters:
+            self.adapters.release(request.request_id)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    # -- one step ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = self._num_new_tokens(request, budget)
+            if n == 0:
+                i += 1
+                continue
+            while True:
+                new_block_ids = self.kv.allocate_slots(request, n)
+                if new_block_ids is not None:
+                    break
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            if new_block_ids is None:
+                break
+            num_scheduled[request.request_id] = n
+            cached_reqs.append(
+                CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
+            )
+            budget -= n
+            i += 1
+
+        # NOTE: no admissions in a step that preempted: the pool is known to be short.
+        skipped: list[Request] = []
+        while (
+            not preempted
+            and budget > 0
+            and len(self.waiting) > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting.peek()
+            if request.status == RequestStatus.WAITING_FOR_GRAMMAR or not self._adapter_ready(
+                request
+            ):
+                skipped.append(self.waiting.pop(charge=False))
+                continue
+            computed_blocks: list = []
+            if request.num_computed_tokens == 0:
+                computed_blocks, num_hit = self.kv.get_computed_blocks(request)
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_hit
+            else:
+                num_hit = 0
+            n = self._num_new_tokens(request, budget, extra_computed=num_hit)
+            if n == 0:
+                break
+            new_block_ids = self.kv.allocate_slots(request, n, computed_blocks)
+            if new_block_ids is None:
+                break
+            self.waiting.pop()
+            request.num_computed_tokens += num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            slot = -1
+            if request.adapter_key is not None and self.adapters is not None:
+                slot = self.adapters.acquire(request.request_id, request.adapter_key)
+                self._lora_slots[request.request_id] = slot
+            num_scheduled[request.request_id] = n
+            new_reqs.append(
+                NewRequestData(
+                    req_id=request.request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    output_token_ids=list(request.output_token_ids),
+                    sampling_params=request.sampling_params,
+                    block_ids=self.kv.block_ids(request.request_id),
+                    num_computed_tokens=request.num_computed_tokens,
+                    lora_slot=slot,
+                )
+            )
+            budget -= n
+        for request in reversed(skipped):
+            self.waiting.push_front(request)
+
+        finished, self._finished_ids = frozenset(self._finished_ids), set()
+        return SchedulerOutput(
+            new_reqs=new_reqs,
+            cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=finished,
+        )
+
+    def _num_new_tokens(self, request: Request, budget: int, extra_computed: int = 0) -> int:
+        computed = request.num_computed_tokens + extra_computed
+        n = min(request.num_tokens - computed, self.max_model_len - computed)
+        if not self.config.enable_chunked_prefill and n > budget:
+            return 0
+        return max(0, min(n, budget))
+
+    def _adapter_ready(self, request: Request) -> bool:
+        if request.adapter_key is None or self.adapters is None:
+            return True
+        return self.adapters.can_schedule(request.adapter_key)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        self._release_adapter(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._finished_ids.add(request.request_id)
+        self.waiting.push_front(request)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        still_running: list[Request] = []
+        for request in self.running:
+            n = scheduler_output.num_scheduled_tokens.get(request.request_id)
+            if n is None:
+                still_running.append(request)
+                continue
+            request.num_computed_tokens += n
+            token = runner_output.sampled.get(request.request_id)
+            if token is None:
+                still_running.append(request)
+                continue
+            request.append_output_token(token)
+            if request.grammar is not None:
+                request.grammar.accept_token(token)
+            status = self._check_stop(request, token)
+            outputs.append(
+                EngineCoreOutput(
+                    req_id=request.request_id,
+                    new_token_ids=[token],
+                    new_logprobs=runner_output.logprobs.get(request.request_id),
+                    finish_reason=None,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
+            )
+            if status is None:
+                still_running.append(request)
+            else:
+                self._free(request, status)
+                outputs[-1] = _with_finish(outputs[-1], request)
+        self.running = still_running
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token in request.eos_token_ids and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if request.grammar is not None and request.grammar.is_terminated():
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+
+def _with_finish(output: EngineCoreOutput, request: Request) -> EngineCoreOutput:
+    return EngineCoreOutput(
+        req_id=output.req_id,
+        new_token_ids=output.new_token_ids,
+        new_logprobs=output.new_logprobs,
+        finish_reason=request.finish_reason,
+        stop_reason=request.stop_reason,
+        num_cached_tokens=output.num_cached_tokens,
+    )
