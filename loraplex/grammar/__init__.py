@@ -3,6 +3,20 @@
 
 Knows tokenizers and token masks, not engines. `bitmask` needs only torch, so the sampler can
 import it where outlines-core is absent; everything else imports outlines-core on first use.
+
+How an engine uses it:
+
+    vocab = build_vocabulary(tokenizer, stop_token_ids)      # once; EOS first
+    compiler = GrammarCompiler(vocab, GrammarConfig())       # once; shutdown() at exit
+    future = compiler.submit(params.structured_outputs)      # on add; GrammarError -> 400
+    if future.done():                                        # each step, until ready
+        matcher = GrammarMatcher(future.result())            # GrammarError -> fail request
+    bitmask = allocate_token_bitmask(max_rows, vocab_size)   # once; rows = -1 (allow all)
+    rows = bitmask.numpy()                                   # once; fast CPU view
+    matcher.fill_bitmask(rows, row)                          # each step, constrained rows
+    apply_token_bitmask_(logits, bitmask_on_device)          # sampler, any device
+    matcher.accept_token(token)                              # after sampling
+    matcher.is_terminated()                                  # a stop token ended the grammar
 """
 
 from __future__ import annotations
@@ -19,6 +33,7 @@ from loraplex.grammar.errors import (
 from loraplex.grammar.params import StructuredOutputs
 
 if TYPE_CHECKING:
+    from loraplex.grammar.bitmask import allocate_token_bitmask, apply_token_bitmask_
     from loraplex.grammar.compiled import CompiledGrammar
     from loraplex.grammar.compiler import GrammarCompiler
     from loraplex.grammar.config import GrammarConfig
@@ -32,6 +47,8 @@ _LAZY = {
     "GrammarMatcher": "loraplex.grammar.matcher",
     "GrammarVocabulary": "loraplex.grammar.vocabulary",
     "build_vocabulary": "loraplex.grammar.vocabulary",
+    "allocate_token_bitmask": "loraplex.grammar.bitmask",
+    "apply_token_bitmask_": "loraplex.grammar.bitmask",
 }
 
 __all__ = [
@@ -46,6 +63,8 @@ __all__ = [
     "GrammarVocabulary",
     "StructuredOutputs",
     "UnsupportedSchemaError",
+    "allocate_token_bitmask",
+    "apply_token_bitmask_",
     "build_vocabulary",
 ]
 

@@ -8,11 +8,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from loraplex.adapters.manager import LoRAStats
+from loraplex.adapters.request import LoRARequest
 from loraplex.config import EngineConfig
 from loraplex.platform.engine.output_processor import OutputProcessor
 from loraplex.platform.engine.outputs import RequestOutput
 from loraplex.platform.engine.request import Request, RequestStatus
 from loraplex.platform.engine.sampling_params import SamplingParams
+from loraplex.platform.engine.structured_output import StructuredOutputManager
 from loraplex.platform.models.model_loader import generation_eos_ids
 from loraplex.platform.models.model_store import resolve_model_path
 from loraplex.platform.models.tokenizer import Tokenizer
@@ -40,6 +43,7 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    lora: LoRAStats | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -63,8 +67,16 @@ class Engine:
         self.max_model_len = min(
             config.model.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings
         )
+        self.lora_manager = self.runner.lora_manager
         self.scheduler = Scheduler(
-            config.scheduler, config.cache, self.runner.num_blocks, self.max_model_len
+            config.scheduler,
+            config.cache,
+            self.runner.num_blocks,
+            self.max_model_len,
+            adapters=self.lora_manager,
+        )
+        self.structured = StructuredOutputManager(
+            self.tokenizer, eos, arch.vocab_size, config.scheduler.max_num_seqs
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.served_model_name = config.model.served_model_name or self.model_dir.name
@@ -91,8 +103,13 @@ class Engine:
         *,
         prompt_token_ids: list[int] | None = None,
         tenant: str = "default",
+        lora_request: LoRARequest | None = None,
     ) -> str:
-        """Queue a request; returns its id. Raises ValueError for prompts that cannot fit."""
+        """Queue a request; returns its id.
+
+        Raises ValueError for prompts that cannot fit, adapters that cannot be served
+        (`AdapterValidationError`) and structured-output specs that cannot be compiled
+        (`GrammarError`)."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if self.output_processor.has(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -100,24 +117,38 @@ class Engine:
         if not token_ids:
             raise ValueError("the prompt is empty")
         max_tokens = self._check_length(len(token_ids), params)
+        adapter_key = self._adapter_key(lora_request)
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.structured.submit(params.structured_outputs)
         core_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         self.output_processor.add_request(
             request_id, prompt if isinstance(prompt, str) else None, token_ids, params, core_ids
         )
         for index, core_id in enumerate(core_ids):
             child = params if params.n == 1 else params.for_child(index)
-            self.scheduler.add_request(
-                Request(
-                    core_id,
-                    token_ids,
-                    child,
-                    self.eos_token_ids,
-                    max_tokens=max_tokens,
-                    tenant=tenant,
-                )
+            request = Request(
+                core_id,
+                token_ids,
+                child,
+                self.eos_token_ids,
+                max_tokens=max_tokens,
+                tenant=tenant,
+                lora_request=lora_request,
+                adapter_key=adapter_key,
             )
+            if grammar is not None:
+                self.structured.add_request(request, grammar)
+            self.scheduler.add_request(request)
         self.prompt_tokens_total += len(token_ids)
         return request_id
+
+    def _adapter_key(self, lora_request: LoRARequest | None) -> str | None:
+        if lora_request is None:
+            return None
+        if self.lora_manager is None:
+            raise ValueError("LoRA adapters are disabled on this engine (enable_lora=False)")
+        return self.lora_manager.adapter_key(lora_request)
 
     def _check_length(self, num_prompt: int, params: SamplingParams) -> int:
         limit = self.max_model_len
@@ -140,6 +171,8 @@ class Engine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         core_ids = self.output_processor.core_ids(request_id)
+        for core_id in core_ids:
+            self.structured.forget(core_id)
         self.scheduler.finish_requests(core_ids, RequestStatus.FINISHED_ABORTED)
         return self.output_processor.abort(request_id)
 
@@ -149,8 +182,9 @@ class Engine:
     # -- one step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        failed = self._poll_grammars()
         so = self.scheduler.schedule()
-        runner_out = self.runner.execute(so)
+        runner_out = self.runner.execute(so, self._grammar_bitmasks(so))
         core_outputs = self.scheduler.update_from_output(so, runner_out)
         self.generation_tokens_total += len(core_outputs)
         outputs, stopped = self.output_processor.process(core_outputs)
@@ -158,7 +192,34 @@ class Engine:
             # NOTE: the stop-string hit was already recorded on the sample; freeing the core
             # request here only releases its blocks.
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return failed + outputs
+
+    def _poll_grammars(self) -> list[RequestOutput]:
+        """Start requests whose grammar compiled; end those whose compile failed."""
+        outputs = []
+        for request, error in self.structured.poll():
+            parent_id = self.output_processor.parent_of(request.request_id)
+            if parent_id is None:
+                continue
+            out = self.abort_request(parent_id)
+            if out is not None:
+                out.error = str(error)
+                outputs.append(out)
         return outputs
+
+    def _grammar_bitmasks(self, so) -> dict:
+        constrained = []
+        for req_id, n in so.num_scheduled_tokens.items():
+            request = self.scheduler.requests[req_id]
+            if (
+                request.grammar is not None
+                and request.num_computed_tokens + n >= request.num_tokens
+            ):
+                constrained.append(request)
+        return self.structured.fill_bitmasks(constrained)
+
+    def shutdown(self) -> None:
+        self.structured.shutdown()
 
     def stats(self) -> EngineStats:
         kv = self.scheduler.kv
@@ -171,6 +232,7 @@ class Engine:
             prefix_cache_queries=kv.stats.queries,
             prefix_cache_hits=kv.stats.hits,
             num_preemptions=self.scheduler.num_preemptions,
+            lora=self.lora_manager.stats() if self.lora_manager is not None else None,
         )
 
     def generate_blocking(self, deadline_s: float | None = None) -> list[RequestOutput]:

@@ -8,7 +8,15 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from loraplex.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
+from loraplex.adapters.request import LoRARequest
+from loraplex.config import (
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    ModelConfig,
+    RunnerConfig,
+    SchedulerConfig,
+)
 from loraplex.platform.engine.engine import Engine, EngineStats
 from loraplex.platform.engine.outputs import RequestOutput
 from loraplex.platform.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -44,9 +52,8 @@ class LLM:
         max_lora_rank: int = 64,
         max_cpu_loras: int = 32,
         enforce_eager: bool = False,
+        enable_lora: bool = True,
     ) -> None:
-        from loraplex.config import RunnerConfig
-
         config = EngineConfig(
             model=ModelConfig(
                 model=model,
@@ -66,7 +73,10 @@ class LLM:
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
             ),
             lora=LoRAConfig(
-                max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras
+                enable_lora=enable_lora,
+                max_loras=max_loras,
+                max_lora_rank=max_lora_rank,
+                max_cpu_loras=max_cpu_loras,
             ),
             runner=RunnerConfig(enforce_eager=enforce_eager),
         )
@@ -85,16 +95,21 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in prompt order."""
+        """One RequestOutput per prompt, in prompt order.
+
+        `lora_request`: one adapter for every prompt, or a list with one per prompt (None =
+        the base model)."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         params_list = self._params_per_prompt(sampling_params, len(prompts))
-        return self._run([(p, None) for p in prompts], params_list, use_tqdm)
+        loras = self._per_prompt(lora_request, len(prompts), "lora requests")
+        return self._run([(p, None) for p in prompts], params_list, loras, use_tqdm)
 
     def chat(
         self,
@@ -102,6 +117,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them."""
@@ -111,7 +127,8 @@ class LLM:
             ids = self.tokenizer.encode_chat(conv, add_generation_prompt=add_generation_prompt)
             items.append((self.tokenizer.decode(ids, skip_special_tokens=False), ids))
         params_list = self._params_per_prompt(sampling_params, len(items))
-        return self._run(items, params_list, use_tqdm)
+        loras = self._per_prompt(lora_request, len(items), "lora requests")
+        return self._run(items, params_list, loras, use_tqdm)
 
     @staticmethod
     def _params_per_prompt(
@@ -126,17 +143,35 @@ class LLM:
             raise ValueError(f"{len(params)} sampling params for {n} prompts")
         return params
 
+    @staticmethod
+    def _per_prompt(value: Any, n: int, what: str) -> list:
+        if value is None or not isinstance(value, (list, tuple)):
+            return [value] * n
+        if len(value) != n:
+            raise ValueError(f"{len(value)} {what} for {n} prompts")
+        return list(value)
+
     def _run(
         self,
         items: list[tuple[Prompt, list[int] | None]],
         params_list: list[SamplingParams],
+        loras: list[LoRARequest | None],
         use_tqdm: bool,
     ) -> list[RequestOutput]:
         engine = self.engine
-        ids = []
-        for (prompt, token_ids), params in zip(items, params_list):
-            params = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-            ids.append(engine.add_request(None, prompt, params, prompt_token_ids=token_ids))
+        ids: list[str] = []
+        try:
+            for (prompt, token_ids), params, lora in zip(items, params_list, loras):
+                params = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+                ids.append(
+                    engine.add_request(
+                        None, prompt, params, prompt_token_ids=token_ids, lora_request=lora
+                    )
+                )
+        except BaseException:
+            for req_id in ids:
+                engine.abort_request(req_id)
+            raise
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
         try:
@@ -152,4 +187,7 @@ class LLM:
             raise
         finally:
             bar.close()
+        failed = [results[i] for i in ids if results[i].error is not None]
+        if failed:
+            raise ValueError(f"request {failed[0].request_id} failed: {failed[0].error}")
         return [results[i] for i in ids]

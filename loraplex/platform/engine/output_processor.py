@@ -76,6 +76,9 @@ class OutputProcessor:
         parent = self._parents.get(request_id)
         return [] if parent is None else list(parent.samples)
 
+    def parent_of(self, core_id: str) -> str | None:
+        return self._core_to_parent.get(core_id)
+
     def has(self, request_id: str) -> bool:
         return request_id in self._parents
 

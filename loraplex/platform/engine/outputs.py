@@ -40,3 +40,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # why the request was ended early, e.g. its grammar failed

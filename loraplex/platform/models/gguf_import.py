@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from loraplex.platform.models.gguf_tokenizer import build_tokenizer, gguf_field, tokenizer_info
+from loraplex.platform.models.model_store import TEMP_PREFIX
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -50,7 +51,6 @@ _LAYER_NAMES = {
 }
 _LAYER_PATTERN = re.compile(r"blk\.(\d+)\.(.+)")
 
-TEMP_PREFIX = ".tmp-"
 """Temporary build folders are named `<parent>/.tmp-<out_dir name>-<unique>`."""
 
 

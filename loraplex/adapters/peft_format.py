@@ -1,0 +1,338 @@
+"""PEFT LoRA adapters on disk: load `adapter_config.json` + `adapter_model.safetensors`, refuse
+what we cannot serve faithfully, and validate the weights against the base model.
+
+Nothing is ever unpickled: a folder holding only `adapter_model.bin` (or any `.pt`/`.pth`/`.pkl`)
+is refused by its file name, before a byte of it is read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+
+#: PEFT module name -> which part of the decoder layer it lives in.
+SUPPORTED_MODULES = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
+
+#: adapter_config.json options that change the computation in ways we do not implement.
+_UNSUPPORTED_OPTIONS = {
+    "use_dora": "DoRA (use_dora)",
+    "lora_bias": "LoRA bias terms (lora_bias)",
+    "modules_to_save": "fully trained extra modules (modules_to_save)",
+    "layer_replication": "layer replication",
+    "fan_in_fan_out": "fan_in_fan_out weights",
+    "trainable_token_indices": "trained token embeddings (trainable_token_indices)",
+    "target_parameters": "LoRA on raw parameters (target_parameters)",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+    "use_qalora": "QA-LoRA (use_qalora)",
+}
+
+_KEY = re.compile(
+    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
+)
+
+
+class AdapterValidationError(ValueError):
+    """An adapter that cannot be served; the message names the file, tensor or module."""
+
+
+@dataclass(frozen=True)
+class BaseModelSpec:
+    """What an adapter must fit: the base model's architecture and projection sizes."""
+
+    architecture: str  # e.g. "LlamaForCausalLM"
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    q_size: int  # num_attention_heads * head_dim
+    kv_size: int  # num_key_value_heads * head_dim
+    name_or_path: str | None = None
+
+    @classmethod
+    def from_hf_config(
+        cls, config: dict[str, Any], name_or_path: str | None = None
+    ) -> BaseModelSpec:
+        """Build from a Hugging Face `config.json` dict (Llama family)."""
+        heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        archs = config.get("architectures") or ["LlamaForCausalLM"]
+        return cls(
+            architecture=archs[0],
+            num_layers=config["num_hidden_layers"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            q_size=heads * head_dim,
+            kv_size=config.get("num_key_value_heads", heads) * head_dim,
+            name_or_path=name_or_path,
+        )
+
+    def module_shape(self, module: str) -> tuple[int, int]:
+        """(in_features, out_features) of a supported projection."""
+        h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_size, self.kv_size
+        shapes = {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+        return shapes[module]
+
+
+@dataclass(frozen=True)
+class LoRAModuleWeights:
+    """One adapted projection: delta = scaling * x @ a^T @ b^T."""
+
+    a: torch.Tensor  # [rank, in_features]
+    b: torch.Tensor  # [out_features, rank]
+    scaling: float
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[0]
+
+
+@dataclass(frozen=True)
+class LoRAWeights:
+    """A validated adapter: its projections keyed by (layer index, PEFT module name)."""
+
+    path: str
+    digest: str  # sha256 of adapter_config.json and adapter_model.safetensors
+    modules: dict[tuple[int, str], LoRAModuleWeights]
+
+    @property
+    def rank(self) -> int:
+        """The largest rank of any module."""
+        return max(m.rank for m in self.modules.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.a.nbytes + m.b.nbytes for m in self.modules.values())
+
+    def to(self, dtype: torch.dtype, *, pin_memory: bool = False) -> LoRAWeights:
+        """A copy in `dtype`, optionally in page-locked host memory, staged for slot copies.
+
+        NOTE: each `b` comes back as the transpose of a contiguous [rank, out] tensor, so the
+        slot pool copies B^T to the device in one contiguous transfer."""
+
+        def conv(x: torch.Tensor) -> torch.Tensor:
+            y = x.to(dtype).contiguous()
+            return y.pin_memory() if pin_memory else y
+
+        modules = {
+            k: LoRAModuleWeights(conv(m.a), conv(m.b.T).T, m.scaling)
+            for k, m in self.modules.items()
+        }
+        return LoRAWeights(self.path, self.digest, modules)
+
+
+def load_peft_adapter(path: str | Path, spec: BaseModelSpec, max_rank: int) -> LoRAWeights:
+    """Load and validate a PEFT LoRA folder; tensors come back fp32 on CPU.
+
+    Raises `AdapterValidationError` for anything that cannot be served exactly.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        if folder.suffix in PICKLE_SUFFIXES:
+            raise AdapterValidationError(
+                f"{folder}: pickle checkpoints are refused; save the adapter as {WEIGHTS_FILE}"
+            )
+        raise AdapterValidationError(f"{folder}: adapter path is not a folder")
+    config, config_bytes = _read_config(folder)
+    _check_options(folder, config, spec)
+    weights_bytes = _read_weights_file(folder)
+    digest = hashlib.sha256(config_bytes)
+    digest.update(weights_bytes)
+    tensors = _parse_tensors(folder, weights_bytes)
+    modules = _build_modules(folder, config, tensors, spec, max_rank)
+    return LoRAWeights(str(folder), digest.hexdigest(), modules)
+
+
+def _read_config(folder: Path) -> tuple[dict[str, Any], bytes]:
+    config_path = folder / CONFIG_FILE
+    if not config_path.is_file():
+        raise AdapterValidationError(f"{folder}: missing {CONFIG_FILE}")
+    raw = config_path.read_bytes()
+    try:
+        config = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise AdapterValidationError(f"{config_path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise AdapterValidationError(f"{config_path}: expected a JSON object")
+    if str(config.get("peft_type", "")).upper() != "LORA":
+        raise AdapterValidationError(
+            f"{config_path}: peft_type {config.get('peft_type')!r} is not LORA"
+        )
+    for field in ("r", "lora_alpha"):
+        if not isinstance(config.get(field), (int, float)) or config[field] <= 0:
+            raise AdapterValidationError(
+                f"{config_path}: {field} must be a positive number, got {config.get(field)!r}"
+            )
+    return config, raw
+
+
+def _check_options(folder: Path, config: dict[str, Any], spec: BaseModelSpec) -> None:
+    where = folder / CONFIG_FILE
+    for option, what in _UNSUPPORTED_OPTIONS.items():
+        if config.get(option):
+            raise AdapterValidationError(f"{where}: {what} is not supported")
+    if config.get("bias", "none") != "none":
+        raise AdapterValidationError(
+            f"{where}: bias={config['bias']!r} is not supported (only 'none')"
+        )
+    targets = config.get("target_modules")
+    if isinstance(targets, list):
+        unsupported = sorted(set(targets) - set(SUPPORTED_MODULES))
+        if unsupported:
+            raise AdapterValidationError(
+                f"{where}: target modules {unsupported} are not supported; LoRA applies only "
+                f"to {sorted(SUPPORTED_MODULES)}"
+            )
+    base_class = (config.get("auto_mapping") or {}).get("base_model_class")
+    if base_class and base_class != spec.architecture:
+        raise AdapterValidationError(
+            f"{where}: adapter was trained on {base_class}, the base model is {spec.architecture}"
+        )
+    trained_on = config.get("base_model_name_or_path")
+    if trained_on and spec.name_or_path and trained_on != spec.name_or_path:
+        logger.warning(
+            "%s: trained on %s, serving on %s (shapes match)", folder, trained_on, spec.name_or_path
+        )
+
+
+def _read_weights_file(folder: Path) -> bytes:
+    weights_path = folder / WEIGHTS_FILE
+    if not weights_path.is_file():
+        pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            raise AdapterValidationError(
+                f"{folder}: {pickles} are pickle checkpoints and are "
+                f"refused; save the adapter as {WEIGHTS_FILE}"
+            )
+        raise AdapterValidationError(f"{folder}: missing {WEIGHTS_FILE}")
+    return weights_path.read_bytes()
+
+
+def _parse_tensors(folder: Path, data: bytes) -> dict[str, torch.Tensor]:
+    weights_path = folder / WEIGHTS_FILE
+    try:
+        return load_safetensors(data)
+    except (SafetensorError, ValueError, RuntimeError) as e:
+        raise AdapterValidationError(
+            f"{weights_path}: unreadable safetensors file (truncated or corrupt): {e}"
+        ) from None
+
+
+def _pattern_value(patterns: dict[str, Any], module_path: str, default: float) -> float:
+    """PEFT's rank_pattern / alpha_pattern lookup: the first key matching the module path."""
+    for key, value in patterns.items():
+        try:
+            if re.match(rf"(.*\.)?({key})$", module_path):
+                return value
+        except re.error as e:
+            raise AdapterValidationError(f"pattern {key!r} is not a valid regex: {e}") from None
+    return default
+
+
+def _build_modules(
+    folder: Path,
+    config: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+    spec: BaseModelSpec,
+    max_rank: int,
+) -> dict[tuple[int, str], LoRAModuleWeights]:
+    weights_path = folder / WEIGHTS_FILE
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _KEY.match(key)
+        if match is None:
+            raise AdapterValidationError(
+                f"{weights_path}: tensor {key!r} is not a LoRA A/B "
+                f"weight of {sorted(SUPPORTED_MODULES)} in a decoder "
+                f"layer; unsupported module"
+            )
+        layer, block, module, which = int(match[1]), match[2], match[3], match[4]
+        if SUPPORTED_MODULES.get(module) != block:
+            raise AdapterValidationError(
+                f"{weights_path}: tensor {key!r} targets module {module!r}, which is not supported"
+            )
+        if layer >= spec.num_layers:
+            raise AdapterValidationError(
+                f"{weights_path}: tensor {key!r} is for layer {layer}, "
+                f"the base model has {spec.num_layers} layers"
+            )
+        if not tensor.is_floating_point():
+            raise AdapterValidationError(
+                f"{weights_path}: tensor {key!r} has dtype {tensor.dtype}, expected floating point"
+            )
+        pairs.setdefault((layer, module), {})[which] = tensor
+    if not pairs:
+        raise AdapterValidationError(f"{weights_path}: no LoRA weights found")
+
+    rank_pattern = config.get("rank_pattern") or {}
+    alpha_pattern = config.get("alpha_pattern") or {}
+    modules = {}
+    for (layer, module), pair in sorted(pairs.items()):
+        name = f"model.layers.{layer}.{SUPPORTED_MODULES[module]}.{module}"
+        if set(pair) != {"A", "B"}:
+            missing = "lora_B" if "A" in pair else "lora_A"
+            raise AdapterValidationError(f"{weights_path}: {name} has no {missing} weight")
+        a, b = pair["A"].float(), pair["B"].float()
+        in_features, out_features = spec.module_shape(module)
+        rank = a.shape[0] if a.dim() == 2 else -1
+        if (
+            a.dim() != 2
+            or b.dim() != 2
+            or a.shape[1] != in_features
+            or b.shape != (out_features, rank)
+        ):
+            raise AdapterValidationError(
+                f"{weights_path}: {name} has lora_A {tuple(a.shape)} and lora_B "
+                f"{tuple(b.shape)}, expected ({rank}, {in_features}) and "
+                f"({out_features}, {rank}) for the base model"
+            )
+        expected_rank = _pattern_value(rank_pattern, name, config["r"])
+        if rank != expected_rank:
+            raise AdapterValidationError(
+                f"{weights_path}: {name} has rank {rank}, {CONFIG_FILE} says {expected_rank}"
+            )
+        if rank > max_rank:
+            raise AdapterValidationError(
+                f"{weights_path}: {name} has rank {rank}, over max_lora_rank={max_rank}"
+            )
+        for label, tensor in (("lora_A", a), ("lora_B", b)):
+            if not bool(torch.isfinite(tensor).all()):
+                raise AdapterValidationError(
+                    f"{weights_path}: {name}.{label} holds NaN or infinite values"
+                )
+        alpha = _pattern_value(alpha_pattern, name, config["lora_alpha"])
+        denominator = math.sqrt(rank) if config.get("use_rslora") else rank
+        modules[(layer, module)] = LoRAModuleWeights(
+            a.contiguous(), b.contiguous(), alpha / denominator
+        )
+    return modules

@@ -1,0 +1,219 @@
+"""The GPU slot pool: which adapter sits in which of the `max_loras` slots, and its CPU cache.
+
+- A slot holding an adapter that a running request uses is pinned (a per-adapter count) and is
+  never evicted; unpinned resident slots are reused in least-recently-released order.
+- Behind the slots, an LRU cache of up to `max_cpu_loras` adapters in host memory (pinned, in
+  the model dtype) spares disk reads; a miss calls the loader the pool was built with.
+- On CUDA, host-to-device copies run on a side stream, after the work already queued on the
+  main stream (an evicted slot may still be read by the step in flight). A CUDA event marks
+  each load; `wait_ready` makes the main stream wait for the loads of pinned slots before the
+  forward that first uses them, so requests whose adapters are already resident never wait.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from loraplex.adapters.peft_format import LoRAWeights
+
+
+class SlotWriter(Protocol):
+    """Writes an adapter's tensors into one slot of every LoRA layer."""
+
+    def load_slot(self, slot: int, weights: LoRAWeights) -> None: ...
+
+
+class NoFreeLoRASlotError(RuntimeError):
+    """Every slot is pinned by running requests; ask `can_allocate` before `acquire`."""
+
+
+@dataclass
+class _Slot:
+    key: Hashable | None = None
+    pins: int = 0
+    ready: torch.cuda.Event | None = None  # pending host-to-device copy
+    source: LoRAWeights | None = None  # host tensors kept alive until the copy completes
+
+
+@dataclass
+class PoolCounters:
+    """Monotonic counters for metrics."""
+
+    gpu_loads: int = 0
+    gpu_evictions: int = 0
+    disk_loads: int = 0
+    cpu_evictions: int = 0
+
+
+class LoRASlotPool:
+    """LRU GPU slots with per-adapter pins, backed by an LRU host cache."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        max_cpu_loras: int,
+        writer: SlotWriter,
+        loader: Callable[[Hashable], LoRAWeights],
+        device: torch.device | str,
+    ) -> None:
+        if max_cpu_loras < 1 or num_slots < 1:
+            raise ValueError(
+                f"need at least one slot and one CPU entry, got {num_slots}, {max_cpu_loras}"
+            )
+        self.num_slots = num_slots
+        self.max_cpu_loras = max_cpu_loras
+        self._writer = writer
+        self._loader = loader
+        self._device = torch.device(device)
+        self._slots = [_Slot() for _ in range(num_slots)]
+        self._where: dict[Hashable, int] = {}
+        self._idle: OrderedDict[int, None] = OrderedDict()  # unpinned resident slots, LRU first
+        self._host: OrderedDict[Hashable, LoRAWeights] = OrderedDict()
+        self._stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
+        self.counters = PoolCounters()
+
+    # -- queries ------------------------------------------------------------------------------
+
+    def slot_of(self, key: Hashable) -> int | None:
+        return self._where.get(key)
+
+    def can_allocate(self, key: Hashable) -> bool:
+        """True if `acquire(key)` would succeed now: resident, or a slot is free or evictable."""
+        return key in self._where or self._free_slot() is not None or bool(self._idle)
+
+    def is_ready(self, key: Hashable) -> bool:
+        """True if the adapter is resident and its copy has finished (never blocks)."""
+        slot = self._where.get(key)
+        if slot is None:
+            return False
+        ready = self._slots[slot].ready
+        return ready is None or ready.query()
+
+    def gpu_resident(self) -> int:
+        return len(self._where)
+
+    def pinned(self) -> int:
+        return sum(1 for s in self._slots if s.pins > 0)
+
+    def cpu_resident(self) -> int:
+        return len(self._host)
+
+    # -- pins ---------------------------------------------------------------------------------
+
+    def acquire(self, key: Hashable) -> int:
+        """Pin `key`'s slot, loading the adapter first if it is not resident; returns the slot."""
+        slot = self._where.get(key)
+        if slot is None:
+            slot = self._free_slot()
+            if slot is None:
+                slot = self._evict_lru()
+            self._load(key, slot)
+        self._slots[slot].pins += 1
+        self._idle.pop(slot, None)
+        return slot
+
+    def release(self, key: Hashable) -> None:
+        """Drop one pin of `key`; at zero pins its slot becomes the most recently used idle one."""
+        slot = self._where.get(key)
+        if slot is None or self._slots[slot].pins == 0:
+            raise ValueError(f"release of adapter {key!r}, which holds no pin")
+        self._slots[slot].pins -= 1
+        if self._slots[slot].pins == 0:
+            self._idle[slot] = None
+
+    def prefetch(self, key: Hashable) -> None:
+        """Warm the host cache and, if a slot is empty, start the host-to-device copy.
+
+        Prefetching never evicts another adapter from the GPU."""
+        if key in self._where:
+            return
+        self._host_weights(key)
+        slot = self._free_slot()
+        if slot is not None:
+            self._load(key, slot)
+            self._idle[slot] = None
+
+    def wait_ready(self) -> None:
+        """Order the current stream after the pending loads of pinned slots (no host wait)."""
+        for s in self._slots:
+            if s.ready is not None and s.pins > 0:
+                torch.cuda.current_stream(self._device).wait_event(s.ready)
+                s.ready, s.source = None, None
+
+    # -- host cache ---------------------------------------------------------------------------
+
+    def put_host(self, key: Hashable, weights: LoRAWeights) -> None:
+        """Insert an adapter already in host memory (e.g. just validated) into the CPU cache."""
+        self._host[key] = weights
+        self._host.move_to_end(key)
+        self._trim_host()
+
+    def forget(self, key: Hashable) -> bool:
+        """Drop an adapter from the host cache and, unless pinned, from its GPU slot.
+
+        Returns False when a running request still pins it (it then ages out normally)."""
+        self._host.pop(key, None)
+        slot = self._where.get(key)
+        if slot is None:
+            return True
+        if self._slots[slot].pins > 0:
+            return False
+        self._idle.pop(slot, None)
+        del self._where[key]
+        self._slots[slot] = _Slot()
+        return True
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _free_slot(self) -> int | None:
+        for i, s in enumerate(self._slots):
+            if s.key is None:
+                return i
+        return None
+
+    def _evict_lru(self) -> int:
+        if not self._idle:
+            raise NoFreeLoRASlotError(
+                f"all {self.num_slots} LoRA slots are pinned by running requests"
+            )
+        slot, _ = self._idle.popitem(last=False)
+        del self._where[self._slots[slot].key]
+        self._slots[slot] = _Slot()
+        self.counters.gpu_evictions += 1
+        return slot
+
+    def _host_weights(self, key: Hashable) -> LoRAWeights:
+        weights = self._host.get(key)
+        if weights is None:
+            weights = self._loader(key)
+            self.counters.disk_loads += 1
+            self._host[key] = weights
+            self._trim_host()
+        self._host.move_to_end(key)
+        return weights
+
+    def _trim_host(self) -> None:
+        while len(self._host) > self.max_cpu_loras:
+            self._host.popitem(last=False)
+            self.counters.cpu_evictions += 1
+
+    def _load(self, key: Hashable, slot: int) -> None:
+        weights = self._host_weights(key)
+        state = _Slot(key=key)
+        if self._stream is None:
+            self._writer.load_slot(slot, weights)
+        else:
+            self._stream.wait_stream(torch.cuda.current_stream(self._device))
+            with torch.cuda.stream(self._stream):
+                self._writer.load_slot(slot, weights)
+                state.ready = torch.cuda.Event()
+                state.ready.record(self._stream)
+            state.source = weights
+        self._slots[slot] = state
+        self._where[key] = slot
+        self.counters.gpu_loads += 1

@@ -1,0 +1,86 @@
+"""`CompileRequest`: the exact, self-contained job a compile child process runs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+from loraplex.grammar.config import GrammarConfig
+from loraplex.grammar.params import StructuredOutputs
+from loraplex.grammar.schema_analysis import analyse_schema
+
+# Escaped in choices: every character the Rust regex syntax treats as special.
+_REGEX_META = set("\\.+*?()|[]{}^$#&-~")
+_JSON_STRING = r'"([^"\\\x00-\x1F\x7F]|\\["\\/bfnrt])*"'
+_JSON_NUMBER = r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?"
+# NOTE: outlines-core's regex for `{"type": "object"}` nests three levels and takes over 20 s
+# to compile for a 49k vocabulary; two levels (values may be objects or arrays of scalars)
+# compile in about 2 s.
+_JSON_OBJECT_DEPTH = 2
+
+
+@dataclass(frozen=True)
+class CompileRequest:
+    """What to compile: a regex, or a JSON schema to turn into one.
+
+    kind: "regex" or "json". source: the regex, or the schema's JSON text.
+    substitutions: (placeholder, regex) pairs replaced in the schema's regex.
+    whitespace_pattern / max_recursion_depth: passed to outlines-core for "json".
+    """
+
+    kind: str
+    source: str
+    substitutions: tuple[tuple[str, str], ...] = ()
+    whitespace_pattern: str = r"[ ]?"
+    max_recursion_depth: int = 3
+
+    def key(self, fingerprint: str) -> str:
+        """sha256 of the job and the tokenizer fingerprint: the grammar cache key."""
+        text = json.dumps(
+            [
+                self.kind,
+                self.source,
+                self.substitutions,
+                self.whitespace_pattern,
+                self.max_recursion_depth,
+                fingerprint,
+            ]
+        )
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+def escape_regex(text: str) -> str:
+    """`text` as a regex that matches it literally."""
+    return "".join("\\" + ch if ch in _REGEX_META else ch for ch in text)
+
+
+def json_object_regex(whitespace: str, depth: int = _JSON_OBJECT_DEPTH) -> str:
+    """Any JSON object whose values nest at most `depth` levels of objects and arrays."""
+    value = f"({_JSON_STRING}|{_JSON_NUMBER}|true|false|null)"
+    member = ""
+    for _ in range(depth):
+        member = f"{_JSON_STRING}{whitespace}:{whitespace}{value}"
+        obj = rf"\{{{whitespace}({member}({whitespace},{whitespace}{member})*)?{whitespace}\}}"
+        arr = rf"\[{whitespace}({value}({whitespace},{whitespace}{value})*)?{whitespace}\]"
+        value = f"({value}|{obj}|{arr})"
+    return obj
+
+
+def build_compile_request(outputs: StructuredOutputs, config: GrammarConfig) -> CompileRequest:
+    """Analyse `outputs` into a compile job. Raises `GrammarError` subclasses (400s) for specs
+    that cannot be honoured; cheap, so the API can call it before admitting the request."""
+    if outputs.kind == "regex":
+        return CompileRequest(kind="regex", source=outputs.regex)
+    if outputs.kind == "choice":
+        return CompileRequest(kind="regex", source="|".join(map(escape_regex, outputs.choice)))
+    if outputs.kind == "json_object":
+        return CompileRequest(kind="regex", source=json_object_regex(config.whitespace_pattern))
+    analysed = analyse_schema(outputs.json)
+    return CompileRequest(
+        kind="json",
+        source=json.dumps(analysed.schema, sort_keys=True),
+        substitutions=tuple(sorted(analysed.substitutions.items())),
+        whitespace_pattern=config.whitespace_pattern,
+        max_recursion_depth=config.max_recursion_depth,
+    )

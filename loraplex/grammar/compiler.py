@@ -1,0 +1,149 @@
+"""`GrammarCompiler`: compiles structured-output specs in the background, once per spec."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from loraplex.grammar.cache import GrammarCache
+from loraplex.grammar.compile_request import CompileRequest, build_compile_request
+from loraplex.grammar.compiled import CompiledGrammar
+from loraplex.grammar.config import GrammarConfig
+from loraplex.grammar.errors import GrammarError
+from loraplex.grammar.params import StructuredOutputs
+from loraplex.grammar.vocabulary import GrammarVocabulary
+from loraplex.grammar.worker import CompileWorker, load_index
+
+# Compiled grammars kept live (index loaded, state masks built) for immediate reuse.
+_MAX_LIVE_GRAMMARS = 32
+# Analysed specs remembered (spec key -> compile job and grammar key).
+_MAX_REMEMBERED_SPECS = 1024
+# Specs that failed, remembered so a client retrying one gets its error without a recompile.
+_MAX_REMEMBERED_FAILURES = 256
+
+
+class GrammarCompiler:
+    """Turns `StructuredOutputs` into `CompiledGrammar`s off the engine loop.
+
+    `submit` returns a `Future` at once; the engine polls `future.done()` each step and keeps
+    decoding other requests meanwhile. Compiles run in child processes (`num_workers` at once)
+    under the configured time and memory limits. Equal specs share one compile: in flight, in
+    memory, and on disk across restarts. A failed future raises a `GrammarError` (a 400).
+    """
+
+    def __init__(self, vocabulary: GrammarVocabulary, config: GrammarConfig | None = None) -> None:
+        self.vocabulary = vocabulary
+        self.config = config or GrammarConfig()
+        directory = self.config.grammar_cache_dir if self.config.disk_cache else None
+        self.cache = GrammarCache(self.config.memory_cache_mib * 1024 * 1024, directory)
+        self._executor = ThreadPoolExecutor(self.config.num_workers, "grammar-compile")
+        self._workers: queue.SimpleQueue[CompileWorker] = queue.SimpleQueue()
+        for _ in range(self.config.num_workers):
+            self._workers.put(
+                CompileWorker(
+                    vocabulary,
+                    self.config.compile_timeout_s,
+                    self.config.compile_memory_mib,
+                )
+            )
+        # NOTE: reentrant, because a future that is already done runs its callback at once.
+        self._lock = threading.RLock()
+        self._in_flight: dict[str, Future[CompiledGrammar]] = {}
+        self._live: OrderedDict[str, CompiledGrammar] = OrderedDict()
+        self._failures: OrderedDict[str, GrammarError] = OrderedDict()
+        self._requests: OrderedDict[str, tuple[CompileRequest, str]] = OrderedDict()
+        self.num_compiles = 0
+
+    def check(self, outputs: StructuredOutputs) -> CompileRequest:
+        """Analyse `outputs` without compiling; raises `GrammarError` for what cannot be
+        honoured. Cheap enough for the API to call before admitting a request."""
+        return self._analyse(outputs)[0]
+
+    def _analyse(self, outputs: StructuredOutputs) -> tuple[CompileRequest, str]:
+        """The compile job and cache key of `outputs`, remembered by the spec's own key so a
+        repeated spec skips schema analysis too."""
+        spec_key = outputs.key()
+        with self._lock:
+            known = self._requests.get(spec_key)
+            if known is not None:
+                self._requests.move_to_end(spec_key)
+                return known
+        request = build_compile_request(outputs, self.config)
+        known = (request, request.key(self.vocabulary.fingerprint))
+        with self._lock:
+            self._requests[spec_key] = known
+            if len(self._requests) > _MAX_REMEMBERED_SPECS:
+                self._requests.popitem(last=False)
+        return known
+
+    def submit(self, outputs: StructuredOutputs) -> Future[CompiledGrammar]:
+        """A future of the compiled grammar for `outputs`; done at once when cached.
+
+        Raises `GrammarError` right away when the spec is refused by analysis.
+        """
+        request, key = self._analyse(outputs)
+        with self._lock:
+            done = self._done_future(key)
+            if done is not None:
+                return done
+            future = self._in_flight.get(key)
+            if future is None:
+                future = self._executor.submit(self._compile, request, key)
+                self._in_flight[key] = future
+                future.add_done_callback(lambda _, key=key: self._finish(key))
+            return future
+
+    def compile(self, outputs: StructuredOutputs, timeout: float | None = None) -> CompiledGrammar:
+        """Compile `outputs` and wait (for offline use and tests)."""
+        return self.submit(outputs).result(timeout)
+
+    def shutdown(self) -> None:
+        """Stop the thread pool and every compile child process."""
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        while not self._workers.empty():
+            self._workers.get().close()
+
+    def _done_future(self, key: str) -> Future[CompiledGrammar] | None:
+        grammar = self._live.get(key)
+        failure = self._failures.get(key)
+        if grammar is None and failure is None:
+            return None
+        future: Future[CompiledGrammar] = Future()
+        if grammar is not None:
+            self._live.move_to_end(key)
+            future.set_result(grammar)
+        else:
+            future.set_exception(failure)
+        return future
+
+    def _finish(self, key: str) -> None:
+        with self._lock:
+            future = self._in_flight.pop(key)
+            error = future.exception() if not future.cancelled() else None
+            if isinstance(error, GrammarError):
+                self._failures[key] = error
+                if len(self._failures) > _MAX_REMEMBERED_FAILURES:
+                    self._failures.popitem(last=False)
+            elif error is None and not future.cancelled():
+                self._live[key] = future.result()
+                if len(self._live) > _MAX_LIVE_GRAMMARS:
+                    self._live.popitem(last=False)
+
+    def _compile(self, request: CompileRequest, key: str) -> CompiledGrammar:
+        data = self.cache.get(key)
+        if data is not None:
+            try:
+                return CompiledGrammar(load_index(data), self.vocabulary, key)
+            except Exception:  # noqa: BLE001 - a corrupt cache file is recompiled
+                data = None
+        worker = self._workers.get()
+        try:
+            data = worker.compile(request)
+        finally:
+            self._workers.put(worker)
+        with self._lock:
+            self.num_compiles += 1
+        self.cache.put(key, data)
+        return CompiledGrammar(load_index(data), self.vocabulary, key)

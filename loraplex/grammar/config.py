@@ -1,0 +1,49 @@
+"""`GrammarConfig`: limits and caches of grammar compilation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from loraplex import envs
+
+
+@dataclass(frozen=True)
+class GrammarConfig:
+    """How grammars compile and where compiled ones are kept.
+
+    compile_timeout_s / compile_memory_mib: limits on one compile in its child process; a spec
+        over either fails with a 400-style error and the server is unaffected.
+    num_workers: compiles that run at once, each in its own child process.
+    memory_cache_mib: compiled indexes kept in memory (LRU by size).
+    disk_cache: keep compiled indexes under `cache_dir` across restarts.
+    whitespace_pattern: the regex for whitespace between JSON tokens. A tight one keeps small
+        models from looping on whitespace.
+    max_recursion_depth: how deep recursive `$ref`s unfold.
+    """
+
+    compile_timeout_s: float = 30.0
+    compile_memory_mib: int = 4096
+    num_workers: int = 2
+    memory_cache_mib: int = 512
+    disk_cache: bool = True
+    cache_dir: Path | None = None
+    whitespace_pattern: str = r"[ ]?"
+    max_recursion_depth: int = 3
+
+    def __post_init__(self) -> None:
+        if self.compile_timeout_s <= 0:
+            raise ValueError(f"compile_timeout_s must be positive, got {self.compile_timeout_s}")
+        if self.compile_memory_mib < 256:
+            raise ValueError(f"compile_memory_mib must be >= 256, got {self.compile_memory_mib}")
+        if self.num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
+        if self.memory_cache_mib < 0:
+            raise ValueError(f"memory_cache_mib must be >= 0, got {self.memory_cache_mib}")
+        if self.max_recursion_depth < 0:
+            raise ValueError(f"max_recursion_depth must be >= 0, got {self.max_recursion_depth}")
+
+    @property
+    def grammar_cache_dir(self) -> Path:
+        """Where compiled indexes are stored on disk."""
+        return self.cache_dir if self.cache_dir is not None else envs.cache_dir() / "grammars"

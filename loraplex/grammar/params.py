@@ -1,0 +1,68 @@
+"""`StructuredOutputs`: what shape a request's output must take."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+_KINDS = ("json", "regex", "choice", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """Constrain a request's output to a JSON schema, a regular expression, one of a list of
+    strings, or any JSON object. Exactly one of the four must be set.
+
+    `json` may be a schema dict or its JSON text. `regex` must match the whole output.
+    `choice` outputs one of the strings verbatim.
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [kind for kind in _KINDS if self._value(kind) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                f"StructuredOutputs needs exactly one of {list(_KINDS)}, got {given or 'none'}"
+            )
+        if isinstance(self.json, str):
+            try:
+                parsed = json.loads(self.json)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"StructuredOutputs.json is not valid JSON: {error}") from None
+            object.__setattr__(self, "json", parsed)
+        if self.json is not None and not isinstance(self.json, dict):
+            raise ValueError(f"StructuredOutputs.json must be an object, got {type(self.json)}")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ValueError("StructuredOutputs.regex must be a string")
+        if self.choice is not None:
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError("StructuredOutputs.choice must be a non-empty list of strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    @property
+    def kind(self) -> str:
+        """Which of "json", "regex", "choice", "json_object" is set."""
+        return next(kind for kind in _KINDS if self._value(kind) not in (None, False))
+
+    @property
+    def spec(self) -> Any:
+        """The value of the field that is set (True for `json_object`)."""
+        return self._value(self.kind)
+
+    def key(self) -> str:
+        """A stable sha256 of (kind, spec): equal specs give equal keys across processes."""
+        text = json.dumps([self.kind, self.spec], sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def __hash__(self) -> int:
+        # NOTE: the schema is a dict; hash the canonical key so SamplingParams stays hashable.
+        return hash(self.key())
+
+    def _value(self, kind: str) -> Any:
+        return getattr(self, kind)

@@ -1,0 +1,119 @@
+"""Launch configurations of the W4A16 / W8A16 dequant-GEMM, the one place dispatch on M lives.
+
+Three kernels (see `quant_gemm_w4a16`):
+- "gemv": one token row per program, FMA dot products, split-K (decode, M <= 2);
+- "gemm": tiled tensor-core kernel, dequant in the prologue, split-K when the tiles alone do not
+  fill the GPU (M up to a few hundred);
+- "dequant": dequantize `block_n` output columns at a time into a reused buffer (it stays in L2)
+  and run the dense matmul on it (prefill, M >= `DEQUANT_MATMUL_MIN_M`).
+
+`TUNED_CONFIGS` holds measured winners per (bits, M bucket, N, K); `benchmarks/quant_gemm.py`
+prints the dict to paste here. Shapes without an entry fall back to `heuristic_config`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Without a tuned entry, from this many tokens on dequantize and run the dense matmul.
+DEQUANT_MATMUL_MIN_M = 1024
+
+#: Token counts the tuned table is keyed by; M uses the smallest bucket >= M.
+M_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096)
+
+KINDS = ("gemv", "gemm", "dequant")
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One launch: `kind` of kernel, tiles, split-K (0: pick from the SM count), warps, stages.
+
+    For "dequant", `block_n` is the width of one dequantized column chunk (0: all of N)."""
+
+    kind: str
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if self.kind == "gemv" and self.block_m != 1:
+            raise ValueError(f"the gemv kernel runs one row per program, got block_m {self.block_m}")
+
+
+#: (bits, M bucket, N, K) -> measured best config (H200, group size 128).
+TUNED_CONFIGS: dict[tuple[int, int, int, int], GemmConfig] = {}
+
+
+def m_bucket(m: int) -> int:
+    """The smallest tuned token count >= m (the largest bucket beyond it)."""
+    return next((b for b in M_BUCKETS if m <= b), M_BUCKETS[-1])
+
+
+def heuristic_config(m: int) -> GemmConfig:
+    """Untuned defaults by token count."""
+    if m <= 2:
+        return GemmConfig("gemv", 1, 128, 128, 0, 4, 2)
+    if m <= 16:
+        return GemmConfig("gemm", 16, 128, 128, 0, 4, 3)
+    if m <= 64:
+        return GemmConfig("gemm", 64, 128, 64, 0, 4, 3)
+    if m < DEQUANT_MATMUL_MIN_M:
+        return GemmConfig("gemm", 128, 128, 64, 0, 8, 3)
+    return GemmConfig("dequant", 0, 0, 128, 1, 4, 1)
+
+
+def fit_block_k(block_k: int, group_size: int, k: int, pack: int) -> int:
+    """Largest power-of-two <= block_k dividing the group (so a K tile is inside one group),
+    at least 16 features and one word of `pack` values."""
+    block_k = min(block_k, group_size, k)
+    while block_k > 16 and (group_size % block_k or block_k & (block_k - 1)):
+        block_k //= 2
+    if group_size % block_k or block_k % pack or block_k < 16:
+        raise ValueError(f"no K tile fits group_size {group_size} (K={k}, {pack} values a word)")
+    return block_k
+
+
+def fit_split_k(config: GemmConfig, m: int, n: int, k: int, num_sms: int) -> int:
+    """Resolve split_k 0 to the split that gives about two programs per SM, keeping every
+    split at least one K tile."""
+    k_blocks = k // config.block_k
+    if config.split_k:
+        return max(1, min(config.split_k, k_blocks))
+    rows = m if config.kind == "gemv" else -(-m // config.block_m)
+    tiles = rows * -(-n // config.block_n)
+    split = 1
+    while tiles * split < 2 * num_sms and split * 2 <= k_blocks:
+        split *= 2
+    return split
+
+
+def select_config(
+    m: int, n: int, k: int, group_size: int, bits: int, num_sms: int
+) -> GemmConfig:
+    """The launch for M tokens of an [N, K] weight: the tuned entry or the heuristic, with
+    block_k fitted to the group size and split_k resolved."""
+    config = TUNED_CONFIGS.get((bits, m_bucket(m), n, k)) or heuristic_config(m)
+    return resolve(config, m, n, k, group_size, bits, num_sms)
+
+
+def resolve(
+    config: GemmConfig, m: int, n: int, k: int, group_size: int, bits: int, num_sms: int
+) -> GemmConfig:
+    """Make a config launchable at this shape: fitted block_k, concrete split_k."""
+    block_k = fit_block_k(config.block_k, group_size, k, 32 // bits)
+    fitted = GemmConfig(
+        config.kind, config.block_m, config.block_n, block_k, config.split_k,
+        config.num_warps, config.num_stages,
+    )  # fmt: skip
+    if config.kind == "dequant":
+        return fitted
+    split = fit_split_k(fitted, m, n, k, num_sms)
+    return GemmConfig(
+        config.kind, config.block_m, config.block_n, block_k, split,
+        config.num_warps, config.num_stages,
+    )  # fmt: skip

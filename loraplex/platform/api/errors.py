@@ -1,0 +1,136 @@
+"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+
+Every failure a client can cause maps to a 4xx here; a 500 means a bug of ours, and is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from loraplex.platform.engine.async_engine import EngineDeadError
+from loraplex.platform.engine.engine import PromptTooLongError
+
+logger = logging.getLogger(__name__)
+
+INVALID_REQUEST = "invalid_request_error"
+
+
+class APIError(Exception):
+    """An error answered to the client with this status and OpenAI-shaped body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = INVALID_REQUEST,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def model_not_found(name: str) -> APIError:
+    return APIError(
+        404,
+        f"The model `{name}` does not exist.",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def from_validation_error(error: ValidationError | RequestValidationError) -> APIError:
+    """The first pydantic error, with its field path as `param` (e.g. `messages.0.role`)."""
+    details = error.errors()
+    if not details:
+        return bad_request("invalid request body")
+    first = details[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # NOTE: union members show up as extra path parts ("str", "list[int]", "TextPart"); our
+    # field names are lower-case identifiers, so keep only those and list indices.
+    path = [part for part in loc if _is_field_part(part)]
+    param = ".".join(path) or None
+    where = f" ({param})" if param else ""
+    message = f"{first.get('msg', 'invalid value')}{where}"
+    if len(details) > 1:
+        message += f"; and {len(details) - 1} more error(s)"
+    return bad_request(message, param=param)
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _is_field_part(part: str) -> bool:
+    if part.isdigit():
+        return True
+    return part.isidentifier() and part[0].islower() and part not in _TYPE_NAMES
+
+
+def from_engine_error(error: ValueError) -> APIError:
+    """An error from SamplingParams or Engine.add_request (both ValueError)."""
+    if isinstance(error, PromptTooLongError):
+        return bad_request(str(error), param=error.param, code="context_length_exceeded")
+    return bad_request(str(error), param=getattr(error, "param", None))
+
+
+def engine_unavailable(error: EngineDeadError) -> APIError:
+    return APIError(503, str(error), type="service_unavailable", code="engine_dead")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Make every error the app raises answer in OpenAI's shape."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return from_validation_error(exc).response()
+
+    @app.exception_handler(ValidationError)
+    async def _validation(_: Request, exc: ValidationError) -> JSONResponse:
+        return from_validation_error(exc).response()
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return engine_unavailable(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else INVALID_REQUEST
+        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error serving %s %s", request.method, request.url.path)
+        return APIError(500, "internal server error", type="internal_server_error").response()

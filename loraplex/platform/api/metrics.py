@@ -1,0 +1,155 @@
+"""Prometheus metrics in the text exposition format, written by hand (no client library).
+
+Names follow vLLM's, under the `loraplex:` prefix. Gauges and token counters come from the
+engine's latest snapshot; latency histograms are fed by the engine thread through a timing
+observer, so every series describes the engine, whichever client sent the requests.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+from loraplex.platform.engine.async_engine import EngineSnapshot, RequestTiming
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+                1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+               1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)  # fmt: skip
+
+
+def _labels(labels: dict[str, str]) -> str:
+    if not labels:
+        return ""
+    escaped = (
+        f'{k}="{v.replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
+        for k, v in labels.items()
+    )
+    return "{" + ",".join(escaped) + "}"
+
+
+def _number(value: float) -> str:
+    if value == float("inf"):
+        return "+Inf"
+    return repr(value) if isinstance(value, float) else str(int(value))
+
+
+class Histogram:
+    """A cumulative-bucket histogram, safe to observe and render from different threads."""
+
+    def __init__(self, name: str, help: str, buckets: Sequence[float]) -> None:
+        self.name = name
+        self.help = help
+        self.buckets = tuple(sorted(buckets))
+        self._counts = [0] * (len(self.buckets) + 1)  # last one: above every bucket
+        self._sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, value: float) -> None:
+        with self._lock:
+            self._counts[bisect.bisect_left(self.buckets, value)] += 1
+            self._sum += value
+
+    @property
+    def count(self) -> int:
+        with self._lock:
+            return sum(self._counts)
+
+    def render(self, labels: dict[str, str]) -> list[str]:
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        running = 0
+        for bound, count in zip((*self.buckets, float("inf")), counts):
+            running += count
+            bucket_labels = _labels({**labels, "le": _number(float(bound))})
+            lines.append(f"{self.name}_bucket{bucket_labels} {running}")
+        lines.append(f"{self.name}_sum{_labels(labels)} {_number(total)}")
+        lines.append(f"{self.name}_count{_labels(labels)} {running}")
+        return lines
+
+
+# (type, name, help, value) of each series read from the engine's snapshot.
+_ENGINE_SERIES: tuple[tuple[str, str, str, Callable[[EngineSnapshot], float]], ...] = (
+    ("gauge", "loraplex:num_requests_running", "Requests in the running batch.",
+     lambda s: s.stats.num_running),
+    ("gauge", "loraplex:num_requests_waiting", "Requests waiting to be scheduled.",
+     lambda s: s.stats.num_waiting),
+    ("gauge", "loraplex:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
+     lambda s: s.stats.kv_usage),
+    ("gauge", "loraplex:num_kv_blocks_free", "KV-cache blocks free.",
+     lambda s: s.stats.num_free_blocks),
+    ("gauge", "loraplex:num_kv_blocks_total", "KV-cache blocks in all.",
+     lambda s: s.stats.num_total_blocks),
+    ("counter", "loraplex:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+     lambda s: s.stats.prefix_cache_queries),
+    ("counter", "loraplex:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
+     lambda s: s.stats.prefix_cache_hits),
+    ("gauge", "loraplex:prefix_cache_hit_rate", "Prefix-cache hits over queries since start.",
+     lambda s: s.stats.prefix_cache_hit_rate),
+    ("counter", "loraplex:num_preemptions_total", "Requests preempted to free KV blocks.",
+     lambda s: s.stats.num_preemptions),
+    ("counter", "loraplex:prompt_tokens_total", "Prompt tokens admitted.",
+     lambda s: s.prompt_tokens_total),
+    ("counter", "loraplex:generation_tokens_total", "Tokens generated.",
+     lambda s: s.generation_tokens_total),
+)  # fmt: skip
+
+
+class ServerMetrics:
+    """Latency histograms and finished-request counts; `render` adds the engine's gauges."""
+
+    def __init__(self, model_name: str) -> None:
+        self.labels = {"model_name": model_name}
+        self.ttft = Histogram(
+            "loraplex:time_to_first_token_seconds",
+            "Time from a request's arrival to its first output token.",
+            TTFT_BUCKETS,
+        )
+        self.itl = Histogram(
+            "loraplex:inter_token_latency_seconds",
+            "Time between successive output tokens of a request.",
+            ITL_BUCKETS,
+        )
+        self.e2e = Histogram(
+            "loraplex:e2e_request_latency_seconds",
+            "Time from a request's arrival to its end.",
+            E2E_BUCKETS,
+        )
+        self._finished: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def observe(self, timing: RequestTiming) -> None:
+        """A TimingObserver: called on the engine thread when a request finishes."""
+        if timing.ttft_s is not None:
+            self.ttft.observe(timing.ttft_s)
+        for gap in timing.inter_token_s:
+            self.itl.observe(gap)
+        self.e2e.observe(timing.e2e_s)
+        with self._lock:
+            self._finished[timing.finish_reason or "mixed"] += 1
+
+    def render(self, snapshot: EngineSnapshot) -> str:
+        lines: list[str] = []
+        for kind, name, help, value in _ENGINE_SERIES:
+            lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}"]
+            lines.append(f"{name}{_labels(self.labels)} {_number(value(snapshot))}")
+        lines += self._render_finished()
+        for histogram in (self.ttft, self.itl, self.e2e):
+            lines += histogram.render(self.labels)
+        return "\n".join(lines) + "\n"
+
+    def _render_finished(self) -> list[str]:
+        name = "loraplex:request_success_total"
+        lines = [f"# HELP {name} Finished requests by finish reason.", f"# TYPE {name} counter"]
+        with self._lock:
+            finished = dict(self._finished)
+        for reason, count in sorted(finished.items()):
+            lines.append(f"{name}{_labels({**self.labels, 'finished_reason': reason})} {count}")
+        return lines

@@ -1,0 +1,197 @@
+"""`loraplex serve`: options (named as vLLM names them), an optional YAML file, and uvicorn.
+
+Precedence: a flag given on the command line, then the YAML file's key (the option's name with
+underscores), then the default shown in `--help`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loraplex.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    RunnerConfig,
+    SchedulerConfig,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Option:
+    flag: str
+    default: Any
+    help: str
+    type: Any = str
+    boolean: bool = False
+
+    @property
+    def key(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+
+_OPTIONS = (
+    _Option("--model", None, "Hugging Face-layout model folder (default: the embedded "
+            "SmolLM2-135M-Instruct, converted on first use)"),
+    _Option("--served-model-name", None, "the name clients put in `model` (default: the model "
+            "folder's name, e.g. SmolLM2-135M-Instruct)"),
+    _Option("--dtype", "auto", "weights and activations: auto, float32, bfloat16 or float16 "
+            "(auto: bfloat16 on CUDA, float32 on CPU)"),
+    _Option("--max-model-len", None, "context length: prompt plus completion tokens "
+            "(default: the model's own)", int),
+    _Option("--quantization", None, "quantize at load (fp8); AWQ / GPTQ / FP8 checkpoints are "
+            "detected from their config"),
+    _Option("--device", "auto", "auto, cpu, cuda or cuda:N"),
+    _Option("--seed", 0, "the engine's base random seed", int),
+    _Option("--gpu-memory-utilization", 0.9, "on CUDA, the fraction of GPU memory for weights "
+            "plus KV cache; the KV cache gets what is left", float),
+    _Option("--cpu-kv-cache-gib", 1.0, "on CPU, GiB of KV cache", float),
+    _Option("--num-kv-blocks", None, "KV-cache blocks, overriding the memory-based size "
+            "(a KV budget of num_kv_blocks * block_size tokens)", int),
+    _Option("--block-size", 16, "tokens per KV-cache block (a power of two)", int),
+    _Option("--enable-prefix-caching", True, "reuse the KV blocks of shared prompt prefixes",
+            boolean=True),
+    _Option("--max-num-seqs", 256, "the most sequences in one running batch", int),
+    _Option("--max-num-batched-tokens", 2048, "the most tokens one engine step computes "
+            "(longer prompts are prefilled in chunks)", int),
+    _Option("--enforce-eager", False, "never capture CUDA graphs", boolean=True),
+    _Option("--host", "127.0.0.1", "address to listen on (0.0.0.0: every interface)"),
+    _Option("--port", 8000, "TCP port to listen on", int),
+    _Option("--max-request-body-bytes", 4 * 1024 * 1024, "larger request bodies answer 413",
+            int),
+    _Option("--uvicorn-log-level", "info", "uvicorn's log level (debug, info, warning, error)"),
+)  # fmt: skip
+_KEYS = {option.key for option in _OPTIONS}
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add `serve` to the `loraplex` command."""
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible API (default: the embedded model on 127.0.0.1:8000)",
+        description="Serve a model through an OpenAI-compatible HTTP API: /v1/models, "
+        "/v1/completions, /v1/chat/completions, /health and /metrics.",
+        epilog="A flag given here overrides the same key in --config, which overrides the "
+        "default shown.",
+    )
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="a YAML file whose keys are these options with underscores (e.g. configs/serve.yaml)",
+    )
+    for option in _OPTIONS:
+        shown = (
+            option.help
+            if "default:" in option.help
+            else f"{option.help} (default: {option.default})"
+        )
+        if option.boolean:
+            parser.add_argument(
+                option.flag, action=argparse.BooleanOptionalAction, default=None, help=shown
+            )
+        else:
+            parser.add_argument(option.flag, type=option.type, default=None, help=shown)
+    return parser
+
+
+def load_yaml_options(path: str | Path) -> dict[str, Any]:
+    """The option values of a YAML file; ValueError for unknown keys or a non-mapping file."""
+    import yaml
+
+    text = Path(path).read_text()
+    data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of option names to values")
+    data = {str(k).replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(set(data) - _KEYS)
+    if unknown:
+        raise ValueError(f"{path}: unknown option(s) {unknown}; known: {sorted(_KEYS)}")
+    for option in _OPTIONS:
+        value = data.get(option.key)
+        if value is None:
+            continue
+        expected = bool if option.boolean else option.type
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, expected) or (expected is not bool and isinstance(value, bool)):
+            raise ValueError(f"{path}: {option.key} must be {expected.__name__}, got {value!r}")
+        data[option.key] = value
+    return data
+
+
+def resolve_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Every option's value: the command line, else the YAML file, else the default."""
+    from_file = load_yaml_options(args.config) if args.config else {}
+    values = {}
+    for option in _OPTIONS:
+        given = getattr(args, option.key)
+        values[option.key] = (
+            given if given is not None else from_file.get(option.key, option.default)
+        )
+    return values
+
+
+def engine_config(values: dict[str, Any]) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(
+            model=values["model"],
+            dtype=values["dtype"],
+            max_model_len=values["max_model_len"],
+            quantization=values["quantization"],
+            seed=values["seed"],
+            served_model_name=values["served_model_name"],
+            device=values["device"],
+        ),
+        cache=CacheConfig(
+            block_size=values["block_size"],
+            num_kv_blocks=values["num_kv_blocks"],
+            gpu_memory_utilization=values["gpu_memory_utilization"],
+            cpu_kv_cache_gib=values["cpu_kv_cache_gib"],
+            enable_prefix_caching=values["enable_prefix_caching"],
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=values["max_num_seqs"],
+            max_num_batched_tokens=values["max_num_batched_tokens"],
+        ),
+        runner=RunnerConfig(enforce_eager=values["enforce_eager"]),
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Load the model, then serve until interrupted. Returns the exit status."""
+    import uvicorn
+
+    from loraplex.platform.api.app import build_app
+    from loraplex.platform.api.state import ServerSettings
+    from loraplex.platform.engine.async_engine import AsyncEngine
+
+    values = resolve_options(args)
+    settings = ServerSettings(
+        host=values["host"],
+        port=values["port"],
+        max_request_body_bytes=values["max_request_body_bytes"],
+    )
+    config = engine_config(values)
+    engine = AsyncEngine(config)
+    logger.info(
+        "serving %s (max_model_len %d) on http://%s:%d",
+        engine.served_model_name,
+        engine.max_model_len,
+        settings.host,
+        settings.port,
+    )
+    app = build_app(engine, settings)
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=values["uvicorn_log_level"],
+        timeout_graceful_shutdown=5,
+    )
+    return 0

@@ -1,0 +1,27 @@
+"""GET /health and GET /metrics (Prometheus text format)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from loraplex.platform.api.metrics import CONTENT_TYPE
+from loraplex.platform.api.state import server_state
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    """200 while the engine thread runs; 503 once it has stopped."""
+    state = server_state(request)
+    if state.engine.is_running:
+        return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": "engine stopped"}, status_code=503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    state = server_state(request)
+    text = state.metrics.render(state.engine.snapshot())
+    return Response(text, media_type=CONTENT_TYPE)

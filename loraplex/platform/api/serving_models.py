@@ -1,0 +1,39 @@
+"""GET /v1/models and GET /v1/models/{model}: what the `model` field may name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from loraplex.platform.api.state import ServedModel, ServerState, server_state
+
+router = APIRouter()
+
+_CREATED = 0  # NOTE: models have no creation time here; OpenAI's field is kept, set to 0.
+
+
+def _model_card(model: ServedModel, state: ServerState) -> dict[str, Any]:
+    return {
+        "id": model.name,
+        "object": "model",
+        "created": _CREATED,
+        "owned_by": "loraplex",
+        "root": model.root,
+        "parent": None if model.adapter is None else model.root,
+        "max_model_len": state.engine.max_model_len,
+    }
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> JSONResponse:
+    state = server_state(request)
+    cards = [_model_card(m, state) for m in state.models.list_models()]
+    return JSONResponse({"object": "list", "data": cards})
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, request: Request) -> JSONResponse:
+    state = server_state(request)
+    return JSONResponse(_model_card(state.models.resolve_model(model), state))

@@ -1,0 +1,72 @@
+"""What every route reaches: the engine, the server settings, the model names, the metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from loraplex.platform.api.errors import model_not_found
+from loraplex.platform.api.metrics import ServerMetrics
+from loraplex.platform.engine.async_engine import AsyncEngine
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """HTTP-side settings (the engine has its own EngineConfig)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    disconnect_poll_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in [1, 65535], got {self.port}")
+        if self.max_request_body_bytes < 1024:
+            raise ValueError(
+                f"max_request_body_bytes must be >= 1024, got {self.max_request_body_bytes}"
+            )
+        if self.disconnect_poll_s <= 0:
+            raise ValueError(f"disconnect_poll_s must be positive, got {self.disconnect_poll_s}")
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What an OpenAI `model` name resolves to: the base model, or one LoRA adapter on it."""
+
+    name: str
+    root: str  # the base model's served name
+    adapter: str | None = None  # None = the base model itself
+
+
+class ModelResolver:
+    """Maps OpenAI `model` names to what serves them. Only the base model for now; tenant
+    namespaces and adapters plug in here, behind `resolve_model`."""
+
+    def __init__(self, base_name: str) -> None:
+        self.base = ServedModel(name=base_name, root=base_name)
+
+    def resolve_model(self, name: str | None) -> ServedModel:
+        """The served model of `name` (None = the base model); 404 `model_not_found` if none."""
+        if name is None or name == self.base.name:
+            return self.base
+        raise model_not_found(name)
+
+    def list_models(self) -> list[ServedModel]:
+        return [self.base]
+
+
+@dataclass(frozen=True)
+class ServerState:
+    engine: AsyncEngine
+    settings: ServerSettings
+    models: ModelResolver
+    metrics: ServerMetrics
+
+
+def server_state(request: Request) -> ServerState:
+    """The app's ServerState (set by `build_app`)."""
+    return request.app.state.loraplex

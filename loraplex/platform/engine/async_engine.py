@@ -1,0 +1,365 @@
+"""AsyncEngine: the Engine on its own thread, driven from asyncio.
+
+The Engine is not thread-safe, so exactly one thread — the engine thread — ever touches it. The
+event loop talks to that thread through a command queue (add / abort / stop); the thread hands
+each RequestOutput back to the request's asyncio.Queue with `loop.call_soon_threadsafe`. This
+module imports no web framework: the server, benchmarks and tests all drive it the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from loraplex.config import EngineConfig
+from loraplex.platform.engine.engine import Engine, EngineStats
+from loraplex.platform.engine.outputs import RequestOutput
+from loraplex.platform.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped; no request can be served."""
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """What the engine thread last published: gauges and token counters for /metrics."""
+
+    stats: EngineStats
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """Latencies of one finished request, handed to timing observers (seconds)."""
+
+    ttft_s: float | None  # arrival -> first output token
+    inter_token_s: tuple[float, ...]  # gaps between successive outputs after the first
+    e2e_s: float  # arrival -> finish
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    finish_reason: str | None
+
+
+TimingObserver = Callable[[RequestTiming], None]
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    prompt_token_ids: list[int] | None
+    tenant: str
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue
+    arrival: float
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Live:
+    """Engine-thread bookkeeping of one request in flight."""
+
+    command: _Add
+    first_output: float | None = None
+    last_output: float | None = None
+    gaps: list[float] = field(default_factory=list)
+
+
+_STOP = object()
+_ACCEPTED = object()
+
+
+class RequestStream:
+    """The outputs of one accepted request, as an async iterator; ends after the final one."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, outputs: asyncio.Queue) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._outputs = outputs
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._outputs.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def abort(self) -> None:
+        """Stop generating (idempotent); the engine frees the request's KV blocks."""
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    """Owns an Engine and the one thread that steps it.
+
+    >>> engine = AsyncEngine(EngineConfig())
+    >>> async for out in engine.generate("Hello", SamplingParams(max_tokens=8)):
+    ...     print(out.outputs[0].text)
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.engine = Engine(config)
+        # NOTE: set once here and read-only afterwards, so any thread may read them.
+        self.served_model_name = self.engine.served_model_name
+        self.max_model_len = self.engine.max_model_len
+        self.tokenizer = self.engine.tokenizer
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[str, _Live] = {}  # engine thread only
+        self._observers: list[TimingObserver] = []
+        self._snapshot = self._take_snapshot()
+        self._thread: threading.Thread | None = None
+        self._request_counter = 0
+        self._counter_lock = threading.Lock()
+        self.dead_reason: BaseException | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the engine thread; requests still in flight fail with EngineDeadError."""
+        if self._thread is not None and self._thread.is_alive():
+            self._commands.put(_STOP)
+            self._thread.join(timeout_s)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def add_timing_observer(self, observer: TimingObserver) -> None:
+        """Call `observer` on the engine thread with each finished request's latencies."""
+        self._observers.append(observer)
+
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's gauges and counters as of the end of its last step."""
+        return self._snapshot
+
+    # -- requests --------------------------------------------------------------------------
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        with self._counter_lock:
+            self._request_counter += 1
+            return f"{prefix}-{self._request_counter}"
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        tenant: str = "default",
+    ) -> RequestStream:
+        """Queue a request and wait until the engine accepts it.
+
+        Raises what `Engine.add_request` raised (ValueError, PromptTooLongError), or
+        EngineDeadError when the engine thread is not running.
+        """
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running") from self.dead_reason
+        outputs: asyncio.Queue = asyncio.Queue()
+        command = _Add(
+            request_id,
+            prompt,
+            params,
+            prompt_token_ids,
+            tenant,
+            asyncio.get_running_loop(),
+            outputs,
+            time.monotonic(),
+        )
+        self._commands.put(command)
+        try:
+            ack = await outputs.get()
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        if isinstance(ack, BaseException):
+            raise ack
+        return RequestStream(self, request_id, outputs)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from any thread; unknown or finished ids are ignored."""
+        self._commands.put(_Abort(request_id))
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        tenant: str = "default",
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs; aborts the request if the consumer stops early."""
+        request_id = request_id or self.new_request_id()
+        stream = await self.add_request(
+            request_id, prompt, params, prompt_token_ids=prompt_token_ids, tenant=tenant
+        )
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.abort()
+
+    # -- the engine thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                block = not self.engine.has_unfinished_requests()
+                if not self._handle_commands(block):
+                    break
+                if self.engine.has_unfinished_requests():
+                    try:
+                        self._step()
+                    except Exception as exc:
+                        logger.exception("an engine step failed; aborting the requests in flight")
+                        self._abort_live(exc)
+                self._snapshot = self._take_snapshot()
+        except BaseException as exc:
+            logger.exception("the engine thread failed")
+            self.dead_reason = exc
+            self._fail_all(EngineDeadError(f"the engine failed: {exc!r}"))
+            return
+        self._fail_all(EngineDeadError("the engine was shut down"))
+
+    def _handle_commands(self, block: bool) -> bool:
+        """Apply queued commands (waiting for one if `block`); False once asked to stop."""
+        try:
+            command = self._commands.get(block=block)
+        except queue.Empty:
+            return True
+        while True:
+            if command is _STOP:
+                return False
+            if isinstance(command, _Add):
+                self._add(command)
+            elif isinstance(command, _Abort):
+                self._abort(command.request_id)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, command: _Add) -> None:
+        try:
+            self.engine.add_request(
+                command.request_id,
+                command.prompt,
+                command.params,
+                prompt_token_ids=command.prompt_token_ids,
+                tenant=command.tenant,
+            )
+        except Exception as exc:
+            self._deliver(command, exc)
+            return
+        self._live[command.request_id] = _Live(command)
+        self._deliver(command, _ACCEPTED)
+
+    def _abort(self, request_id: str) -> None:
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return
+        final = self.engine.abort_request(request_id)
+        if final is not None:
+            self._deliver(live.command, final)
+            self._observe(live, final, time.monotonic())
+
+    def _step(self) -> None:
+        outputs = self.engine.step()
+        now = time.monotonic()
+        for output in outputs:
+            live = self._live.get(output.request_id)
+            if live is None:
+                continue
+            if any(c.token_ids for c in output.outputs):
+                if live.first_output is None:
+                    live.first_output = now
+                else:
+                    live.gaps.append(now - live.last_output)
+                live.last_output = now
+            self._deliver(live.command, output)
+            if output.finished:
+                del self._live[output.request_id]
+                self._observe(live, output, now)
+
+    def _observe(self, live: _Live, output: RequestOutput, now: float) -> None:
+        arrival = live.command.arrival
+        first = output.metrics.get("first_token_time", live.first_output)
+        reasons = {c.finish_reason for c in output.outputs}
+        timing = RequestTiming(
+            ttft_s=None if first is None else first - arrival,
+            inter_token_s=tuple(live.gaps),
+            e2e_s=now - arrival,
+            num_prompt_tokens=len(output.prompt_token_ids),
+            num_generation_tokens=int(output.metrics.get("num_generation_tokens", 0)),
+            finish_reason=reasons.pop() if len(reasons) == 1 else None,
+        )
+        for observer in self._observers:
+            try:
+                observer(timing)
+            except Exception:
+                logger.exception("a timing observer failed")
+
+    def _abort_live(self, error: Exception) -> None:
+        """Abort every request in flight and hand each the error that stopped it."""
+        for request_id, live in list(self._live.items()):
+            del self._live[request_id]
+            self.engine.abort_request(request_id)
+            self._deliver(live.command, error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Fail every request in flight and every queued add (the thread is ending)."""
+        for live in self._live.values():
+            self._deliver(live.command, error)
+        self._live.clear()
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Add):
+                self._deliver(command, error)
+
+    @staticmethod
+    def _deliver(command: _Add, item: object) -> None:
+        try:
+            command.loop.call_soon_threadsafe(command.outputs.put_nowait, item)
+        except RuntimeError:
+            # NOTE: the caller's event loop has closed; nobody is left to read this output.
+            pass
+
+    def _take_snapshot(self) -> EngineSnapshot:
+        return EngineSnapshot(
+            self.engine.stats(),
+            self.engine.prompt_tokens_total,
+            self.engine.generation_tokens_total,
+        )

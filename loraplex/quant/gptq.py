@@ -1,0 +1,148 @@
+"""GPTQ checkpoints: 4 or 8 bits, any group size (or -1), act-order, v1 and v2 zero points.
+
+Per linear layer with input size K, output size N, pack = 32 // bits, G groups:
+- `qweight` [K / pack, N] int32, packed along K in plain order;
+- `qzeros` [G, N / pack] int32, packed along N; checkpoint_format "gptq" (v1) stores the zero
+  point minus one, "gptq_v2" stores it as is;
+- `scales` [G, N] fp16;
+- `g_idx` [K] int32: the group of each input feature (act-order shuffles them).
+weight[n, k] = (q[k, n] - zero[g_idx[k], n]) * scale[g_idx[k], n].
+At load, act-order rows are sorted by group (so groups are contiguous for the kernel) and the
+permutation is kept to gather the activations; see `loraplex.quant.wna16`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from loraplex.quant.base import LinearMethod, QuantizationConfig, set_weight_attrs
+from loraplex.quant.packing import SUPPORTED_BITS, pack_factor, pack_int32, unpack_int32
+from loraplex.quant.registry import register_quantization
+from loraplex.quant.wna16 import (
+    WNA16LinearMethod,
+    check_output_sizes,
+    resolve_group_size,
+)
+
+CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
+
+
+@register_quantization
+class GPTQConfig(QuantizationConfig):
+    """`quant_method: "gptq"`, or AutoGPTQ's / GPTQModel's quantize_config.json."""
+
+    names = ("gptq",)
+
+    def __init__(self, bits: int, group_size: int, desc_act: bool, checkpoint_format: str) -> None:
+        self.bits = bits
+        self.group_size = group_size
+        self.desc_act = desc_act
+        self.checkpoint_format = checkpoint_format
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> GPTQConfig:
+        bits = int(config.get("bits", 4))
+        group_size = int(config.get("group_size", 128))
+        checkpoint_format = str(config.get("checkpoint_format", "gptq")).lower()
+        if bits not in SUPPORTED_BITS:
+            raise ValueError(f"GPTQ bits={bits} is not supported; supported: {SUPPORTED_BITS}")
+        if group_size != -1 and (group_size <= 0 or group_size % 16):
+            raise ValueError(
+                f"GPTQ group_size={group_size} is not supported; use -1 or a multiple of 16"
+            )
+        if config.get("is_marlin_format"):
+            raise ValueError("GPTQ checkpoints in Marlin format are not supported")
+        if checkpoint_format not in CHECKPOINT_FORMATS:
+            raise ValueError(
+                f"GPTQ checkpoint_format {checkpoint_format!r} is not supported; "
+                f"supported: {CHECKPOINT_FORMATS}"
+            )
+        if config.get("dynamic"):
+            raise ValueError("GPTQ per-module 'dynamic' overrides are not supported")
+        return cls(bits, group_size, bool(config.get("desc_act", False)), checkpoint_format)
+
+    def linear_method(self, prefix: str) -> LinearMethod:
+        return GPTQLinearMethod(prefix, self)
+
+
+class GPTQLinearMethod(WNA16LinearMethod):
+    name = "gptq"
+
+    def __init__(self, prefix: str, config: GPTQConfig) -> None:
+        super().__init__(prefix, bits=config.bits)
+        self.config = config
+
+    def create_weights(
+        self, layer: nn.Module, input_size: int, output_sizes: list[int], params_dtype: torch.dtype
+    ) -> None:
+        pack = pack_factor(self.bits)
+        check_output_sizes(self.prefix, "GPTQ", output_sizes, pack)
+        if input_size % pack:
+            raise ValueError(
+                f"{self.prefix}: GPTQ packs {pack} inputs per int32 word, "
+                f"but the input size is {input_size}"
+            )
+        self.group_size = resolve_group_size(
+            self.prefix, "GPTQ", self.config.group_size, input_size
+        )
+        self.params_dtype = params_dtype
+        n, groups = sum(output_sizes), input_size // self.group_size
+        qweight = torch.empty(input_size // pack, n, dtype=torch.int32)
+        qzeros = torch.empty(groups, n // pack, dtype=torch.int32)
+        scales = torch.empty(groups, n, dtype=torch.float16)
+        # NOTE: one g_idx row per shard: merged q/k/v (or gate/up) each bring their own. It
+        # starts as the plain order, so a checkpoint without act-order may leave it out.
+        g_idx = (torch.arange(input_size, dtype=torch.int32) // self.group_size).repeat(
+            len(output_sizes), 1
+        )
+        params = {
+            "qweight": (qweight, {"output_dim": 1, "output_pack": 1}),
+            "qzeros": (qzeros, {"output_dim": 1, "output_pack": pack}),
+            "scales": (scales, {"output_dim": 1, "output_pack": 1}),
+            "g_idx": (
+                g_idx,
+                {"output_dim": None, "shard_indexed": True, "optional": not self.config.desc_act},
+            ),
+        }
+        for name, (tensor, attrs) in params.items():
+            param = nn.Parameter(tensor, requires_grad=False)
+            set_weight_attrs(param, **attrs)
+            layer.register_parameter(name, param)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        bits, group_size = self.bits, self.group_size
+        zeros = unpack_int32(layer.qzeros.data, bits, dim=1).float()  # [G, N]
+        if self.config.checkpoint_format == "gptq":
+            # NOTE: v1 stores zero - 1 (AutoGPTQ's convention); the stored value is read
+            # through the bit mask before the + 1, as AutoGPTQ's own kernels do.
+            zeros = zeros + 1
+        g_idx = self._shared_g_idx(layer.g_idx.data, zeros.shape[0])  # [K]
+        qweight = layer.qweight.data  # [K / pack, N]
+        perm = None
+        k = g_idx.shape[0]
+        sequential = torch.arange(k, device=g_idx.device, dtype=torch.int32) // group_size
+        if not torch.equal(g_idx, sequential):
+            order = torch.sort(g_idx, stable=True).indices
+            if not torch.equal(g_idx[order], sequential):
+                raise ValueError(
+                    f"{self.prefix}.g_idx: every group must hold exactly {group_size} inputs"
+                )
+            q = unpack_int32(qweight, bits, dim=0)[order]  # [K, N], rows sorted by group
+            qweight = pack_int32(q, bits, dim=0)
+            perm = order.to(torch.int32)
+        self.finish_wna16(layer, qweight, layer.scales.data, zeros.to(torch.float16), perm)
+
+    def _shared_g_idx(self, g_idx: torch.Tensor, groups: int) -> torch.Tensor:
+        """The one g_idx of all shards (act-order of one input is the same for each)."""
+        if not all(torch.equal(row, g_idx[0]) for row in g_idx[1:]):
+            raise ValueError(
+                f"{self.prefix}.g_idx: the merged shards disagree on the act-order of their "
+                "shared input, which is not supported"
+            )
+        first = g_idx[0]
+        if first.numel() and (int(first.min()) < 0 or int(first.max()) >= groups):
+            raise ValueError(f"{self.prefix}.g_idx: group indices must lie in [0, {groups})")
+        return first

@@ -1,0 +1,42 @@
+"""Tiny random Llama models and PEFT adapters made on the spot (fp32, CPU), for adapter tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+HF_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+}
+
+
+def tiny_llama(seed: int = 0, **overrides: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = {k: v for k, v in HF_CONFIG.items() if k != "architectures"}
+    config.update(overrides)
+    return LlamaForCausalLM(LlamaConfig(**config)).eval()
+
+
+def make_peft_adapter(
+    folder: Path, seed: int = 1, model_overrides: dict | None = None, **lora_kwargs
+) -> Path:
+    """Save a PEFT LoRA adapter (non-zero B) for a tiny Llama into `folder`."""
+    from peft import LoraConfig, get_peft_model
+
+    options = {"r": 4, "lora_alpha": 8, "target_modules": ALL_MODULES}
+    options.update(lora_kwargs)
+    base = tiny_llama(**(model_overrides or {}))
+    torch.manual_seed(seed)  # the LoRA weights differ by seed; the base model never does
+    model = get_peft_model(base, LoraConfig(init_lora_weights=False, **options))
+    model.save_pretrained(str(folder))
+    return folder

@@ -1,0 +1,145 @@
+"""LoRA layers on merged projections give PEFT's per-layer deltas, token by token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lora_fixtures import HF_CONFIG, make_peft_adapter, tiny_llama
+from torch import nn
+
+from loraplex.adapters.lora_layer import attach_lora_layers
+from loraplex.adapters.peft_format import BaseModelSpec, load_peft_adapter
+from loraplex.config import LoRAConfig
+from loraplex.platform.models.linear import Linear
+
+MERGED = {
+    "self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "self_attn.o_proj": ("o_proj",),
+    "mlp.gate_up_proj": ("gate_proj", "up_proj"),
+    "mlp.down_proj": ("down_proj",),
+}
+
+
+class TinyProjections(nn.Module):
+    """The linear layers of a tiny Llama, merged and named as loraplex's model names them."""
+
+    def __init__(self, hf_model: nn.Module) -> None:
+        super().__init__()
+        self.projections = nn.ModuleDict()
+        for n, hf_layer in enumerate(hf_model.model.layers):
+            for suffix, shards in MERGED.items():
+                block = getattr(hf_layer, suffix.split(".")[0])
+                hf = [getattr(block, s) for s in shards]
+                layer = Linear(
+                    hf[0].in_features,
+                    [m.out_features for m in hf],
+                    shard_names=shards,
+                    prefix=f"model.layers.{n}.{suffix}",
+                )
+                layer.weight.data.copy_(torch.cat([m.weight for m in hf]))
+                self.projections[f"{n}_{suffix.replace('.', '_')}"] = layer
+        self.lm_head = Linear(64, [128], prefix="lm_head")
+
+    def linear(self, layer: int, suffix: str) -> Linear:
+        return self.projections[f"{layer}_{suffix.replace('.', '_')}"]
+
+
+def peft_delta(peft_model, layer: int, module: str, x: torch.Tensor) -> torch.Tensor:
+    block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+    lora_linear = getattr(getattr(peft_model.base_model.model.model.layers[layer], block), module)
+    if not hasattr(lora_linear, "base_layer"):  # a module this adapter does not target
+        return torch.zeros(x.shape[0], lora_linear.out_features)
+    with torch.no_grad():
+        return lora_linear(x) - lora_linear.base_layer(x)
+
+
+def our_delta(linear: Linear, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return linear(x) - torch.nn.functional.linear(x, linear.weight)
+
+
+@pytest.fixture
+def setup(tmp_path):
+    from peft import PeftModel
+
+    config = LoRAConfig(max_loras=2, max_lora_rank=8, max_cpu_loras=4)
+    spec = BaseModelSpec.from_hf_config(HF_CONFIG)
+    folders = [
+        make_peft_adapter(tmp_path / "a", seed=1, r=4, lora_alpha=8),
+        make_peft_adapter(
+            tmp_path / "b",
+            seed=2,
+            r=8,
+            lora_alpha=4,
+            use_rslora=True,
+            target_modules=["q_proj", "v_proj", "up_proj", "down_proj"],
+        ),
+    ]
+    peft_models = [PeftModel.from_pretrained(tiny_llama(), str(f)).eval() for f in folders]
+    weights = [load_peft_adapter(f, spec, config.max_lora_rank) for f in folders]
+    model = TinyProjections(tiny_llama())
+    state = attach_lora_layers(model, config, "cpu", torch.float32, max_num_tokens=64)
+    return model, state, peft_models, weights
+
+
+def test_every_projection_is_adapted_but_lm_head(setup):
+    model, state, _, _ = setup
+    assert len(state.layers) == 2 * 4
+    assert model.lm_head.lora is None
+    state.check_spec(BaseModelSpec.from_hf_config(HF_CONFIG))
+    with pytest.raises(ValueError, match="differs"):
+        state.check_spec(BaseModelSpec.from_hf_config({**HF_CONFIG, "intermediate_size": 80}))
+
+
+def test_mixed_batch_matches_peft_per_token(setup):
+    model, state, peft_models, weights = setup
+    state.load_slot(0, weights[0])
+    state.load_slot(1, weights[1])
+    slots = torch.tensor([1, 0, -1, 0, 1, 1, -1], dtype=torch.int32)
+    state.meta.set(slots)
+    torch.manual_seed(0)
+    for layer in range(2):
+        for suffix, shards in MERGED.items():
+            linear = model.linear(layer, suffix)
+            x = torch.randn(len(slots), linear.input_size)
+            delta = our_delta(linear, x)
+            offsets = linear.shard_offsets()
+            for i, shard in enumerate(shards):
+                ours = delta[:, offsets[i] : offsets[i + 1]]
+                for token, slot in enumerate(slots.tolist()):
+                    expected = (
+                        torch.zeros(offsets[i + 1] - offsets[i])
+                        if slot < 0
+                        else peft_delta(peft_models[slot], layer, shard, x[token : token + 1])[0]
+                    )
+                    torch.testing.assert_close(ours[token], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_slot_reused_by_a_smaller_rank_leaves_no_stale_rows(setup):
+    model, state, peft_models, weights = setup
+    state.load_slot(0, weights[1])  # rank 8
+    state.load_slot(0, weights[0])  # rank 4 over it
+    state.meta.set(torch.zeros(3, dtype=torch.int32))
+    linear = model.linear(1, "self_attn.qkv_proj")
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(
+        our_delta(linear, x)[:, :64],
+        peft_delta(peft_models[0], 1, "q_proj", x),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+def test_base_only_batch_adds_nothing(setup):
+    model, state, _, weights = setup
+    state.load_slot(0, weights[0])
+    state.meta.set(torch.full((4,), -1, dtype=torch.int32))
+    assert not state.meta.active
+    linear = model.linear(0, "mlp.down_proj")
+    assert our_delta(linear, torch.randn(4, 96)).abs().max() == 0
+
+
+def test_too_many_tokens_for_the_buffers_is_refused(setup):
+    _, state, _, _ = setup
+    with pytest.raises(ValueError, match="hold 64"):
+        state.meta.set(torch.zeros(65, dtype=torch.int32))

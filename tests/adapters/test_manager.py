@@ -1,0 +1,111 @@
+"""LoRAManager: registry identity for prefix caching, scheduling by slots, per-step batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lora_fixtures import HF_CONFIG, make_peft_adapter, tiny_llama
+from test_lora_layer import TinyProjections, peft_delta
+
+from loraplex.adapters.lora_layer import attach_lora_layers
+from loraplex.adapters.manager import LoRAManager
+from loraplex.adapters.peft_format import AdapterValidationError, BaseModelSpec
+from loraplex.adapters.request import LoRARequest
+from loraplex.config import LoRAConfig
+
+
+@pytest.fixture
+def manager_and_model():
+    config = LoRAConfig(max_loras=2, max_lora_rank=8, max_cpu_loras=2)
+    model = TinyProjections(tiny_llama())
+    state = attach_lora_layers(model, config, "cpu", torch.float32, max_num_tokens=32)
+    return LoRAManager(config, BaseModelSpec.from_hf_config(HF_CONFIG), state, torch.float32), model
+
+
+def test_keys_identify_adapter_contents(manager_and_model, tmp_path):
+    manager, _ = manager_and_model
+    a = make_peft_adapter(tmp_path / "a", seed=1)
+    b = make_peft_adapter(tmp_path / "b", seed=2)
+    key_a = manager.adapter_key(LoRARequest("alpha", str(a)))
+    key_b = manager.adapter_key(LoRARequest("beta", str(b)))
+    assert key_a != key_b and manager.adapter_key(None) is None
+    assert manager.adapter_key(LoRARequest("alpha", str(a))) == key_a
+    make_peft_adapter(a, seed=3)  # replaced in place under the same name
+    key_a2 = manager.adapter_key(LoRARequest("alpha", str(a)))
+    assert key_a2 not in (key_a, key_b)
+    assert manager.list_adapters() == {"alpha": key_a2, "beta": key_b}
+
+
+def test_bad_adapter_is_refused_at_registration(manager_and_model, tmp_path):
+    manager, _ = manager_and_model
+    folder = make_peft_adapter(tmp_path / "big", r=16)
+    with pytest.raises(AdapterValidationError, match="max_lora_rank=8"):
+        manager.add_adapter(LoRARequest("big", str(folder)))
+    assert manager.list_adapters() == {}
+
+
+def test_requests_pin_slots_and_the_batch_applies_them(manager_and_model, tmp_path):
+    from peft import PeftModel
+
+    manager, model = manager_and_model
+    folders = [make_peft_adapter(tmp_path / n, seed=s) for n, s in (("a", 1), ("b", 2), ("c", 3))]
+    keys = [manager.adapter_key(LoRARequest(f.name, str(f))) for f in folders]
+    slot_a = manager.acquire_for_request("r1", keys[0])
+    slot_b = manager.acquire_for_request("r2", keys[1])
+    assert manager.acquire_for_request("r1", keys[0]) == slot_a
+    assert manager.acquire_for_request("r0", None) == -1
+    assert not manager.can_schedule(keys[2]) and manager.can_schedule(keys[0])
+    manager.prefetch(keys[2])  # no free slot: host cache only, nothing evicted
+    assert manager.stats().gpu_resident == 2
+
+    manager.set_batch(torch.tensor([slot_b, -1, slot_a], dtype=torch.int32))
+    x = torch.randn(3, 64)
+    linear = model.linear(1, "self_attn.o_proj")
+    with torch.no_grad():
+        delta = linear(x) - torch.nn.functional.linear(x, linear.weight)
+    peft_b = PeftModel.from_pretrained(tiny_llama(), str(folders[1])).eval()
+    torch.testing.assert_close(delta[0], peft_delta(peft_b, 1, "o_proj", x[:1])[0])
+    assert delta[1].abs().max() == 0
+
+    manager.release_for_request("r2")
+    assert manager.can_schedule(keys[2])
+    assert manager.acquire_for_request("r3", keys[2]) == slot_b
+    stats = manager.stats()
+    assert (stats.gpu_loads, stats.gpu_evictions, stats.gpu_pinned) == (3, 1, 2)
+
+
+def test_removed_adapter_is_dropped_once_idle(manager_and_model, tmp_path):
+    manager, _ = manager_and_model
+    folder = make_peft_adapter(tmp_path / "a")
+    key = manager.adapter_key(LoRARequest("a", str(folder)))
+    manager.acquire_for_request("r1", key)
+    assert manager.remove_adapter("a") and not manager.remove_adapter("a")
+    assert manager.stats().gpu_resident == 1  # still serving r1
+    manager.release_for_request("r1")
+    assert manager.stats().registered == 0 and manager.stats().gpu_resident == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_side_stream_loads_serve_the_next_forward_on_gpu(tmp_path):
+    PeftModel = pytest.importorskip("peft").PeftModel
+
+    config = LoRAConfig(max_loras=2, max_lora_rank=8, max_cpu_loras=2)
+    model = TinyProjections(tiny_llama()).cuda()
+    state = attach_lora_layers(model, config, "cuda", torch.float32, max_num_tokens=32)
+    manager = LoRAManager(config, BaseModelSpec.from_hf_config(HF_CONFIG), state, torch.float32)
+    folders = [
+        make_peft_adapter(tmp_path / n, seed=s, r=r) for n, s, r in (("a", 1, 8), ("b", 2, 2))
+    ]
+    keys = [manager.adapter_key(LoRARequest(f.name, str(f))) for f in folders]
+    slots = [manager.acquire_for_request(f"r{i}", key) for i, key in enumerate(keys)]
+    manager.set_batch(torch.tensor([slots[1], slots[0], -1], dtype=torch.int32))
+    x = torch.randn(3, 96)
+    linear = model.linear(0, "mlp.down_proj")
+    with torch.no_grad():
+        delta = (linear(x.cuda()) - torch.nn.functional.linear(x.cuda(), linear.weight)).cpu()
+    for row, folder in ((0, folders[1]), (1, folders[0])):
+        peft_model = PeftModel.from_pretrained(tiny_llama(), str(folder)).eval()
+        expected = peft_delta(peft_model, 0, "down_proj", x[row : row + 1])[0]
+        torch.testing.assert_close(delta[row], expected, rtol=1e-4, atol=1e-4)
+    assert delta[2].abs().max() == 0

@@ -1,0 +1,113 @@
+"""The GPU slot pool: LRU reuse, pins that block eviction, a bounded host cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex.adapters.peft_format import LoRAModuleWeights, LoRAWeights
+from loraplex.adapters.slot_pool import LoRASlotPool, NoFreeLoRASlotError
+
+
+class RecordingWriter:
+    """Stands in for the model's LoRA layers: remembers which adapter each slot holds."""
+
+    def __init__(self) -> None:
+        self.slots: dict[int, str] = {}
+        self.writes = 0
+
+    def load_slot(self, slot: int, weights: LoRAWeights) -> None:
+        self.slots[slot] = weights.path
+        self.writes += 1
+
+
+def _weights(key: str) -> LoRAWeights:
+    module = LoRAModuleWeights(torch.zeros(2, 4), torch.zeros(4, 2), 1.0)
+    return LoRAWeights(key, key, {(0, "q_proj"): module})
+
+
+def _pool(num_slots: int = 2, max_cpu: int = 3) -> tuple[LoRASlotPool, RecordingWriter, list]:
+    writer, disk_reads = RecordingWriter(), []
+
+    def loader(key):
+        disk_reads.append(key)
+        return _weights(key)
+
+    return LoRASlotPool(num_slots, max_cpu, writer, loader, "cpu"), writer, disk_reads
+
+
+def test_least_recently_released_slot_is_reused():
+    pool, writer, _ = _pool()
+    a, b = pool.acquire("a"), pool.acquire("b")
+    pool.release("b")
+    pool.release("a")  # "b" is now the least recently used
+    c = pool.acquire("c")
+    assert c == b and writer.slots[c] == "c"
+    assert pool.slot_of("a") == a and pool.slot_of("b") is None
+    assert pool.counters.gpu_evictions == 1
+
+
+def test_pinned_slot_is_never_evicted():
+    pool, writer, _ = _pool()
+    a = pool.acquire("a")
+    pool.acquire("b")
+    pool.release("b")
+    assert pool.can_allocate("c")
+    pool.acquire("c")
+    assert writer.slots[a] == "a"
+    assert not pool.can_allocate("d")
+    assert pool.can_allocate("a")  # already resident: another request can share it
+    with pytest.raises(NoFreeLoRASlotError, match="pinned"):
+        pool.acquire("d")
+
+
+def test_shared_adapter_stays_pinned_until_its_last_request_releases():
+    pool, _, _ = _pool(num_slots=1)
+    pool.acquire("a")
+    pool.acquire("a")
+    pool.release("a")
+    assert not pool.can_allocate("b")
+    pool.release("a")
+    assert pool.can_allocate("b")
+    with pytest.raises(ValueError, match="holds no pin"):
+        pool.release("a")
+
+
+def test_resident_adapter_is_not_copied_again():
+    pool, writer, _ = _pool()
+    pool.acquire("a")
+    pool.release("a")
+    pool.acquire("a")
+    assert writer.writes == 1 and pool.counters.gpu_loads == 1
+
+
+def test_prefetch_fills_empty_slots_but_never_evicts():
+    pool, writer, disk_reads = _pool(num_slots=1)
+    pool.prefetch("a")
+    assert pool.slot_of("a") == 0 and pool.is_ready("a")
+    pool.prefetch("b")
+    assert pool.slot_of("b") is None and pool.slot_of("a") == 0
+    assert disk_reads == ["a", "b"]  # "b" is warm in host memory
+    pool.acquire("b")  # "a" was idle, so acquiring evicts it
+    assert disk_reads == ["a", "b"] and writer.slots[0] == "b"
+
+
+def test_host_cache_is_bounded_and_lru():
+    pool, _, disk_reads = _pool(num_slots=1, max_cpu=2)
+    for key in ("a", "b", "c"):
+        pool.prefetch(key)
+    assert pool.cpu_resident() == 2 and pool.counters.cpu_evictions == 1
+    pool.prefetch("a")  # resident on the GPU already: no read
+    pool.acquire("b")  # evicts idle "a" from the GPU; "b" comes from host memory
+    assert disk_reads == ["a", "b", "c"]
+    pool.release("b")
+    pool.acquire("a")  # fell out of both caches: read again
+    assert disk_reads == ["a", "b", "c", "a"]
+
+
+def test_forget_keeps_pinned_adapters():
+    pool, _, _ = _pool()
+    pool.acquire("a")
+    assert not pool.forget("a") and pool.slot_of("a") is not None
+    pool.release("a")
+    assert pool.forget("a") and pool.slot_of("a") is None and pool.gpu_resident() == 0

@@ -1,0 +1,103 @@
+"""Background compilation: non-blocking, deduplicated, cached on disk, and bounded in time and
+memory without harming the server."""
+
+from __future__ import annotations
+
+import pytest
+
+from loraplex.grammar.compiler import GrammarCompiler
+from loraplex.grammar.config import GrammarConfig
+from loraplex.grammar.errors import (
+    GrammarCompileError,
+    GrammarMemoryError,
+    GrammarTimeoutError,
+    UnsupportedSchemaError,
+)
+from loraplex.grammar.matcher import GrammarMatcher
+from loraplex.grammar.params import StructuredOutputs
+
+
+def _long_string(max_length: int) -> StructuredOutputs:
+    return StructuredOutputs(
+        json={
+            "type": "object",
+            "required": ["s"],
+            "properties": {"s": {"type": "string", "maxLength": max_length}},
+        }
+    )
+
+
+@pytest.fixture
+def fresh(vocabulary, tmp_path):
+    """A compiler with its own empty disk cache and tight limits."""
+    compiler = GrammarCompiler(
+        vocabulary, GrammarConfig(compile_timeout_s=1.5, compile_memory_mib=350, cache_dir=tmp_path)
+    )
+    yield compiler
+    compiler.shutdown()
+
+
+def test_slow_schema_times_out_without_blocking_or_harming_others(fresh) -> None:
+    future = fresh.submit(_long_string(2000))
+    assert not future.done()  # the caller keeps going while it compiles
+    assert fresh.submit(_long_string(2000)) is future  # one compile per spec in flight
+    with pytest.raises(GrammarTimeoutError, match="1.5 s"):
+        future.result(timeout=30)
+    grammar = fresh.compile(StructuredOutputs(regex="[a-c]{2}"), timeout=30)
+    assert GrammarMatcher(grammar).accept_token(
+        grammar.index.get_allowed_tokens(grammar.initial_state)[0]
+    )
+    again = fresh.submit(_long_string(2000))
+    assert again.done() and isinstance(again.exception(), GrammarTimeoutError)
+
+
+def test_schema_over_the_memory_limit_fails_cleanly(vocabulary, tmp_path) -> None:
+    compiler = GrammarCompiler(
+        vocabulary, GrammarConfig(compile_timeout_s=60, compile_memory_mib=256, cache_dir=tmp_path)
+    )
+    try:
+        with pytest.raises(GrammarMemoryError, match="256 MiB"):
+            compiler.compile(_long_string(400), timeout=90)
+        assert compiler.compile(StructuredOutputs(choice=["ok"]), timeout=30) is not None
+    finally:
+        compiler.shutdown()
+
+
+def test_invalid_regex_is_a_compile_error(fresh) -> None:
+    with pytest.raises(GrammarCompileError):
+        fresh.compile(StructuredOutputs(regex="(unclosed"), timeout=30)
+
+
+def test_unsupported_schema_is_refused_before_compiling(fresh) -> None:
+    with pytest.raises(UnsupportedSchemaError, match="multipleOf"):
+        fresh.submit(StructuredOutputs(json={"type": "integer", "multipleOf": 3}))
+    assert fresh.num_compiles == 0
+
+
+def test_disk_cache_survives_a_restart(vocabulary, tmp_path) -> None:
+    outputs = StructuredOutputs(regex="(red|green|blue)")
+    config = GrammarConfig(cache_dir=tmp_path)
+    first = GrammarCompiler(vocabulary, config)
+    first.compile(outputs, timeout=30)
+    first.shutdown()
+    assert first.num_compiles == 1 and list(tmp_path.glob("*.index"))
+    second = GrammarCompiler(vocabulary, config)
+    try:
+        grammar = second.compile(outputs, timeout=30)
+        assert second.num_compiles == 0 and second.cache.disk_hits == 1
+        assert grammar.allowed_token_ids(grammar.initial_state)
+    finally:
+        second.shutdown()
+
+
+def test_corrupt_cache_file_is_recompiled(vocabulary, tmp_path) -> None:
+    outputs = StructuredOutputs(regex="x+")
+    compiler = GrammarCompiler(vocabulary, GrammarConfig(cache_dir=tmp_path))
+    key = compiler.check(outputs).key(vocabulary.fingerprint)
+    (tmp_path / f"{key}.index").write_bytes(b"not an index")
+    try:
+        grammar = compiler.compile(outputs, timeout=30)
+        assert compiler.num_compiles == 1
+        assert grammar.allowed_token_ids(grammar.initial_state)
+    finally:
+        compiler.shutdown()

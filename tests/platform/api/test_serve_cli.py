@@ -1,0 +1,67 @@
+"""`loraplex serve` options: YAML keys, command-line precedence, help text."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from loraplex.cli import build_parser
+from loraplex.platform.api.serve_cli import engine_config, resolve_options
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_defaults_serve_the_embedded_model_on_loopback():
+    values = resolve_options(_parse())
+    assert (values["host"], values["port"], values["model"]) == ("127.0.0.1", 8000, None)
+    config = engine_config(values)
+    assert config.cache.enable_prefix_caching and config.model.model is None
+
+
+def test_the_shipped_yaml_matches_the_defaults():
+    assert resolve_options(_parse("--config", str(REPO / "configs/serve.yaml"))) == (
+        resolve_options(_parse())
+    )
+
+
+def test_flags_override_yaml(tmp_path):
+    path = tmp_path / "serve.yaml"
+    path.write_text("port: 9001\nmax_num_seqs: 8\nenable_prefix_caching: false\ndtype: bf16\n")
+    values = resolve_options(_parse("--config", str(path), "--port", "9002"))
+    assert values["port"] == 9002 and values["max_num_seqs"] == 8
+    config = engine_config(values)
+    assert config.scheduler.max_num_seqs == 8
+    assert not config.cache.enable_prefix_caching
+    assert config.model.dtype == "bfloat16"
+    assert resolve_options(_parse("--config", str(path), "--enable-prefix-caching"))[
+        "enable_prefix_caching"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("prot: 1\n", "unknown option"), ("port: eighty\n", "port must be int"), ("- 1\n", "mapping")],
+)
+def test_bad_yaml_is_a_clear_error(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        resolve_options(_parse("--config", str(path)))
+
+
+def test_help_explains_every_option(capsys):
+    with pytest.raises(SystemExit):
+        _parse("--help")
+    text = capsys.readouterr().out
+    for flag in ("--model", "--served-model-name", "--dtype", "--max-model-len",
+                 "--gpu-memory-utilization", "--num-kv-blocks", "--block-size", "--max-num-seqs",
+                 "--max-num-batched-tokens", "--enable-prefix-caching", "--quantization",
+                 "--enforce-eager", "--seed", "--host", "--port", "--config",
+                 "--max-request-body-bytes"):  # fmt: skip
+        assert flag in text

@@ -1,0 +1,102 @@
+"""AsyncEngine: the engine on its own thread, driven from asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from loraplex import SamplingParams
+from loraplex.config import CacheConfig, EngineConfig, ModelConfig
+from loraplex.platform.engine.async_engine import AsyncEngine, EngineDeadError
+from loraplex.platform.engine.engine import PromptTooLongError
+from loraplex.platform.engine.sampling_params import RequestOutputKind
+
+DELTA = RequestOutputKind.DELTA
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    engine = AsyncEngine(
+        EngineConfig(
+            model=ModelConfig(model=str(model_dir), dtype="float32", max_model_len=256,
+                              device="cpu"),
+            cache=CacheConfig(num_kv_blocks=128),
+        )
+    )  # fmt: skip
+    timings = []
+    engine.add_timing_observer(timings.append)
+    engine.timings = timings
+    engine.start()
+    yield engine
+    engine.shutdown()
+
+
+def _wait_idle(engine: AsyncEngine) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        stats = engine.snapshot().stats
+        if stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"engine not idle: {engine.snapshot()}")
+
+
+def test_concurrent_streams_match_the_offline_engine(engine, llm):
+    prompts = ["The capital of France is", "def add(a, b):", "Roses are red,"]
+    params = SamplingParams(max_tokens=6, temperature=0, output_kind=DELTA)
+
+    async def one(prompt: str) -> str:
+        return "".join([o.outputs[0].text async for o in engine.generate(prompt, params)])
+
+    async def run() -> list[str]:
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    offline = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0))
+    assert asyncio.run(run()) == [o.outputs[0].text for o in offline]
+    timing = engine.timings[-1]
+    assert timing.ttft_s is not None and timing.ttft_s <= timing.e2e_s
+    assert len(timing.inter_token_s) == 5 and timing.finish_reason == "length"
+
+
+def test_add_errors_surface_as_the_original_exception(engine):
+    async def run() -> None:
+        params = SamplingParams(max_tokens=300)
+        async for _ in engine.generate("hello", params):
+            pass
+
+    with pytest.raises(PromptTooLongError) as error:
+        asyncio.run(run())
+    assert error.value.param == "max_tokens" and "256" in str(error.value)
+    assert engine.is_running
+
+
+def test_stopping_early_aborts_and_frees_blocks(engine):
+    params = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0, output_kind=DELTA)
+
+    async def run() -> int:
+        seen = 0
+        async for _ in engine.generate("Count to a thousand:", params):
+            seen += 1
+            if seen == 2:
+                break
+        return seen
+
+    assert asyncio.run(run()) == 2
+    _wait_idle(engine)
+    assert engine.timings[-1].finish_reason == "abort"
+
+
+def test_a_shut_down_engine_refuses_requests(model_dir):
+    engine = AsyncEngine(EngineConfig(model=ModelConfig(model=str(model_dir), device="cpu"),
+                                      cache=CacheConfig(num_kv_blocks=16)))  # fmt: skip
+    engine.start()
+    engine.shutdown()
+    assert not engine.is_running
+
+    async def run() -> None:
+        await engine.add_request("r", "hi", SamplingParams(max_tokens=2))
+
+    with pytest.raises(EngineDeadError):
+        asyncio.run(run())
