@@ -248,8 +248,10 @@ class AsyncEngine:
             logger.exception("the engine thread failed")
             self.dead_reason = exc
             self._fail_all(EngineDeadError(f"the engine failed: {exc!r}"))
-            return
-        self._fail_all(EngineDeadError("the engine was shut down"))
+        else:
+            self._fail_all(EngineDeadError("the engine was shut down"))
+        finally:
+            self.engine.shutdown()
 
     def _handle_commands(self, block: bool) -> bool:
         """Apply queued commands (waiting for one if `block`); False once asked to stop."""

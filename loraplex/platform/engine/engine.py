@@ -18,7 +18,7 @@ from loraplex.platform.engine.sampling_params import SamplingParams
 from loraplex.platform.engine.structured_output import StructuredOutputManager
 from loraplex.platform.models.model_loader import generation_eos_ids
 from loraplex.platform.models.model_store import resolve_model_path
-from loraplex.platform.models.tokenizer import Tokenizer
+from loraplex.platform.models.tokenizer import load_tokenizer
 from loraplex.platform.runner.model_runner import ModelRunner
 from loraplex.platform.scheduler.scheduler import Scheduler
 
@@ -56,17 +56,15 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_dir = resolve_model_path(config.model.model)
-        self.tokenizer = Tokenizer(self.model_dir)
         self.runner = ModelRunner(config, self.model_dir, ())
         arch = self.runner.arch
+        self.tokenizer = load_tokenizer(self.model_dir, arch.vocab_size)
         eos = generation_eos_ids(self.model_dir, arch)
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
             eos = (self.tokenizer.eos_token_id, *eos)
         self.eos_token_ids = eos
         self.runner.eos_token_ids = eos
-        self.max_model_len = min(
-            config.model.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings
-        )
+        self.max_model_len = self.runner.max_model_len
         self.lora_manager = self.runner.lora_manager
         self.scheduler = Scheduler(
             config.scheduler,
@@ -79,7 +77,7 @@ class Engine:
             self.tokenizer, eos, arch.vocab_size, config.scheduler.max_num_seqs
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.served_model_name = config.model.served_model_name or self.model_dir.name
+        self.served_model_name = config.model.served_model_name or self.model_dir.stem
         self._ids = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0

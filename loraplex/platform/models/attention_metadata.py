@@ -13,5 +13,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     seq_lens: torch.Tensor  # [num_seqs] int32, context incl. new tokens
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
-    max_query_len: int
-    max_seq_len: int
+    # Host-side bounds the kernels use to size their grids; None under CUDA-graph capture, so
+    # the grid follows tensor shapes only and every replay fits.
+    max_query_len: int | None
+    max_seq_len: int | None

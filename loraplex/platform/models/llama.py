@@ -89,7 +89,15 @@ class LlamaAttention(nn.Module):
         k_cache, v_cache = kv_cache
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(
-            q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale
+            q,
+            k_cache,
+            v_cache,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            self.scale,
+            max_query_len=meta.max_query_len,
+            max_seq_len=meta.max_seq_len,
         )
         return self.o_proj(out.reshape(num_tokens, q_size))
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from loraplex.platform.models.arch_config import ArchConfig
+from loraplex.platform.models.dummy_weights import init_random_weights
 from loraplex.platform.models.linear import Linear
 from loraplex.platform.models.registry import get_model_class
 from loraplex.platform.models.weight_loader import iterate_checkpoint
@@ -59,14 +60,28 @@ def finish_loading(model: nn.Module) -> None:
 
 
 def load_model(
-    model_dir: Path, dtype: str, device: torch.device, quantization: str | None = None
+    model_path: Path,
+    dtype: str,
+    device: torch.device,
+    quantization: str | None = None,
+    random_seed: int | None = None,
 ) -> tuple[nn.Module, ArchConfig, torch.dtype]:
-    model_dir = Path(model_dir)
-    arch = ArchConfig.from_path(model_dir)
+    """Load a Hugging Face-layout folder, or, given a config.json file, build that architecture
+    with random weights generated on the device from `random_seed` (for benchmarks)."""
+    model_path = Path(model_path)
+    if model_path.is_file():
+        arch = ArchConfig.from_dict(json.loads(model_path.read_text()))
+        torch_dtype = resolve_dtype(dtype, arch, device)
+        if quantization is not None:
+            raise ValueError("random weights are generated unquantized; drop --quantization")
+        model = build_model(arch, torch_dtype, device)
+        init_random_weights(model, random_seed or 0)
+        return model, arch, torch_dtype
+    arch = ArchConfig.from_path(model_path)
     torch_dtype = resolve_dtype(dtype, arch, device)
-    quant = quantization_for(model_dir, arch, quantization)
+    quant = quantization_for(model_path, arch, quantization)
     model = build_model(arch, torch_dtype, device, quant)
-    model.load_weights(iterate_checkpoint(model_dir))
+    model.load_weights(iterate_checkpoint(model_path))
     finish_loading(model)
     return model, arch, torch_dtype
 
@@ -74,6 +89,8 @@ def load_model(
 def generation_eos_ids(model_dir: Path, arch: ArchConfig) -> tuple[int, ...]:
     """EOS ids from generation_config.json if present, else config.json."""
     path = Path(model_dir) / "generation_config.json"
+    if Path(model_dir).is_file():  # a bare config.json of a random-weight model
+        return arch.eos_token_ids
     if path.is_file():
         eos = json.loads(path.read_text()).get("eos_token_id")
         if isinstance(eos, int):

@@ -96,11 +96,12 @@ def ensure_default_model(progress: bool = True) -> Path:
 
 
 def resolve_model_path(model: str | None) -> Path:
-    """The Hugging Face folder to serve: the default model for None, else the folder `model`."""
+    """The Hugging Face folder to serve: the default model for None, else the folder `model`;
+    a config.json file (e.g. configs/models/llama-3.1-8b.json) means random weights."""
     if model is None:
         return ensure_default_model()
     path = Path(model).expanduser()
-    if is_model_dir(path):
+    if is_model_dir(path) or (path.is_file() and path.suffix == ".json"):
         return path
     raise ValueError(
         f"model {model!r} is not a folder holding config.json; pass a Hugging Face model folder "

@@ -95,3 +95,32 @@ class Tokenizer:
 
 def _raise_template_error(message: str) -> None:
     raise ValueError(f"chat template error: {message}")
+
+
+class TokenIdsOnlyTokenizer:
+    """Stands in for a model without a tokenizer (random-weight benchmarks): prompts must be
+    token ids, and outputs carry token ids with empty text."""
+
+    chat_template = None
+    bos_token_id = None
+    eos_token_id = None
+    backend = None
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise ValueError("this model has no tokenizer: pass prompts as token ids")
+
+    def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+        raise ValueError("this model has no tokenizer or chat template")
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+
+def load_tokenizer(model_path: Path, vocab_size: int) -> Tokenizer | TokenIdsOnlyTokenizer:
+    model_path = Path(model_path)
+    if model_path.is_dir() and (model_path / "tokenizer.json").is_file():
+        return Tokenizer(model_path)
+    return TokenIdsOnlyTokenizer(vocab_size)

@@ -12,6 +12,7 @@ import torch
 from loraplex.config import EngineConfig
 from loraplex.platform.models.attention_metadata import AttentionMetadata
 from loraplex.platform.models.model_loader import load_model
+from loraplex.platform.runner.cuda_graph import CudaGraphRunner
 from loraplex.platform.runner.request_state import CachedRequestState
 from loraplex.platform.runner.sampler import Sampler, SamplingRow
 from loraplex.platform.scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -37,7 +38,11 @@ class ModelRunner:
         self.device = resolve_device(config.model.device)
         self.block_size = config.cache.block_size
         self.model, self.arch, self.dtype = load_model(
-            model_dir, config.model.dtype, self.device, config.model.quantization
+            model_dir,
+            config.model.dtype,
+            self.device,
+            config.model.quantization,
+            random_seed=config.model.seed,
         )
         self.eos_token_ids = eos_token_ids
         # NOTE: LoRA slots are allocated before the KV cache is sized from what memory is left.
@@ -53,6 +58,26 @@ class ModelRunner:
         ]
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler(config.model.seed)
+        self.max_model_len = min(
+            config.model.max_model_len or self.arch.max_position_embeddings,
+            self.arch.max_position_embeddings,
+        )
+        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        # One row per running request, updated as blocks are added (never rebuilt per step).
+        max_seqs = config.scheduler.max_num_seqs
+        self.block_table = np.zeros((max_seqs, self.max_blocks_per_seq), dtype=np.int32)
+        self._free_rows = list(range(max_seqs - 1, -1, -1))
+        self.graphs = None
+        if self.device.type == "cuda" and not config.runner.enforce_eager:
+            self.graphs = CudaGraphRunner(
+                self.model,
+                self.kv_caches,
+                min(config.runner.cuda_graph_max_bs, max_seqs),
+                self.max_blocks_per_seq,
+                self.device,
+                before_replay=self._lora_for_graph if self.lora_manager is not None else None,
+            )
+            self.graphs.capture()
         logger.info(
             "model on %s in %s; %d KV blocks of %d tokens",
             self.device,
@@ -73,6 +98,13 @@ class ModelRunner:
         )
         spec = BaseModelSpec.from_hf_config(self.arch.raw, name_or_path=str(model_dir))
         return LoRAManager(cfg.lora, spec, state, self.dtype)
+
+    def _lora_for_graph(self, padded_bs: int, lora_slots: np.ndarray | None) -> None:
+        assert self.lora_manager is not None
+        slots = torch.full((padded_bs,), -1, dtype=torch.int32)
+        if lora_slots is not None:
+            slots[: len(lora_slots)] = torch.from_numpy(lora_slots)
+        self.lora_manager.set_batch(slots, always_apply=True)
 
     @property
     def kv_block_bytes(self) -> int:
@@ -102,22 +134,32 @@ class ModelRunner:
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
-            self.requests.pop(req_id, None)
+            state = self.requests.pop(req_id, None)
+            if state is not None:
+                self._free_rows.append(state.row)
         for new in so.new_reqs:
             params = new.sampling_params
+            row = self._free_rows.pop()
+            self.block_table[row, : len(new.block_ids)] = new.block_ids
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
                 token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
                 num_prompt_tokens=len(new.prompt_token_ids),
                 sampling_params=params,
-                block_ids=list(new.block_ids),
+                num_blocks=len(new.block_ids),
+                row=row,
                 num_computed_tokens=new.num_computed_tokens,
                 lora_slot=new.lora_slot,
                 banned_until_min=tuple(self.eos_token_ids) + tuple(params.stop_token_ids),
             )
         for cached in so.cached_reqs:
             state = self.requests[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
+            if cached.new_block_ids:
+                k = len(cached.new_block_ids)
+                self.block_table[state.row, state.num_blocks : state.num_blocks + k] = (
+                    cached.new_block_ids
+                )
+                state.num_blocks += k
             state.num_computed_tokens = cached.num_computed_tokens
 
     # -- one step ------------------------------------------------------------------------
@@ -130,25 +172,56 @@ class ModelRunner:
         self._update_states(so)
         if so.is_empty:
             return ModelRunnerOutput(sampled={})
-        batch = self._prepare_inputs(so)
-        if self.lora_manager is not None:
-            self.lora_manager.set_batch(batch.lora_slots)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
-        if not batch.sample_req_ids:
+        host = self._prepare_host(so)
+        if not host.sample_req_ids:
+            self._forward(host)
             return ModelRunnerOutput(sampled={})
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
-        rows = [self._sampling_row(self.requests[r]) for r in batch.sample_req_ids]
+        logits = self._forward(host)
+        rows = [self._sampling_row(self.requests[r]) for r in host.sample_req_ids]
         mask = None
         if bitmasks:
-            mask = _stack_bitmasks(bitmasks, batch.sample_req_ids, logits.shape[1], logits.device)
+            mask = _stack_bitmasks(bitmasks, host.sample_req_ids, logits.shape[1], logits.device)
         out = self.sampler(logits, rows, mask)
         sampled, logprobs = {}, {}
-        for req_id, token, lp in zip(batch.sample_req_ids, out.token_ids, out.logprobs):
+        for req_id, token, lp in zip(host.sample_req_ids, out.token_ids, out.logprobs):
             self.requests[req_id].token_ids.append(token)
             sampled[req_id] = token
             if lp is not None:
                 logprobs[req_id] = lp
         return ModelRunnerOutput(sampled=sampled, logprobs=logprobs)
+
+    def _forward(self, host: _HostBatch) -> torch.Tensor:
+        """Logits [num_sampled, vocab] of the rows that sample (graph replay for pure decode)."""
+        num_seqs = len(host.seq_lens)
+        lora = host.lora_slots if (host.lora_slots >= 0).any() else None
+        if (
+            self.graphs is not None
+            and host.is_decode
+            and self.graphs.padded_size(num_seqs) is not None
+        ):
+            return self.graphs.run(
+                host.input_ids, host.positions, host.slot_mapping, host.seq_lens,
+                host.block_tables, lora,
+            )  # fmt: skip
+        dev = self.device
+        if self.lora_manager is not None:
+            slots = torch.from_numpy(host.lora_slots)
+            self.lora_manager.set_batch(slots.to(dev) if lora is not None else slots)
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(host.slot_mapping).to(dev),
+            query_start_loc=torch.from_numpy(host.query_start_loc).to(dev),
+            seq_lens=torch.from_numpy(host.seq_lens).to(dev),
+            block_tables=torch.from_numpy(host.block_tables).to(dev),
+            max_query_len=host.max_query_len,
+            max_seq_len=int(host.seq_lens.max()),
+        )
+        input_ids = torch.from_numpy(host.input_ids).to(dev)
+        positions = torch.from_numpy(host.positions).to(dev)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not host.sample_req_ids:
+            return hidden[:0]
+        indices = torch.from_numpy(host.logits_indices).to(dev)
+        return self.model.compute_logits(hidden[indices])
 
     def _sampling_row(self, state: CachedRequestState) -> SamplingRow:
         p = state.sampling_params
@@ -173,68 +246,67 @@ class ModelRunner:
             banned_token_ids=state.banned_until_min if below_min else (),
         )
 
-    def _prepare_inputs(self, so: SchedulerOutput) -> _Batch:
-        bs = self.block_size
+    def _prepare_host(self, so: SchedulerOutput) -> _HostBatch:
+        """The step's batch as host arrays (DESIGN.md's layout), built vectorised."""
         req_ids = list(so.num_scheduled_tokens)
-        num_seqs = len(req_ids)
-        input_ids: list[int] = []
-        lora_slots = np.full(so.total_num_scheduled_tokens, -1, dtype=np.int32)
-        positions = np.empty(so.total_num_scheduled_tokens, dtype=np.int64)
-        slots = np.empty(so.total_num_scheduled_tokens, dtype=np.int64)
-        query_start = np.zeros(num_seqs + 1, dtype=np.int32)
-        seq_lens = np.empty(num_seqs, dtype=np.int32)
-        max_blocks = max(len(self.requests[r].block_ids) for r in req_ids)
-        block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
-        sample_req_ids: list[str] = []
-        logits_indices: list[int] = []
-        offset = 0
-        for i, req_id in enumerate(req_ids):
-            state = self.requests[req_id]
-            n = so.num_scheduled_tokens[req_id]
-            start = state.num_computed_tokens
-            input_ids.extend(state.token_ids[start : start + n])
-            pos = np.arange(start, start + n)
-            blocks = np.asarray(state.block_ids, dtype=np.int64)
-            positions[offset : offset + n] = pos
-            lora_slots[offset : offset + n] = state.lora_slot
-            slots[offset : offset + n] = blocks[pos // bs] * bs + pos % bs
-            block_tables[i, : len(blocks)] = blocks
-            offset += n
-            query_start[i + 1] = offset
-            seq_lens[i] = start + n
-            if start + n == len(state.token_ids):
-                sample_req_ids.append(req_id)
-                logits_indices.append(offset - 1)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            query_start_loc=torch.from_numpy(query_start).to(dev),
-            seq_lens=torch.from_numpy(seq_lens).to(dev),
-            block_tables=torch.from_numpy(block_tables).to(dev),
-            max_query_len=int(np.diff(query_start).max()),
-            max_seq_len=int(seq_lens.max()),
+        states = [self.requests[r] for r in req_ids]
+        counts = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), np.int64, len(req_ids))
+        starts = np.fromiter((s.num_computed_tokens for s in states), np.int64, len(states))
+        rows = np.fromiter((s.row for s in states), np.int64, len(states))
+        query_start = np.zeros(len(req_ids) + 1, dtype=np.int32)
+        np.cumsum(counts, out=query_start[1:])
+        total = int(query_start[-1])
+        # Per token: which request, and its position.
+        seq_of_token = np.repeat(np.arange(len(req_ids)), counts)
+        positions = (
+            np.arange(total, dtype=np.int64) - query_start[seq_of_token] + starts[seq_of_token]
         )
-        return _Batch(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
-            positions=torch.from_numpy(positions).to(dev),
-            meta=meta,
-            sample_req_ids=sample_req_ids,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
-            lora_slots=torch.from_numpy(lora_slots).to(dev)
-            if (lora_slots >= 0).any()
-            else torch.from_numpy(lora_slots),
+        block_ids = self.block_table[rows[seq_of_token], positions // self.block_size]
+        slot_mapping = block_ids.astype(np.int64) * self.block_size + positions % self.block_size
+        if int(counts.max()) == 1:
+            input_ids = np.fromiter(
+                (s.token_ids[s.num_computed_tokens] for s in states), np.int64, len(states)
+            )
+        else:
+            input_ids = np.fromiter(
+                (t for s, n in zip(states, counts.tolist())
+                 for t in s.token_ids[s.num_computed_tokens : s.num_computed_tokens + n]),
+                np.int64, total,
+            )  # fmt: skip
+        seq_lens = (starts + counts).astype(np.int32)
+        max_blocks = int(max(s.num_blocks for s in states))
+        sampling = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
+        lora_slots = np.repeat(
+            np.fromiter((s.lora_slot for s in states), np.int32, len(states)), counts
+        )
+        return _HostBatch(
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start,
+            seq_lens=seq_lens,
+            block_tables=self.block_table[rows, :max_blocks],
+            lora_slots=lora_slots,
+            sample_req_ids=[req_ids[i] for i in sampling],
+            logits_indices=query_start[1:][sampling].astype(np.int64) - 1,
+            max_query_len=int(counts.max()),
+            is_decode=int(counts.max()) == 1 and len(sampling) == len(req_ids),
         )
 
 
 @dataclass(frozen=True)
-class _Batch:
-    input_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
-    meta: AttentionMetadata
+class _HostBatch:
+    input_ids: np.ndarray  # [num_tokens] int64
+    positions: np.ndarray  # [num_tokens] int64
+    slot_mapping: np.ndarray  # [num_tokens] int64
+    query_start_loc: np.ndarray  # [num_seqs + 1] int32
+    seq_lens: np.ndarray  # [num_seqs] int32
+    block_tables: np.ndarray  # [num_seqs, max_blocks] int32
+    lora_slots: np.ndarray  # [num_tokens] int32, -1 = base
     sample_req_ids: list[str]
-    logits_indices: torch.Tensor  # [num_sampled]
-    # [num_tokens] int32, -1 = base; left on the CPU when no token has an adapter
-    lora_slots: torch.Tensor
+    logits_indices: np.ndarray  # [num_sampled] int64
+    max_query_len: int
+    is_decode: bool  # one new token per sequence, and every sequence samples
 
 
 def _stack_bitmasks(

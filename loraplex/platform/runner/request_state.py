@@ -13,7 +13,8 @@ class CachedRequestState:
     token_ids: list[int]  # prompt, then sampled tokens
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    block_ids: list[int]
+    num_blocks: int  # blocks held, in the runner's block-table row `row`
+    row: int
     num_computed_tokens: int
     lora_slot: int
     banned_until_min: tuple[int, ...]  # EOS and stop ids, masked until min_tokens

@@ -1,0 +1,169 @@
+"""The GPU path on an H200 (issue 8): latency, decode TPOT and bandwidth use, throughput against
+HF transformers on the same random Llama-3.1-8B-shaped weights.
+
+    python -m benchmarks.gpu_path [--model configs/models/llama-3.1-8b.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+
+from benchmarks.hf_baseline import hf_generate_static, hf_model_from_engine
+from benchmarks.record import RESULTS, write_result
+from loraplex import LLM, SamplingParams
+
+
+def _timed(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def random_prompts(rng: random.Random, vocab: int, lengths: list[int]) -> list[list[int]]:
+    return [[rng.randrange(100, vocab - 100) for _ in range(n)] for n in lengths]
+
+
+def copy_bandwidth() -> float:
+    """Device copy bandwidth in bytes/s (read + write), the ceiling for memory-bound decode."""
+    src = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    seconds = min(_timed(lambda: dst.copy_(src)) for _ in range(5))
+    return 2 * src.numel() / seconds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="configs/models/llama-3.1-8b.json")
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--hf-subset", type=int, default=64)
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--out", default="h200_gpu_path.json")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("benchmarks.gpu_path needs a CUDA GPU; skipped")
+        return 0
+
+    t0 = time.perf_counter()
+    llm = LLM(
+        args.model,
+        dtype="bfloat16",
+        enable_lora=False,
+        max_model_len=4096,
+        max_num_batched_tokens=8192,
+        gpu_memory_utilization=0.55,
+        seed=0,
+    )
+    print(f"engine ready in {time.perf_counter() - t0:.1f} s; {llm.stats()}")
+    runner = llm.engine.runner
+    vocab = runner.arch.vocab_size
+    rng = random.Random(0)
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    metrics: dict[str, float] = {}
+    baseline: dict[str, float] = {}
+
+    # 1. latency: batch 8, 32 in / 128 out, end to end
+    llm.generate(random_prompts(rng, vocab, [32] * 8), SamplingParams(max_tokens=128, **greedy))
+    runs = [
+        _timed(
+            lambda: llm.generate(
+                random_prompts(rng, vocab, [32] * 8), SamplingParams(max_tokens=128, **greedy)
+            )
+        )
+        for _ in range(3)
+    ]
+    metrics["latency_bs8_32in_128out_s"] = statistics.median(runs)
+    print(f"latency bs8 32/128: {runs}")
+
+    # 2. decode time per token at batch 1, and memory-bandwidth use
+    def one(n: int) -> float:
+        return _timed(
+            lambda: llm.generate(
+                random_prompts(rng, vocab, [32]), SamplingParams(max_tokens=n, **greedy)
+            )
+        )
+
+    one(8)
+    steps = 256
+    tpot = statistics.median((one(steps + 1) - one(1)) / steps for _ in range(3))
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    a = runner.arch
+    avg_ctx = 32 + steps / 2
+    kv_bytes = avg_ctx * a.num_layers * 2 * a.num_kv_heads * a.head_dim * 2
+    bw = copy_bandwidth()
+    metrics["tpot_bs1_ms"] = tpot * 1e3
+    metrics["mbu_bs1"] = (weight_bytes + kv_bytes) / tpot / bw
+    metrics["copy_bandwidth_gb_s"] = bw / 1e9
+    print(
+        f"tpot bs1 {tpot * 1e3:.3f} ms, weights {weight_bytes / 1e9:.2f} GB, "
+        f"copy bw {bw / 1e9:.0f} GB/s, mbu {metrics['mbu_bs1']:.3f}"
+    )
+
+    # 3. throughput: nano-vllm's workload
+    wl = random.Random(1)
+    lens = [(wl.randint(100, 1024), wl.randint(100, 1024)) for _ in range(args.num_requests)]
+    prompts = random_prompts(wl, vocab, [i for i, _ in lens])
+    params = [SamplingParams(max_tokens=o, **greedy) for _, o in lens]
+    llm.generate(prompts[:8], [SamplingParams(max_tokens=16, **greedy)] * 8)
+    llm.engine.scheduler.kv.reset_prefix_cache()
+    seconds = _timed(lambda: llm.generate(prompts, params))
+    out_tokens = sum(o for _, o in lens)
+    metrics["throughput_out_tok_s"] = out_tokens / seconds
+    print(f"throughput {args.num_requests} reqs: {out_tokens} tokens in {seconds:.1f} s")
+    sub = args.hf_subset
+    llm.engine.scheduler.kv.reset_prefix_cache()
+    sub_seconds = _timed(lambda: llm.generate(prompts[:sub], params[:sub]))
+    sub_tokens = sum(o for _, o in lens[:sub])
+    metrics[f"throughput_subset{sub}_out_tok_s"] = sub_tokens / sub_seconds
+    print(f"throughput subset {sub}: {sub_tokens / sub_seconds:.0f} tok/s")
+
+    attention = RESULTS / "h200_attention.json"
+    if attention.is_file():
+        attn = json.loads(attention.read_text())["metrics"]
+        for key in ("attn_prefill_vs_sdpa", "attn_decode_vs_sdpa"):
+            if key in attn:
+                metrics[key] = attn[key]
+
+    if not args.skip_hf:
+        hf = hf_model_from_engine(llm, torch.bfloat16)
+        t, useful = hf_generate_static(hf, prompts[:sub], [o for _, o in lens[:sub]])
+        baseline[f"hf_static_subset{sub}_out_tok_s"] = useful / t
+        metrics["speedup_vs_hf_static"] = metrics[f"throughput_subset{sub}_out_tok_s"] / (
+            useful / t
+        )
+        print(f"HF static subset {sub}: {useful / t:.0f} tok/s in {t:.1f} s")
+        t, _ = hf_generate_static(hf, random_prompts(rng, vocab, [32] * 8), [128] * 8)
+        baseline["hf_eager_latency_bs8_32in_128out_s"] = t
+        t1, _ = hf_generate_static(hf, random_prompts(rng, vocab, [32]), [1])
+        t65, _ = hf_generate_static(hf, random_prompts(rng, vocab, [32]), [65])
+        baseline["hf_eager_tpot_bs1_ms"] = (t65 - t1) / 64 * 1e3
+        print(
+            f"HF eager: latency {baseline['hf_eager_latency_bs8_32in_128out_s']:.2f} s, "
+            f"tpot {baseline['hf_eager_tpot_bs1_ms']:.1f} ms"
+        )
+    print(json.dumps(metrics, indent=2))
+    write_result(
+        args.out,
+        "gpu_path",
+        metrics,
+        baseline,
+        workload={
+            "model": args.model,
+            "num_requests": args.num_requests,
+            "hf_subset": sub,
+            "input_output_uniform": [100, 1024],
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

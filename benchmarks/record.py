@@ -1,0 +1,62 @@
+"""Benchmark records: one JSON object per run, saying how it was made."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            check=True,
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
+def write_result(
+    name: str, benchmark: str, metrics: dict[str, float], baseline: dict[str, Any], **extra: Any
+) -> Path:
+    record = {
+        "benchmark": benchmark,
+        "device": device_name(),
+        "command": " ".join(shlex.quote(a) for a in ["python", "-m", *_module_argv()]),
+        "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "metrics": metrics,
+        "baseline": baseline,
+        **extra,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / name
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {path}")
+    return path
+
+
+def _module_argv() -> list[str]:
+    main = sys.modules["__main__"]
+    spec = getattr(main, "__spec__", None)
+    module = spec.name if spec is not None else Path(sys.argv[0]).stem
+    return [module, *sys.argv[1:]]
