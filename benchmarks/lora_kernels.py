@@ -1,10 +1,12 @@
-"""Multi-LoRA shrink+expand time per decoder layer against the layer's base projection GEMMs.
+"""Multi-LoRA cost per decoder layer against the layer's base projection GEMMs, on one GPU.
 
 Llama-3.1-8B shapes (hidden 4096, intermediate 14336, 32 query / 8 KV heads), bf16, rank 16,
-`max_loras` 8 slots, tokens spread round-robin over up to 4 adapters. Per layer: the LoRA work
-of qkv, o, gate-up and down (3 + 1 + 2 + 1 shards, each a shrink and an expand) versus the four
-base GEMMs (`F.linear`, cuBLAS). Both are timed as replayed CUDA graphs, as decode runs them,
-and eagerly (with launch overhead).
+64 slots. Per layer: the LoRA work of qkv, o, gate-up and down (one shrink and one expand each,
+8 launches) against the four base GEMMs (cuBLAS). The LoRA weights of 32 layers are cycled, as in
+a real forward, so they come from HBM rather than L2. For 1, 64 and 256 tokens spread over 1, 4
+and 64 distinct adapters, it checks every kernel variant against the fp32 torch reference, times
+each variant as a replayed CUDA graph, and times the default one eagerly too, plus the per-step
+`LoRABatchMeta.set` (eager) and its token grouping (in a graph).
 
     python -m benchmarks.lora_kernels [--out benchmarks/results/lora_kernels.json]
 
@@ -14,6 +16,7 @@ and eagerly (with launch overhead).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import subprocess
@@ -25,7 +28,14 @@ from pathlib import Path
 import torch
 
 from loraplex.adapters.lora_layer import LoRABatchMeta, LoRALayer
-from loraplex.kernels.lora import lora_expand_ref, lora_kernel_meta, lora_shrink_ref
+from loraplex.kernels.lora import (
+    DEFAULT_KERNEL_CONFIG,
+    LoRAKernelConfig,
+    LoRAStack,
+    add_lora,
+    lora_expand_ref,
+    lora_shrink_ref,
+)
 
 HIDDEN, INTERMEDIATE, Q_SIZE, KV_SIZE = 4096, 14336, 4096, 1024
 PROJECTIONS = {  # name: (input size, shard names, shard output sizes)
@@ -34,8 +44,22 @@ PROJECTIONS = {  # name: (input size, shard names, shard output sizes)
     "gate_up_proj": (HIDDEN, ("gate_proj", "up_proj"), [INTERMEDIATE, INTERMEDIATE]),
     "down_proj": (INTERMEDIATE, ("down_proj",), [HIDDEN]),
 }
-RANK, MAX_LORAS, NUM_ADAPTERS = 16, 8, 4
-TOKEN_COUNTS = (1, 64, 256)
+RANK, MAX_LORAS, NUM_LAYERS = 16, 64, 32
+CASES = ((1, 1), (64, 1), (64, 4), (64, 64), (256, 1), (256, 4), (256, 64))  # (tokens, adapters)
+_D = DEFAULT_KERNEL_CONFIG
+VARIANTS = {
+    "default": _D,
+    "token_kernels": dataclasses.replace(_D, token_kernels_max_tokens=1 << 20),
+    "group_kernels": dataclasses.replace(_D, token_kernels_max_tokens=0),
+    "group_bm32_bn256": dataclasses.replace(
+        _D, token_kernels_max_tokens=0, group_block_m=32, group_block_n=256
+    ),
+    "expand_bn128": dataclasses.replace(_D, expand_block_n=128),
+    "expand_bn512": dataclasses.replace(_D, expand_block_n=512),
+    "shrink_bk64_splits64": dataclasses.replace(_D, shrink_block_k=64, max_splits=64),
+    "programs_256": dataclasses.replace(_D, target_programs=256),
+    "programs_1024": dataclasses.replace(_D, target_programs=1024),
+}
 
 
 @dataclass
@@ -53,9 +77,9 @@ class _Target:
         return offsets
 
 
-def _time_us(fn: Callable[[], None], graph: bool, iters: int = 200) -> float:
+def _time_us(fn: Callable[[], None], graph: bool, iters: int) -> float:
     """Mean microseconds per call, replayed from a CUDA graph or launched eagerly."""
-    for _ in range(3):
+    for _ in range(2):
         fn()
     torch.cuda.synchronize()
     run = fn
@@ -64,6 +88,7 @@ def _time_us(fn: Callable[[], None], graph: bool, iters: int = 200) -> float:
         with torch.cuda.graph(g):
             fn()
         run = g.replay
+        run()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iters):
@@ -87,69 +112,107 @@ def _commit() -> str:
         return "unknown"
 
 
-def _check_against_reference(layer: LoRALayer, x: torch.Tensor, slots: torch.Tensor) -> float:
-    """Largest relative error of the Triton path against the torch reference, one projection."""
-    out = torch.zeros(x.shape[0], sum(layer.output_sizes), dtype=x.dtype, device=x.device)
-    layer(x, out)
-    meta = lora_kernel_meta(slots.cpu(), MAX_LORAS)
-    ref = torch.zeros(out.shape, dtype=torch.float32)
-    t = torch.zeros(x.shape[0], RANK)
-    for i in range(len(layer.shard_names)):
-        ranks, scaling = layer.ranks[i].cpu(), layer.scaling[i].cpu()
-        lora_shrink_ref(x.cpu().float(), layer.a[i].cpu().float(), t, meta, ranks)
-        lora_expand_ref(t, layer.b_t[i].cpu().float(), ref, layer.offsets[i], meta, ranks, scaling)
-    return float((out.float().cpu() - ref).abs().max() / ref.abs().max())
+def _reference(layer: LoRALayer, x: torch.Tensor, meta: LoRABatchMeta) -> torch.Tensor:
+    """The fp32 torch reference of one projection's delta."""
+    w = layer.weights
+    w32 = LoRAStack(w.a.float(), w.b_t.float(), w.ranks, w.scaling, w.slice_offsets)
+    t = torch.zeros(x.shape[0], w.num_slices * RANK, device=x.device)
+    ref = torch.zeros(x.shape[0], w.slice_offsets[-1], device=x.device)
+    lora_shrink_ref(x.float(), w32, t, meta.kernel_meta)
+    lora_expand_ref(t, w32, ref, meta.kernel_meta)
+    return ref
+
+
+def _rel_error(
+    layers: list[LoRALayer], xs: list[torch.Tensor], meta: LoRABatchMeta, config: LoRAKernelConfig
+) -> float:
+    worst = 0.0
+    for layer, x in zip(layers, xs):
+        out = torch.zeros(x.shape[0], layer.offsets[-1], dtype=x.dtype, device=x.device)
+        add_lora(x, out, layer.weights, meta.kernel_meta, meta.workspace, config)
+        ref = _reference(layer, x, meta)
+        worst = max(worst, float((out.float() - ref).abs().max() / ref.abs().max()))
+    return worst
 
 
 def _measure(
-    num_tokens: int, meta: LoRABatchMeta, layers: list[LoRALayer], weights: list[torch.Tensor]
-) -> dict[str, float]:
-    """Per-layer timings at one batch size, tokens spread over `NUM_ADAPTERS` slots."""
+    num_tokens: int,
+    num_adapters: int,
+    meta: LoRABatchMeta,
+    layers: list[list[LoRALayer]],
+    weights: list[torch.Tensor],
+) -> dict[str, float | str]:
+    """Per-layer numbers at one batch size: every variant in a graph, the default eagerly."""
     device, dtype = weights[0].device, weights[0].dtype
-    slots = (torch.arange(num_tokens, device=device) % NUM_ADAPTERS).to(torch.int32)
+    slots = (torch.arange(num_tokens) % num_adapters).to(torch.int32)
     meta.set(slots)
     xs = [torch.randn(num_tokens, w.shape[1], device=device, dtype=dtype) for w in weights]
     outs = [torch.zeros(num_tokens, w.shape[0], device=device, dtype=dtype) for w in weights]
-    error = max(_check_against_reference(layer, x, slots) for layer, x in zip(layers, xs))
 
-    def lora_layer_step() -> None:
-        for layer, x, out in zip(layers, xs, outs):
-            layer(x, out)
+    def lora_step(config: LoRAKernelConfig) -> Callable[[], None]:
+        def step() -> None:
+            for per_layer in layers:
+                for layer, x, out in zip(per_layer, xs, outs):
+                    add_lora(x, out, layer.weights, meta.kernel_meta, meta.workspace, config)
 
-    def base_layer_step() -> None:
+        return step
+
+    def base_step() -> None:
         for w, x, out in zip(weights, xs, outs):
             torch.matmul(x, w.T, out=out)
 
-    row = {
-        "lora_us_graph": _time_us(lora_layer_step, graph=True),
-        "base_gemm_us_graph": _time_us(base_layer_step, graph=True),
-        "lora_us_eager": _time_us(lora_layer_step, graph=False),
-        "base_gemm_us_eager": _time_us(base_layer_step, graph=False),
-        "set_batch_us_eager": _time_us(lambda: meta.set(slots), graph=False),
-        "max_rel_error_vs_reference": error,
+    row: dict[str, float | str] = {
+        "base_gemm_us_graph": _time_us(base_step, graph=True, iters=100),
+        "base_gemm_us_eager": _time_us(base_step, graph=False, iters=100),
+        "lora_us_eager": _time_us(lora_step(_D), graph=False, iters=5) / NUM_LAYERS,
+        "set_batch_us_eager": _time_us(lambda: meta.set(slots), graph=False, iters=100),
+        "regroup_us_graph": _time_us(meta.regroup, graph=True, iters=100),
     }
+    best = ("", float("inf"))
+    for name, config in VARIANTS.items():
+        row[f"{name}_max_rel_error"] = _rel_error(layers[0], xs, meta, config)
+        us = _time_us(lora_step(config), graph=True, iters=20) / NUM_LAYERS
+        row[f"{name}_lora_us_graph"] = us
+        if us < best[1] and row[f"{name}_max_rel_error"] < 2e-2:
+            best = (name, us)
+    row["lora_us_graph"] = row["default_lora_us_graph"]
     row["lora_over_base_graph"] = row["lora_us_graph"] / row["base_gemm_us_graph"]
-    return {k: round(v, 4) for k, v in row.items()}
+    row["best_variant"] = best[0]
+    row["best_lora_us_graph"] = best[1]
+    row["best_over_base_graph"] = best[1] / row["base_gemm_us_graph"]
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
+
+
+def _build(device: torch.device, dtype: torch.dtype):
+    meta = LoRABatchMeta(MAX_LORAS, RANK, max(n for n, _ in CASES), device)
+    layers, weights = [], []
+    for index in range(NUM_LAYERS):
+        per_layer = []
+        for name, (in_size, shards, sizes) in PROJECTIONS.items():
+            target = _Target(f"model.layers.{index}.{name}", in_size, sizes, shards)
+            layer = LoRALayer(target, index, meta, RANK, device, dtype)
+            layer.weights.a.normal_(std=in_size**-0.5)
+            layer.weights.b_t.normal_(std=RANK**-0.5)
+            layer.weights.ranks.fill_(RANK)
+            layer.weights.scaling.fill_(2.0)
+            per_layer.append(layer)
+            if index == 0:
+                weights.append(
+                    torch.randn(sum(sizes), in_size, device=device, dtype=dtype) * in_size**-0.5
+                )
+        layers.append(per_layer)
+    return meta, layers, weights
 
 
 def run(out_path: Path) -> dict:
-    """Measure every batch size and write the results JSON to `out_path`."""
+    """Measure every case and write the results JSON to `out_path`."""
     device, dtype = torch.device("cuda"), torch.bfloat16
     torch.manual_seed(0)
-    meta = LoRABatchMeta(MAX_LORAS, RANK, max(TOKEN_COUNTS), device)
-    layers, weights = [], []
-    for name, (in_size, shards, sizes) in PROJECTIONS.items():
-        target = _Target(f"model.layers.0.{name}", in_size, sizes, shards)
-        layer = LoRALayer(target, 0, meta, RANK, device, dtype)
-        for i in range(len(shards)):
-            layer.a[i].normal_(std=in_size**-0.5)
-            layer.b_t[i].normal_(std=RANK**-0.5)
-            layer.ranks[i].fill_(RANK)
-            layer.scaling[i].fill_(2.0)
-        layers.append(layer)
-        weights.append(torch.randn(sum(sizes), in_size, device=device, dtype=dtype) * in_size**-0.5)
-
-    metrics = {f"tokens_{n}": _measure(n, meta, layers, weights) for n in TOKEN_COUNTS}
+    meta, layers, weights = _build(device, dtype)
+    metrics: dict[str, float | str] = {"launches_per_layer": 2 * len(PROJECTIONS)}
+    for num_tokens, num_adapters in CASES:
+        row = _measure(num_tokens, num_adapters, meta, layers, weights)
+        metrics.update({f"t{num_tokens}_a{num_adapters}_{k}": v for k, v in row.items()})
     result = {
         "benchmark": "lora_kernels",
         "device": torch.cuda.get_device_name(device),
@@ -161,11 +224,14 @@ def run(out_path: Path) -> dict:
             "dtype": "bfloat16",
             "rank": RANK,
             "max_loras": MAX_LORAS,
-            "adapters_in_batch": NUM_ADAPTERS,
-            "per_layer": list(PROJECTIONS),
+            "lora_layers_cycled": NUM_LAYERS,
+            "cases_tokens_adapters": CASES,
+            "variants": {name: dataclasses.asdict(c) for name, c in VARIANTS.items()},
         },
         "metrics": metrics,
-        "baseline": "the same layer's four base projection GEMMs (torch.matmul, cuBLAS, bf16)",
+        "baseline": "the same layer's four base projection GEMMs (torch.matmul, cuBLAS, bf16); "
+        "before the fused kernels: 50.6 / 63.0 / 109.5 us per layer in a graph at 1 / 64 / 256 "
+        "tokens over 4 adapters (0.44 / 0.51 / 0.63 of base)",
     }
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=2) + "\n")
@@ -180,7 +246,8 @@ def main() -> int:
         print("lora_kernels: no CUDA device; nothing to measure", file=sys.stderr)
         return 0
     result = run(args.out)
-    print(json.dumps(result["metrics"], indent=2))
+    summary = {k: v for k, v in result["metrics"].items() if "_default_" not in k}
+    print(json.dumps({k: v for k, v in summary.items() if "rel_error" not in k}, indent=1))
     return 0
 
 

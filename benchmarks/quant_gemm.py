@@ -1,10 +1,13 @@
 """W4A16 and FP8 W8A8 GEMM against torch bf16 matmul on Llama-3.1-8B projection shapes.
 
-    python benchmarks/quant_gemm.py [--out benchmarks/results/h200_quant.json]
+    python benchmarks/quant_gemm.py [--out benchmarks/results/h200_quant.json] [--quick]
 
-Times each op under CUDA graphs (triton.testing.do_bench_cudagraph) for M in 1..4096 and the
-four (N, K) shapes; speedup = bf16 time / our time; the metrics are geometric means over the
-shapes. Skips (exit 0) without CUDA.
+For each (N, K) shape and token count M: checks every W4A16 candidate config against an fp32
+reference (a failing one is reported and never picked), times it under CUDA graphs
+(triton.testing.do_bench_cudagraph), keeps the fastest, and times bf16 (cuBLAS) and FP8.
+speedup = bf16 time / our time; the metrics are geometric means over the shapes of the best
+configs. Prints the `TUNED_CONFIGS` dict for `loraplex/kernels/quant_gemm_configs.py`.
+Skips (exit 0) without CUDA.
 """
 
 from __future__ import annotations
@@ -19,9 +22,36 @@ from pathlib import Path
 
 import torch
 
+from loraplex.kernels.quant_gemm_configs import GemmConfig
+
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # (N, K)
 TOKENS = [1, 4, 16, 64, 256, 1024, 4096]
 GROUP_SIZE = 128
+BITS = 4
+_REP_MS = 40
+
+
+def candidates(m: int) -> list[GemmConfig]:
+    """W4A16 configs worth timing at M tokens (split_k 0: fitted to the SM count)."""
+    if m <= 4:
+        small = [GemmConfig("gemv", 1, bn, 128, s, w, 2)
+                 for bn, s, w in ((64, 0, 4), (128, 0, 4), (256, 0, 8), (128, 8, 4), (128, 32, 4))]
+        return small + [GemmConfig("gemm", 16, 128, 128, 0, 4, 3)]  # fmt: skip
+    if m <= 16:
+        return [GemmConfig("gemm", 16, bn, bk, 0, w, st)
+                for bn, bk, w, st in ((64, 128, 4, 3), (128, 128, 4, 3), (256, 128, 8, 3),
+                                      (128, 64, 4, 4), (128, 128, 4, 1))]  # fmt: skip
+    if m <= 64:
+        return [GemmConfig("gemm", bm, bn, bk, 0, w, 3)
+                for bm, bn, bk, w in ((64, 64, 128, 4), (64, 128, 64, 4), (64, 128, 128, 4),
+                                      (32, 128, 128, 4))]  # fmt: skip
+    if m <= 256:
+        return [GemmConfig("gemm", bm, bn, 64, 0, w, st)
+                for bm, bn, w, st in ((64, 128, 4, 3), (128, 128, 8, 3), (128, 256, 8, 3),
+                                      (64, 256, 8, 4))]  # fmt: skip
+    return [GemmConfig("dequant", 0, 0, 128, 1, 4, 1), GemmConfig("dequant", 0, 2048, 128, 1, 4, 1),
+            GemmConfig("dequant", 0, 1024, 128, 1, 4, 1),
+            GemmConfig("gemm", 128, 256, 64, 1, 8, 3)]  # fmt: skip
 
 
 def _bench(fn) -> float:
@@ -29,46 +59,67 @@ def _bench(fn) -> float:
     import triton.testing
 
     fn()
-    return float(triton.testing.do_bench_cudagraph(fn, rep=100))
+    torch.cuda.synchronize()
+    return float(triton.testing.do_bench_cudagraph(fn, rep=_REP_MS))
 
 
 def _w4a16_inputs(n: int, k: int) -> tuple[torch.Tensor, ...]:
     qweight = torch.randint(-(2**31), 2**31 - 1, (k // 8, n), dtype=torch.int32, device="cuda")
-    scales = (torch.rand(k // GROUP_SIZE, n, device="cuda") * 0.01).half()
-    zeros = torch.full((k // GROUP_SIZE, n), 8.0, device="cuda").half()
+    scales = (torch.rand(k // GROUP_SIZE, n, device="cuda") * 0.01 + 1e-3).half()
+    zeros = torch.randint(0, 16, (k // GROUP_SIZE, n), device="cuda").half()
     return qweight, scales, zeros
 
 
-def _bench_shape(n: int, k: int) -> list[dict]:
+def _config_str(c: GemmConfig) -> str:
+    return (f'GemmConfig("{c.kind}", {c.block_m}, {c.block_n}, {c.block_k}, {c.split_k}, '
+            f"{c.num_warps}, {c.num_stages})")  # fmt: skip
+
+
+def _bench_shape(n: int, k: int, tokens: list[int]) -> list[dict]:
     from loraplex.kernels.fp8_gemm import fp8_linear, quantize_fp8_reference
-    from loraplex.kernels.quant_gemm_w4a16 import kernel_name, wna16_gemm
+    from loraplex.kernels.quant_gemm_w4a16 import wna16_dequantize_reference, wna16_gemm_triton
 
     weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     qweight, scales, zeros = _w4a16_inputs(n, k)
+    w_ref = wna16_dequantize_reference(qweight, scales, zeros, GROUP_SIZE, BITS)  # [K, N] fp32
     w_q, w_scale = quantize_fp8_reference(weight, k)  # per channel: [N, K], [N, 1]
     rows = []
-    for m in TOKENS:
+    for m in tokens:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        expected = x[:64].float() @ w_ref  # [min(m, 64), N]
         bf16 = _bench(lambda x=x: torch.nn.functional.linear(x, weight))
-        w4 = _bench(lambda x=x: wna16_gemm(x, qweight, scales, zeros, GROUP_SIZE, 4))
         fp8 = _bench(lambda x=x: fp8_linear(x, w_q, w_scale))
-        rows.append({"n": n, "k": k, "m": m, "bf16_ms": bf16, "w4a16_ms": w4, "fp8_ms": fp8,
-                     "w4a16_kernel": kernel_name(m), "w4a16_speedup": bf16 / w4,
-                     "fp8_speedup": bf16 / fp8})  # fmt: skip
-        print(f"N={n:6d} K={k:6d} M={m:5d}  bf16 {bf16 * 1e3:8.1f} us  "
-              f"w4a16 {w4 * 1e3:8.1f} us ({bf16 / w4:4.2f}x)  "
-              f"fp8 {fp8 * 1e3:8.1f} us ({bf16 / fp8:4.2f}x)", flush=True)  # fmt: skip
+        configs = []
+        for c in candidates(m):
+            run = lambda x=x, c=c: wna16_gemm_triton(  # noqa: E731
+                x, qweight, scales, zeros, GROUP_SIZE, BITS, config=c
+            )
+            got = run()[:64].float()
+            err = float((got - expected).abs().max() / expected.abs().max())
+            ok = err < 2e-2
+            ms = _bench(run) if ok else float("inf")
+            configs.append({"config": _config_str(c), "ms": ms, "rel_err": err, "ok": ok})
+        best = min(configs, key=lambda r: r["ms"])
+        rows.append({"n": n, "k": k, "m": m, "bf16_ms": bf16, "fp8_ms": fp8,
+                     "w4a16_ms": best["ms"], "w4a16_config": best["config"],
+                     "w4a16_speedup": bf16 / best["ms"], "fp8_speedup": bf16 / fp8,
+                     "configs": configs})  # fmt: skip
+        times = " ".join(f"{r['ms'] * 1e3:.1f}" if r["ok"] else "FAIL" for r in configs)
+        print(f"N={n:5d} K={k:5d} M={m:4d} bf16 {bf16 * 1e3:7.1f} fp8 {fp8 * 1e3:7.1f} "
+              f"({bf16 / fp8:4.2f}x) w4 {best['ms'] * 1e3:7.1f} ({bf16 / best['ms']:4.2f}x) "
+              f"us | all: {times}", flush=True)  # fmt: skip
     return rows
-
-
-def run() -> dict:
-    rows = [row for n, k in SHAPES for row in _bench_shape(n, k)]
-    return _summary(rows)
 
 
 def _geomean(rows: list[dict], key: str, m: int) -> float:
     values = [r[key] for r in rows if r["m"] == m]
-    return math.exp(sum(math.log(v) for v in values) / len(values))
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def _tuned_table(rows: list[dict]) -> str:
+    lines = ["TUNED_CONFIGS: dict[tuple[int, int, int, int], GemmConfig] = {"]
+    lines += [f"    ({BITS}, {r['m']}, {r['n']}, {r['k']}): {r['w4a16_config']}," for r in rows]
+    return "\n".join([*lines, "}"])
 
 
 def _summary(rows: list[dict]) -> dict:
@@ -83,13 +134,9 @@ def _summary(rows: list[dict]) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "metrics": metrics,
         "baseline": "torch.nn.functional.linear in bf16 (cuBLAS), same shapes, CUDA graphs",
-        "targets": {
-            "w4a16_speedup_m1": 3.0,
-            "w4a16_speedup_m16": 3.0,
-            "w4a16_speedup_m64": 1.5,
-            "w4a16_speedup_m1024": 0.9,
-            "fp8_speedup_m1024": 1.5,
-        },  # fmt: skip
+        "targets": {"w4a16_speedup_m1": 3.0, "w4a16_speedup_m16": 3.0, "w4a16_speedup_m64": 1.5,
+                    "w4a16_speedup_m1024": 0.9, "fp8_speedup_m1024": 1.5},  # fmt: skip
+        "tuned_configs": _tuned_table(rows),
         "rows": rows,
     }
 
@@ -97,13 +144,16 @@ def _summary(rows: list[dict]) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/h200_quant.json"))
+    parser.add_argument("--quick", action="store_true", help="only M = 1, 16, 64, 1024")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("quant_gemm benchmark: no CUDA device, skipped")
         return 0
-    result = run()
+    tokens = [1, 16, 64, 1024] if args.quick else TOKENS
+    result = _summary([row for n, k in SHAPES for row in _bench_shape(n, k, tokens)])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
+    print(result["tuned_configs"])
     print(json.dumps(result["metrics"], indent=2))
     return 0
 

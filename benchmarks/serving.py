@@ -187,6 +187,7 @@ def record(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     proc, base_url = launch_server(args.server_arg or [])
     try:
         for c in args.concurrency:
+            metrics[f"c{c}_load_avg_1m"] = os.getloadavg()[0]
             run = asyncio.run(run_server_benchmark(base_url, prompts, args.output_len, c,
                                                    float("inf"), args.seed))  # fmt: skip
             print(f"concurrency {c}: {json.dumps(run)}", flush=True)
@@ -194,6 +195,7 @@ def record(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     finally:
         proc.terminate()
         proc.wait(30)
+    metrics["offline_load_avg_1m"] = os.getloadavg()[0]
     offline = run_offline_benchmark(prompts, args.output_len)
     print(f"offline: {json.dumps(offline)}", flush=True)
     metrics.update({f"offline_{k}": v for k, v in offline.items()})

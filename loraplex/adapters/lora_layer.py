@@ -1,11 +1,13 @@
 """LoRA layers: per-slot adapter weights beside each linear layer, applied by slot per token.
 
-Every adapted `Linear` gets a `LoRALayer` as its `lora` hook. For each shard (q/k/v of a merged
-QKV, gate/up of gate-up, or the single o/down projection) it keeps stacked slot weights padded
-to `max_lora_rank`: `A [max_loras, max_rank, in]` and `B^T [max_loras, max_rank, out_shard]`,
-plus each slot's used rank and scaling. Mixed ranks: a slot holding a rank-8 adapter copies and
-computes only its first 8 rows (the kernels stop at `ranks[slot]`); only the memory is reserved
-at the maximum, so any slot can take any adapter and loads never fragment.
+Every adapted `Linear` gets a `LoRALayer` as its `lora` hook. It keeps one `LoRAStack` for all
+its shards (q/k/v of a merged QKV, gate/up of gate-up, or the single o/down projection), padded
+to `max_lora_rank`: `A [max_loras, num_shards * max_rank, in]` (shard `i` in rows
+`i * max_rank:`), `B^T [max_loras, max_rank, out]` (shard `i` in its output columns), plus each
+shard's and slot's used rank and scaling, so a forward costs two kernel launches per layer.
+Mixed ranks: a slot holding a rank-8 adapter copies and computes only its first 8 rows (the
+kernels stop at `ranks[shard, slot]`); only the memory is reserved at the maximum, so any slot
+can take any adapter and loads never fragment.
 
 One `LoRABatchMeta`, shared by all layers, holds the step's per-token slots in persistent
 buffers (stable addresses, so CUDA graphs captured over them replay with new contents).
@@ -22,9 +24,10 @@ from torch import nn
 
 from loraplex.adapters.peft_format import SUPPORTED_MODULES, BaseModelSpec, LoRAWeights
 from loraplex.config import LoRAConfig
-from loraplex.kernels.lora import LoRAKernelMeta, lora_expand, lora_kernel_meta, lora_shrink
+from loraplex.kernels.lora import LoRAKernelMeta, LoRAStack, add_lora, fill_kernel_meta
 
 _LAYER_PREFIX = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.\w+$")
+_MIN_WORKSPACE_ROWS = 2048  # room for a decode batch's split shrink (tokens x splits)
 
 
 class LoRATarget(Protocol):
@@ -43,7 +46,12 @@ class LoRABatchMeta:
     """The current step's per-token adapter slots, set once per step before the forward."""
 
     def __init__(
-        self, num_slots: int, max_rank: int, max_num_tokens: int, device: torch.device
+        self,
+        num_slots: int,
+        max_rank: int,
+        max_num_tokens: int,
+        device: torch.device,
+        max_slices: int = 3,
     ) -> None:
         self.num_slots = num_slots
         self.max_num_tokens = max_num_tokens
@@ -52,10 +60,14 @@ class LoRABatchMeta:
         self._order = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
         self._start = torch.zeros(num_slots, dtype=torch.int32, device=device)
         self._count = torch.zeros(num_slots, dtype=torch.int32, device=device)
-        # shrink output, reused by every layer and shard in turn
+        # NOTE: shrink output, reused by every layer in turn; rows beyond the step's tokens hold
+        # the partial sums of a split reduction, so small batches get spare rows to split into.
         self.workspace = torch.zeros(
-            max_num_tokens, max_rank, dtype=torch.float32, device=device
-        )  # [max_num_tokens, max_rank]
+            max(max_num_tokens, _MIN_WORKSPACE_ROWS),
+            max_slices * max_rank,
+            dtype=torch.float32,
+            device=device,
+        )  # [rows, max_slices * max_rank]
         self.kernel_meta = self._view(0)
 
     def _view(self, n: int) -> LoRAKernelMeta:
@@ -65,18 +77,28 @@ class LoRABatchMeta:
         """Install a step's slots (`[num_tokens]` int32, -1 = base) into the shared buffers.
 
         A CPU tensor with no adapter token switches the LoRA layers off for the step. During
-        CUDA-graph capture pass `always_apply=True`, so the kernels are recorded."""
+        CUDA-graph capture pass `always_apply=True`, so the kernels are recorded. Never waits
+        for the device: a host tensor is copied asynchronously (a pinned one is cloned first,
+        so the caller may reuse it at once)."""
         n = lora_slots.shape[0]
+        if lora_slots.dim() != 1:
+            raise ValueError(f"lora_slots must be 1-D, got shape {tuple(lora_slots.shape)}")
         if n > self.max_num_tokens:
             raise ValueError(f"{n} tokens in a step, LoRA buffers hold {self.max_num_tokens}")
         on_host = lora_slots.device.type == "cpu"
         self.active = always_apply or not on_host or bool((lora_slots >= 0).any())
-        meta = lora_kernel_meta(lora_slots.to(self._slots.device), self.num_slots)
-        self._slots[:n].copy_(meta.lora_slots)
-        self._order[:n].copy_(meta.token_order)
-        self._start.copy_(meta.slot_start)
-        self._count.copy_(meta.slot_count)
+        if on_host and lora_slots.is_pinned():
+            lora_slots = lora_slots.clone()
+        self._slots[:n].copy_(lora_slots.to(torch.int32), non_blocking=True)
         self.kernel_meta = self._view(n)
+        self.regroup()
+
+    def regroup(self) -> None:
+        """Group the installed slots' tokens by slot for the grouped kernels: one kernel launch
+        on fixed buffers with no host synchronisation, so a runner may capture it in a CUDA graph
+        (after writing new slots into `kernel_meta.lora_slots` in place) instead of calling
+        `set` outside the graph."""
+        fill_kernel_meta(self.kernel_meta, self.num_slots)
 
 
 class LoRALayer:
@@ -99,38 +121,33 @@ class LoRALayer:
         self.offsets = target.shard_offsets()
         self.meta = meta
         slots, shards = meta.num_slots, len(self.shard_names)
-        self.a = [
-            torch.zeros(slots, max_rank, self.input_size, dtype=dtype, device=device)
-            for _ in self.shard_names
-        ]  # each [max_loras, max_rank, in]
-        self.b_t = [
-            torch.zeros(slots, max_rank, n, dtype=dtype, device=device) for n in self.output_sizes
-        ]  # each [max_loras, max_rank, out_shard]
-        self.ranks = torch.zeros(shards, slots, dtype=torch.int32, device=device)
-        self.scaling = torch.zeros(shards, slots, dtype=torch.float32, device=device)
+        self.weights = LoRAStack(
+            a=torch.zeros(slots, shards * max_rank, self.input_size, dtype=dtype, device=device),
+            b_t=torch.zeros(slots, max_rank, self.offsets[-1], dtype=dtype, device=device),
+            ranks=torch.zeros(shards, slots, dtype=torch.int32, device=device),
+            scaling=torch.zeros(shards, slots, dtype=torch.float32, device=device),
+            slice_offsets=tuple(self.offsets),
+        )
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:
         # x: [num_tokens, in], out: [num_tokens, sum(output_sizes)]
-        if not self.meta.active:
-            return
-        meta, t = self.meta.kernel_meta, self.meta.workspace
-        for i in range(len(self.shard_names)):
-            lora_shrink(x, self.a[i], t, meta, self.ranks[i])
-            lora_expand(t, self.b_t[i], out, self.offsets[i], meta, self.ranks[i], self.scaling[i])
+        if self.meta.active:
+            add_lora(x, out, self.weights, self.meta.kernel_meta, self.meta.workspace)
 
     def load_slot(self, slot: int, weights: LoRAWeights) -> None:
         """Copy this layer's modules of `weights` into `slot` (non-blocking from pinned memory);
         shards the adapter does not touch get rank 0."""
+        w, max_rank = self.weights, self.weights.max_rank
         for i, name in enumerate(self.shard_names):
             module = weights.modules.get((self.layer_index, name))
             if module is None:
-                self.ranks[i, slot] = 0
+                w.ranks[i, slot] = 0
                 continue
-            r = module.rank
-            self.a[i][slot, :r].copy_(module.a, non_blocking=True)
-            self.b_t[i][slot, :r].copy_(module.b.T, non_blocking=True)
-            self.ranks[i, slot] = r
-            self.scaling[i, slot] = module.scaling
+            r, lo, hi = module.rank, self.offsets[i], self.offsets[i + 1]
+            w.a[slot, i * max_rank : i * max_rank + r].copy_(module.a, non_blocking=True)
+            w.b_t[slot, :r, lo:hi].copy_(module.b.T, non_blocking=True)
+            w.ranks[i, slot] = r
+            w.scaling[i, slot] = module.scaling
 
 
 @dataclass(frozen=True)
@@ -173,19 +190,24 @@ def attach_lora_layers(
     Adapted layers are modules with a `prefix` like `model.layers.3.self_attn.qkv_proj` whose
     `shard_names` are all LoRA-capable projections (q/k/v/o/gate/up/down)."""
     device = torch.device(device)
-    meta = LoRABatchMeta(lora_config.max_loras, lora_config.max_lora_rank, max_num_tokens, device)
-    layers = []
+    targets = []
     for module in model.modules():
         prefix = getattr(module, "prefix", None)
         shards = getattr(module, "shard_names", None)
         if not isinstance(prefix, str) or shards is None or not hasattr(module, "lora"):
             continue
         match = _LAYER_PREFIX.search(prefix)
-        if match is None or not set(shards) <= set(SUPPORTED_MODULES):
-            continue
-        layer = LoRALayer(module, int(match[1]), meta, lora_config.max_lora_rank, device, dtype)
+        if match is not None and set(shards) <= set(SUPPORTED_MODULES):
+            targets.append((module, int(match[1])))
+    if not targets:
+        raise ValueError("attach_lora_layers: the model has no q/k/v/o/gate/up/down projections")
+    max_slices = max(len(module.shard_names) for module, _ in targets)
+    meta = LoRABatchMeta(
+        lora_config.max_loras, lora_config.max_lora_rank, max_num_tokens, device, max_slices
+    )
+    layers = []
+    for module, index in targets:
+        layer = LoRALayer(module, index, meta, lora_config.max_lora_rank, device, dtype)
         module.lora = layer
         layers.append(layer)
-    if not layers:
-        raise ValueError("attach_lora_layers: the model has no q/k/v/o/gate/up/down projections")
     return LoRAModelState(meta, tuple(layers))

@@ -144,7 +144,9 @@ def check_lora_args(
 ) -> None:
     """Raise `ValueError` unless the tensors of one LoRA application fit together."""
     if x.dim() != 2 or out.dim() != 2 or x.shape[0] != out.shape[0]:
-        raise ValueError(f"lora: x {tuple(x.shape)} and out {tuple(out.shape)} must be 2-D, aligned")
+        raise ValueError(
+            f"lora: x {tuple(x.shape)} and out {tuple(out.shape)} must be 2-D, aligned"
+        )
     if x.shape[1] != lora.a.shape[2] or x.dtype != lora.a.dtype:
         raise ValueError(f"lora: x {tuple(x.shape)} {x.dtype} does not match A {lora.a.dtype}")
     if lora.slice_offsets[-1] > out.shape[1] or x.stride(1) != 1 or out.stride(1) != 1:
@@ -173,7 +175,9 @@ def _slot_rows(meta: LoRAKernelMeta) -> list[tuple[int, torch.Tensor]]:
     ]
 
 
-def lora_shrink_ref(x: torch.Tensor, lora: LoRAStack, t: torch.Tensor, meta: LoRAKernelMeta) -> None:
+def lora_shrink_ref(
+    x: torch.Tensor, lora: LoRAStack, t: torch.Tensor, meta: LoRAKernelMeta
+) -> None:
     """Plain-torch shrink: `t[:num_tokens, :num_slices * max_rank]` (fp32) for adapter tokens."""
     r_max = lora.max_rank
     for slot, rows in _slot_rows(meta):

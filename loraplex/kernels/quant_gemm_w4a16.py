@@ -8,188 +8,259 @@ The kernels take one weight layout, to which AWQ and GPTQ checkpoints are repack
 - `perm` [K] int32 or None: act-order. Row k of the packed weight multiplies input feature
   perm[k]; the load sorted the rows by group so groups are contiguous again.
 
-Every kernel loads each int32 word once and unpacks it in registers with shifts and masks. A K
-tile never crosses a group, so the zero point and scale are applied once per tile to the
-partial product: sum_k x_k (q_k - z) s = s (sum_k x_k q_k - z sum_k x_k). The integers q are
-exact in the activation dtype; 4-bit values become floats by OR-ing them into the mantissa of a
-"magic" constant (no int-to-float conversion), the constant folded into z. Split-K programs
-add fp32 partials into a workspace with atomics; the last program of a tile writes the output
-and zeroes the workspace again, so a call is one launch. Which kernel and tiles run for M tokens
-is decided in `quant_gemm_configs`.
+On CUDA `wna16_gemm` asks `quant_gemm_configs.select_config` (the one place that dispatches on
+the token count M) for a kernel: "gemv" (FMA, split-K) for decode, "gemm" (tiled tensor-core,
+split-K when the tiles do not fill the GPU) for mid sizes, "dequant" (chunked dequantization
+into an L2-resident buffer + dense matmul) for prefill. The kernels are in `triton_quant_gemm`.
 """
 
 from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
-from loraplex.kernels.quant_gemm_configs import DEQUANT_MATMUL_MIN_M, GemmConfig, select_config
+from loraplex.kernels.quant_gemm_configs import (
+    DEQUANT_MATMUL_MIN_M,
+    GemmConfig,
+    resolve,
+    select_config,
+)
 from loraplex.kernels.quant_gemm_workspace import dequant_buffer, split_k_workspace
+from loraplex.kernels.triton_quant_gemm import (
+    _wna16_dequant_kernel,
+    _wna16_gemm_kernel,
+    _wna16_gemv_kernel,
+)
 
-__all__ = ["DEQUANT_MATMUL_MIN_M", "GemmConfig", "select_config"]
+__all__ = [
+    "DEQUANT_MATMUL_MIN_M",
+    "GemmConfig",
+    "kernel_name",
+    "select_config",
+    "wna16_dequantize",
+    "wna16_dequantize_reference",
+    "wna16_gemm",
+    "wna16_gemm_reference",
+    "wna16_gemm_triton",
+]
+
+_DEQUANT_BLOCK_N = 128
 
 
-@triton.jit
-def _unpack(q, BITS: tl.constexpr):
-    """[KW, BN] int32 words -> [KW, PACK, BN] int32 values (row kw * PACK + p of the tile)."""
-    PACK: tl.constexpr = 32 // BITS
-    shifts = tl.arange(0, PACK) * BITS
-    return (q[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
+def wna16_dequantize_reference(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    bits: int,
+    perm: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain-torch dequantization: the weight [K, N] in fp32, rows in input-feature order."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=qweight.device)
+    q = (qweight.unsqueeze(1) >> shifts[None, :, None]) & ((1 << bits) - 1)  # [K / pack, pack, N]
+    groups, n = scales.shape
+    q = q.reshape(groups, -1, n).float()  # [G, group_size, N]
+    w = (q - zeros.float().unsqueeze(1)) * scales.float().unsqueeze(1)
+    w = w.reshape(-1, n)  # [K, N]
+    if perm is None:
+        return w
+    return torch.empty_like(w).index_copy_(0, perm.long(), w)
 
 
-@triton.jit
-def _store_tile(
-    acc, offs_m, offs_n, mask_m, mask_n, tile, bias_ptr, out_ptr, ws_ptr, lock_ptr,
-    N, stride_om, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-):  # fmt: skip
-    """Write an fp32 [BM, BN] tile; with split-K, reduce through the workspace first."""
-    mask = mask_m[:, None] & mask_n[None, :]
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += bias[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+def wna16_gemm_reference(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    bits: int,
+    perm: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain-torch y = x @ dequant(W) (+ bias), computed in fp32, returned in x's dtype."""
+    w = wna16_dequantize_reference(qweight, scales, zeros, group_size, bits, perm)
+    y = x.float() @ w
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def _check_inputs(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    bits: int,
+    perm: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> None:
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    if x.dim() != 2 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"x must be 2-D fp16/bf16/fp32, got {tuple(x.shape)} {x.dtype}")
+    if qweight.dtype != torch.int32 or qweight.dim() != 2:
+        raise ValueError(f"qweight must be 2-D int32, got {tuple(qweight.shape)} {qweight.dtype}")
+    k, n = qweight.shape[0] * (32 // bits), qweight.shape[1]
+    if x.shape[1] != k:
+        raise ValueError(f"x has {x.shape[1]} input features, the weight {k}")
+    if group_size <= 0 or k % group_size:
+        raise ValueError(f"group_size {group_size} must divide K={k}")
+    groups = k // group_size
+    for name, t in (("scales", scales), ("zeros", zeros)):
+        if tuple(t.shape) != (groups, n) or not t.dtype.is_floating_point:
+            raise ValueError(f"{name} must be float [{groups}, {n}], got {tuple(t.shape)}")
+    if perm is not None and (perm.dtype != torch.int32 or tuple(perm.shape) != (k,)):
+        raise ValueError(f"perm must be int32 [{k}], got {tuple(perm.shape)} {perm.dtype}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
+    if any(t.stride(-1) != 1 for t in (qweight, scales, zeros)):
+        raise ValueError("qweight, scales and zeros must be contiguous along N")
+    tensors = [t for t in (x, qweight, scales, zeros, perm, bias) if t is not None]
+    if len({t.device for t in tensors}) != 1:
+        raise ValueError("x and the weight tensors must be on one device")
+
+
+def _launch_dequant(qweight, scales, zeros, perm, out, group_size, bits, block_k, warps) -> None:
+    k, n = out.shape
+    grid = (k // block_k, triton.cdiv(n, _DEQUANT_BLOCK_N))
+    _wna16_dequant_kernel[grid](
+        qweight, scales, zeros, perm if perm is not None else qweight, out,
+        n, group_size, qweight.stride(0), scales.stride(0), out.stride(0),
+        BITS=bits, HAS_PERM=perm is not None, BLOCK_K=block_k, BLOCK_N=_DEQUANT_BLOCK_N,
+        num_warps=warps,
+    )  # fmt: skip
+
+
+def wna16_dequantize(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    bits: int,
+    perm: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Triton dequantization to a dense weight [K, N] of `dtype`, rows in input order."""
+    k, n = qweight.shape[0] * (32 // bits), qweight.shape[1]
+    out = torch.empty(k, n, dtype=dtype, device=qweight.device)
+    config = resolve(GemmConfig("dequant", 0, 0, 128, 1, 4, 1), 0, n, k, group_size, bits, 1)
+    _launch_dequant(qweight, scales, zeros, perm, out, group_size, bits, config.block_k, 4)
+    return out
+
+
+def _dequant_matmul(x, qweight, scales, zeros, group_size, bits, perm, bias, config):
+    """Dequantize `config.block_n` columns at a time into one reused buffer and matmul each."""
+    k, n = x.shape[1], qweight.shape[1]
+    chunk = min(config.block_n or n, n)
+    buf = dequant_buffer(x.device, k * chunk, x.dtype)
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    for n0 in range(0, n, chunk):
+        cols = slice(n0, min(n0 + chunk, n))
+        w = buf[: k * (cols.stop - n0)].view(k, -1)  # [K, chunk]
+        _launch_dequant(
+            qweight[:, cols], scales[:, cols], zeros[:, cols], perm, w,
+            group_size, bits, config.block_k, config.num_warps,
+        )  # fmt: skip
+        if chunk == n:
+            return x @ w if bias is None else torch.addmm(bias, x, w)
+        if bias is None:
+            torch.mm(x, w, out=out[:, cols])
+        else:
+            torch.addmm(bias[cols], x, w, out=out[:, cols])
+    return out
+
+
+def _magic(dtype: torch.dtype, bits: int) -> tuple[int, float]:
+    """16-bit pattern whose low mantissa bits take an integer value, and the value it adds."""
+    if dtype == torch.float16:
+        return 0x6400, 1024.0
+    if dtype == torch.bfloat16 and bits == 4:
+        return 0x4300, 128.0
+    return 0, 0.0
+
+
+def wna16_gemm_triton(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    bits: int,
+    perm: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """The Triton path: x [M, K] -> [M, N] in x's dtype, with `config` or the selected one."""
+    _check_inputs(x, qweight, scales, zeros, group_size, bits, perm, bias)
+    m, n, k = x.shape[0], qweight.shape[1], x.shape[1]
+    sms = _num_sms(x.device)
+    if config is None:
+        config = select_config(m, n, k, group_size, bits, sms)
     else:
-        ws_ptrs = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
-        tl.atomic_add(ws_ptrs, acc, mask=mask, sem="release")
-        tl.debug_barrier()
-        # NOTE: the last of the SPLIT_K programs of this tile sees every partial.
-        if tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1:
-            total = tl.load(ws_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                total += bias[None, :]
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.store(ws_ptrs, tl.zeros_like(total), mask=mask, cache_modifier=".cg")
-            tl.atomic_xchg(lock_ptr + tile, 0)
-
-
-@triton.jit
-def _wna16_gemm_kernel(
-    x_ptr, qw_ptr, scales_ptr, zeros_ptr, perm_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr,
-    M, N, group_size, k_per_split, stride_xm, stride_qk, stride_sg, stride_om,
-    BITS: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr, HAS_PERM: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    """Tiled tensor-core kernel: program (tile, split) covers BLOCK_M x BLOCK_N outputs over
-    k_per_split features. MAGIC (16-bit pattern) > 0: value v becomes OFFSET + v by bits."""
-    BLOCK_KW: tl.constexpr = BLOCK_K // (32 // BITS)
-    tile = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    # NOTE: the M tiles sharing a weight tile run next to each other, so it is read once.
-    offs_m = (tile % num_pid_m) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = (tile // num_pid_m) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_w = tl.arange(0, BLOCK_KW)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_begin = tl.program_id(1) * k_per_split
-    for k0 in range(k_begin, k_begin + k_per_split, BLOCK_K):
-        if HAS_PERM:
-            src_k = tl.load(perm_ptr + k0 + offs_k)
-        else:
-            src_k = k0 + offs_k
-        x = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + src_k[None, :], mask=mask_m[:, None], other=0.0
-        )  # [BLOCK_M, BLOCK_K]
-        q = tl.load(
-            qw_ptr + (k0 // (32 // BITS) + offs_w)[:, None] * stride_qk + offs_n[None, :],
-            mask=mask_n[None, :],
-            other=0,
-        )  # [BLOCK_KW, BLOCK_N]
-        v = _unpack(q, BITS)  # [BLOCK_KW, PACK, BLOCK_N]
-        if MAGIC > 0:
-            w = (v | MAGIC).to(tl.int16).to(x.dtype, bitcast=True)
-        else:
-            w = v.to(x.dtype)
-        part = tl.dot(x, tl.reshape(w, (BLOCK_K, BLOCK_N)), input_precision=DOT_PRECISION)
-        g = k0 // group_size
-        s = tl.load(scales_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        z = tl.load(zeros_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        x_sum = tl.sum(x.to(tl.float32), axis=1)  # [BLOCK_M]
-        acc += (part - x_sum[:, None] * (z + OFFSET)[None, :]) * s[None, :]
-    _store_tile(
-        acc, offs_m, offs_n, mask_m, mask_n, tile, bias_ptr, out_ptr, ws_ptr, lock_ptr,
-        N, stride_om, HAS_BIAS, SPLIT_K,
+        config = resolve(config, m, n, k, group_size, bits, sms)
+    if m == 0:
+        return torch.empty(0, n, dtype=x.dtype, device=x.device)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    if config.kind == "dequant":
+        return _dequant_matmul(x, qweight, scales, zeros, group_size, bits, perm, bias, config)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    k_per_split = triton.cdiv(k // config.block_k, config.split_k) * config.block_k
+    split = triton.cdiv(k, k_per_split)
+    n_tiles = triton.cdiv(n, config.block_n)
+    rows = m if config.kind == "gemv" else triton.cdiv(m, config.block_m)
+    ws, locks = split_k_workspace(x.device, m * n if split > 1 else 1, rows * n_tiles)
+    common = (
+        x, qweight, scales, zeros, perm if perm is not None else qweight,
+        bias if bias is not None else scales, out, ws, locks,
     )  # fmt: skip
-
-
-@triton.jit
-def _wna16_gemv_kernel(
-    x_ptr, qw_ptr, scales_ptr, zeros_ptr, perm_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr,
-    N, group_size, k_per_split, stride_xm, stride_qk, stride_sg, stride_om,
-    BITS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """FMA kernel for one token row per program (axis 2): per-word partial sums stay in
-    registers along K and are reduced across threads once, after the loop."""
-    PACK: tl.constexpr = 32 // BITS
-    BLOCK_KW: tl.constexpr = BLOCK_K // PACK
-    pid_n = tl.program_id(0)
-    row = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    offs_w = tl.arange(0, BLOCK_KW)
-    offs_kp = offs_w[:, None] * PACK + tl.arange(0, PACK)[None, :]  # [BLOCK_KW, PACK]
-    acc = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
-    k_begin = tl.program_id(1) * k_per_split
-    for k0 in range(k_begin, k_begin + k_per_split, BLOCK_K):
-        if HAS_PERM:
-            src_k = tl.load(perm_ptr + k0 + offs_kp)
-        else:
-            src_k = k0 + offs_kp
-        x = tl.load(x_ptr + row * stride_xm + src_k).to(tl.float32)  # [BLOCK_KW, PACK]
-        q = tl.load(
-            qw_ptr + (k0 // PACK + offs_w)[:, None] * stride_qk + offs_n[None, :],
-            mask=mask_n[None, :],
-            other=0,
-        )  # [BLOCK_KW, BLOCK_N]
-        # NOTE: 2**23 + v as fp32 bits, minus 2**23: exact, and cheaper than I2F.
-        v = (_unpack(q, BITS) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        part = tl.sum(v * x[:, :, None], axis=1)  # [BLOCK_KW, BLOCK_N]
-        g = k0 // group_size
-        s = tl.load(scales_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        z = tl.load(zeros_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        x_sum = tl.sum(x, axis=1)  # [BLOCK_KW]
-        acc += (part - x_sum[:, None] * z[None, :]) * s[None, :]
-    total = tl.sum(acc, axis=0)[None, :]  # [1, BLOCK_N]
-    offs_m = row + tl.arange(0, 1)
-    tile = row * tl.num_programs(0) + pid_n
-    _store_tile(
-        total, offs_m, offs_n, offs_m >= 0, mask_n, tile, bias_ptr, out_ptr, ws_ptr, lock_ptr,
-        N, stride_om, HAS_BIAS, SPLIT_K,
+    strides = (x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0))
+    flags = dict(BITS=bits, HAS_PERM=perm is not None, HAS_BIAS=bias is not None, SPLIT_K=split)
+    launch = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    if config.kind == "gemv":
+        _wna16_gemv_kernel[(n_tiles, split, m)](
+            *common, n, group_size, k_per_split, *strides, **flags,
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, **launch,
+        )  # fmt: skip
+        return out
+    magic, offset = _magic(x.dtype, bits)
+    _wna16_gemm_kernel[(rows * n_tiles, split)](
+        *common, m, n, group_size, k_per_split, *strides, **flags,
+        MAGIC=magic, OFFSET=offset, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        **launch,
     )  # fmt: skip
+    return out
 
 
-@triton.jit
-def _wna16_dequant_kernel(
-    qw_ptr, scales_ptr, zeros_ptr, perm_ptr, out_ptr,
-    N, group_size, stride_qk, stride_sg, stride_ok,
-    BITS: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """out[k, n] = weight of input feature k (perm applied); one group per K tile."""
-    PACK: tl.constexpr = 32 // BITS
-    BLOCK_KW: tl.constexpr = BLOCK_K // PACK
-    k0 = tl.program_id(0) * BLOCK_K
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    offs_w = tl.arange(0, BLOCK_KW)
-    q = tl.load(
-        qw_ptr + (k0 // PACK + offs_w)[:, None] * stride_qk + offs_n[None, :],
-        mask=mask_n[None, :],
-        other=0,
-    )  # [BLOCK_KW, BLOCK_N]
-    g = k0 // group_size
-    s = tl.load(scales_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    z = tl.load(zeros_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    v = _unpack(q, BITS).to(tl.float32)  # [BLOCK_KW, PACK, BLOCK_N]
-    w = v * s[None, None, :] - (z * s)[None, None, :]
-    rows = k0 + offs_w[:, None] * PACK + tl.arange(0, PACK)[None, :]  # [BLOCK_KW, PACK]
-    if HAS_PERM:
-        rows = tl.load(perm_ptr + rows)
-    out_ptrs = out_ptr + rows[:, :, None] * stride_ok + offs_n[None, None, :]
-    tl.store(out_ptrs, w.to(out_ptr.dtype.element_ty), mask=mask_n[None, None, :])
+def wna16_gemm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    bits: int,
+    perm: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y = x @ dequant(W) (+ bias): x [M, K] fp16/bf16 (fp32 on CPU) -> [M, N] in x's dtype.
+
+    On CUDA runs the kernel `select_config` picks for M; elsewhere the torch reference."""
+    _check_inputs(x, qweight, scales, zeros, group_size, bits, perm, bias)
+    if not x.is_cuda:
+        return wna16_gemm_reference(x, qweight, scales, zeros, group_size, bits, perm, bias)
+    return wna16_gemm_triton(x, qweight, scales, zeros, group_size, bits, perm, bias)
+
+
+def kernel_name(m: int, n: int, k: int, group_size: int, bits: int) -> str:
+    """Which kernel and tiles `wna16_gemm` runs on CUDA for M tokens (for logs, benchmarks)."""
+    c = select_config(m, n, k, group_size, bits, _num_sms(torch.device("cuda")))
+    if c.kind == "dequant":
+        return f"dequant(chunk {c.block_n or n}, bk {c.block_k})+matmul"
+    return f"{c.kind}({c.block_m}x{c.block_n}x{c.block_k}, split {c.split_k}, w{c.num_warps})"
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -143,3 +143,21 @@ def test_too_many_tokens_for_the_buffers_is_refused(setup):
     _, state, _, _ = setup
     with pytest.raises(ValueError, match="hold 64"):
         state.meta.set(torch.zeros(65, dtype=torch.int32))
+
+
+def test_each_step_regroups_tokens_in_the_shared_buffers(setup):
+    from loraplex.kernels.lora import lora_kernel_meta
+
+    model, state, _, _ = setup
+    buffers = set()
+    for slots in ([1, 0, -1, 0, 1], [-1, 1], [0, 0, 0, 1, -1, 1, 0]):
+        slots = torch.tensor(slots, dtype=torch.int32)
+        state.meta.set(slots)
+        expected = lora_kernel_meta(slots, num_slots=2)
+        got = state.meta.kernel_meta
+        assert got.token_order.tolist() == expected.token_order.tolist()
+        assert got.slot_count.tolist() == expected.slot_count.tolist()
+        assert got.slot_start.tolist() == expected.slot_start.tolist()
+        buffers.add((state.meta.workspace.data_ptr(), got.token_order.data_ptr()))
+    assert len(buffers) == 1  # CUDA graphs replay over the same addresses step after step
+    assert len(state.layers[0].weights.slice_offsets) == 4  # q, k, v in one stack

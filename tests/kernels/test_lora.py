@@ -1,4 +1,4 @@
-"""Multi-LoRA shrink/expand: references against a per-token dense formula, Triton against both."""
+"""Multi-LoRA: references against a per-token dense formula, Triton kernels against both."""
 
 from __future__ import annotations
 
@@ -6,36 +6,55 @@ import pytest
 import torch
 
 from loraplex.kernels.lora import (
-    lora_expand,
-    lora_expand_ref,
+    LoRAKernelConfig,
+    LoRAStack,
+    add_lora,
     lora_kernel_meta,
-    lora_shrink,
-    lora_shrink_ref,
 )
 
-
-def _dense_delta(x, a, b_t, slots, ranks, scaling):
-    """Token by token: scaling * x @ A[:r]^T @ B^T[:r], zero for base tokens and rank 0."""
-    out = torch.zeros(x.shape[0], b_t.shape[2], dtype=torch.float64)
-    for i, s in enumerate(slots.tolist()):
-        if s < 0 or ranks[s] == 0:
-            continue
-        r = int(ranks[s])
-        t = x[i].double() @ a[s, :r].double().T
-        out[i] = float(scaling[s]) * (t @ b_t[s, :r].double())
-    return out
+# tiny tiles, so that odd sizes cross several column tiles and reduction splits
+TINY = dict(shrink_block_k=16, expand_block_n=16, group_block_m=16, group_block_n=16)
 
 
-def _case(num_tokens, in_features, n, num_slots, max_rank, seed, dtype=torch.float32):
+def _stack(in_features, slice_sizes, num_slots, max_rank, seed, dtype=torch.float32, first=0):
     g = torch.Generator().manual_seed(seed)
+    offsets = [first]
+    for n in slice_sizes:
+        offsets.append(offsets[-1] + n)
+    s = len(slice_sizes)
+    ranks = torch.randint(0, max_rank + 1, (s, num_slots), generator=g, dtype=torch.int32)
+    ranks[:, 0] = max_rank  # at least one full-rank slot
+    return LoRAStack(
+        a=torch.randn(num_slots, s * max_rank, in_features, generator=g).to(dtype),
+        b_t=torch.randn(num_slots, max_rank, offsets[-1] + 3, generator=g).to(dtype),
+        ranks=ranks,
+        scaling=torch.rand(s, num_slots, generator=g) * 2,
+        slice_offsets=tuple(offsets),
+    )
+
+
+def _inputs(num_tokens, in_features, num_slots, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(num_tokens, in_features, generator=g).to(dtype)
-    a = torch.randn(num_slots, max_rank, in_features, generator=g).to(dtype)
-    b_t = torch.randn(num_slots, max_rank, n, generator=g).to(dtype)
     slots = torch.randint(-1, num_slots, (num_tokens,), generator=g, dtype=torch.int32)
-    ranks = torch.randint(0, max_rank + 1, (num_slots,), generator=g, dtype=torch.int32)
-    ranks[0] = max_rank  # at least one full-rank slot
-    scaling = torch.rand(num_slots, generator=g) * 2
-    return x, a, b_t, slots, ranks, scaling
+    return x, slots
+
+
+def _dense_delta(x, lora, slots, width):
+    """Token by token and slice by slice: scaling * x @ A_s[:r]^T @ B_s^T[:r]."""
+    out = torch.zeros(x.shape[0], width, dtype=torch.float64)
+    r_max, offsets = lora.max_rank, lora.slice_offsets
+    for i, slot in enumerate(slots.tolist()):
+        for s in range(lora.num_slices):
+            r = int(lora.ranks[s, slot]) if slot >= 0 else 0
+            if r == 0:
+                continue
+            a = lora.a[slot, s * r_max : s * r_max + r].double()
+            b_t = lora.b_t[slot, :r, offsets[s] : offsets[s + 1]].double()
+            out[i, offsets[s] : offsets[s + 1]] = float(lora.scaling[s, slot]) * (
+                (x[i].double() @ a.T) @ b_t
+            )
+    return out
 
 
 @pytest.mark.parametrize(
@@ -53,68 +72,107 @@ def test_meta_groups_tokens_by_slot(slots, order, start, count):
     assert meta.slot_count.tolist() == count
 
 
+@pytest.mark.parametrize(("num_tokens", "num_slots"), [(1, 1), (5, 3), (150, 5)])
+def test_triton_meta_matches_torch(num_tokens, num_slots):
+    from loraplex.kernels.triton_lora import kernel_meta_triton
+
+    slots = torch.randint(-1, num_slots, (num_tokens,), dtype=torch.int32)
+    expected = lora_kernel_meta(slots, num_slots)
+    meta = lora_kernel_meta(torch.zeros_like(slots), num_slots)
+    meta = type(meta)(slots, torch.full_like(slots, -7), meta.slot_start, meta.slot_count)
+    kernel_meta_triton(meta, num_slots)
+    assert torch.equal(meta.token_order, expected.token_order)
+    assert torch.equal(meta.slot_start, expected.slot_start)
+    assert torch.equal(meta.slot_count, expected.slot_count)
+
+
 @pytest.mark.parametrize(
-    ("num_tokens", "in_features", "n", "num_slots", "max_rank"),
-    [(1, 7, 5, 1, 3), (13, 33, 19, 3, 8), (40, 24, 50, 4, 16)],
+    ("num_tokens", "in_features", "slice_sizes", "num_slots", "max_rank"),
+    [(1, 7, (5,), 1, 3), (13, 33, (19, 4, 4), 3, 8), (40, 24, (50, 7), 4, 16)],
 )
-def test_reference_matches_dense_formula(num_tokens, in_features, n, num_slots, max_rank):
-    x, a, b_t, slots, ranks, scaling = _case(num_tokens, in_features, n, num_slots, max_rank, 0)
+def test_reference_matches_dense_formula(num_tokens, in_features, slice_sizes, num_slots, max_rank):
+    lora = _stack(in_features, slice_sizes, num_slots, max_rank, 0, first=2)
+    x, slots = _inputs(num_tokens, in_features, num_slots, 0)
     meta = lora_kernel_meta(slots, num_slots)
-    t = torch.zeros(num_tokens, max_rank)
-    base = torch.randn(num_tokens, n + 9)
+    base = torch.randn(num_tokens, lora.b_t.shape[2] + 1)
     out = base.clone()
-    lora_shrink(x, a, t, meta, ranks)
-    lora_expand(t, b_t, out, 4, meta, ranks, scaling)
-    expected = _dense_delta(x, a, b_t, slots, ranks, scaling)
-    torch.testing.assert_close((out - base)[:, 4 : 4 + n].double(), expected, rtol=1e-4, atol=1e-4)
-    untouched = torch.cat([out[:, :4], out[:, 4 + n :]], 1)
-    assert torch.equal(untouched, torch.cat([base[:, :4], base[:, 4 + n :]], 1))
+    add_lora(x, out, lora, meta, torch.zeros(num_tokens, len(slice_sizes) * max_rank))
+    expected = _dense_delta(x, lora, slots, out.shape[1])
+    torch.testing.assert_close((out - base).double(), expected, rtol=1e-4, atol=1e-4)
+    lo, hi = lora.slice_offsets[0], lora.slice_offsets[-1]
+    assert torch.equal(out[:, :lo], base[:, :lo]) and torch.equal(out[:, hi:], base[:, hi:])
 
 
-def test_expand_rejects_columns_outside_output():
-    x, a, b_t, slots, ranks, scaling = _case(3, 5, 6, 2, 4, 1)
+def test_mismatched_shapes_are_refused():
+    lora = _stack(5, (6, 2), 2, 4, 1)
+    x, slots = _inputs(3, 5, 2, 1)
     meta = lora_kernel_meta(slots, 2)
     with pytest.raises(ValueError, match="outside"):
-        lora_expand_ref(torch.zeros(3, 4), b_t, torch.zeros(3, 8), 4, meta, ranks, scaling)
+        add_lora(x, torch.zeros(3, 7), lora, meta, torch.zeros(3, 8))
+    with pytest.raises(ValueError, match="workspace"):
+        add_lora(x, torch.zeros(3, 8), lora, meta, torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="do not fit"):
+        LoRAStack(lora.a[:, :6], lora.b_t, lora.ranks, lora.scaling, lora.slice_offsets)
 
 
+@pytest.mark.parametrize("token_kernels", [True, False])
 @pytest.mark.parametrize(
-    ("num_tokens", "in_features", "n", "num_slots", "max_rank", "split_k"),
-    [(1, 9, 11, 2, 5, 1), (21, 70, 37, 3, 20, 1), (21, 70, 37, 3, 20, 4), (5, 17, 130, 2, 16, 2)],
+    ("num_tokens", "in_features", "slice_sizes", "num_slots", "max_rank", "max_splits"),
+    [
+        (1, 9, (11,), 2, 5, 1),
+        (21, 70, (37, 9, 9), 3, 20, 1),
+        (21, 70, (37, 9, 9), 3, 20, 4),
+        (5, 17, (130, 16), 2, 16, 2),
+    ],
 )
-def test_triton_matches_reference(num_tokens, in_features, n, num_slots, max_rank, split_k):
-    from loraplex.kernels.triton_lora import lora_expand_triton, lora_shrink_triton
+def test_triton_matches_reference(
+    token_kernels, num_tokens, in_features, slice_sizes, num_slots, max_rank, max_splits
+):
+    from loraplex.kernels.triton_lora import lora_triton, num_splits
 
-    x, a, b_t, slots, ranks, scaling = _case(num_tokens, in_features, n, num_slots, max_rank, 7)
+    config = LoRAKernelConfig(
+        token_kernels_max_tokens=64 if token_kernels else 0, max_splits=max_splits, **TINY
+    )
+    lora = _stack(in_features, slice_sizes, num_slots, max_rank, 7, first=3)
+    x, slots = _inputs(num_tokens, in_features, num_slots, 7)
     meta = lora_kernel_meta(slots, num_slots)
-    t_ref = torch.zeros(num_tokens, max_rank)
-    t_tri = torch.zeros(num_tokens, max_rank)
-    lora_shrink_ref(x, a, t_ref, meta, ranks)
-    lora_shrink_triton(x, a, t_tri, meta, ranks, split_k=split_k)
-    for i, s in enumerate(slots.tolist()):
-        r = int(ranks[s]) if s >= 0 else 0
-        torch.testing.assert_close(t_tri[i, :r], t_ref[i, :r], rtol=1e-4, atol=1e-4)
-
-    base = torch.randn(num_tokens, n + 3)
+    workspace = torch.full((4 * num_tokens, len(slice_sizes) * max_rank), float("nan"))
+    assert num_splits(num_tokens, in_features, workspace.shape[0], config) <= max_splits
+    base = torch.randn(num_tokens, lora.b_t.shape[2])
     out_ref, out_tri = base.clone(), base.clone()
-    lora_expand_ref(t_ref, b_t, out_ref, 3, meta, ranks, scaling)
-    lora_expand_triton(t_ref, b_t, out_tri, 3, meta, ranks, scaling)
+    add_lora(x, out_ref, lora, meta, workspace.clone())
+    lora_triton(x, out_tri, lora, meta, workspace, config)
     torch.testing.assert_close(out_tri, out_ref, rtol=1e-4, atol=1e-4)
-    base_rows = (slots < 0) | (ranks[slots.clamp(min=0).long()] == 0)
+    base_rows = slots < 0
     assert torch.equal(out_tri[base_rows], base[base_rows])
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("num_tokens", [1, 64, 300])
-def test_triton_bf16_on_gpu(num_tokens):
-    x, a, b_t, slots, ranks, scaling = _case(num_tokens, 4096, 1024, 8, 16, 3, torch.bfloat16)
-    x, a, b_t = x.cuda() / 8, a.cuda() / 8, b_t.cuda() / 8
+def test_triton_bf16_on_gpu_replays_in_a_cuda_graph(num_tokens):
+    lora = _stack(4096, (1024, 256, 256), 8, 16, 3, torch.bfloat16)
+    lora = LoRAStack(
+        lora.a.cuda() / 8, lora.b_t.cuda() / 8, lora.ranks.cuda(), lora.scaling.cuda(),
+        lora.slice_offsets,
+    )  # fmt: skip
+    x, slots = _inputs(num_tokens, 4096, 8, 3, torch.bfloat16)
+    x = x.cuda()
     meta = lora_kernel_meta(slots.cuda(), 8)
-    ranks, scaling = ranks.cuda(), scaling.cuda()
-    out = torch.zeros(num_tokens, 1024, dtype=torch.bfloat16, device="cuda")
-    t = torch.zeros(num_tokens, 16, device="cuda")
-    lora_shrink(x, a, t, meta, ranks)
-    lora_expand(t, b_t, out, 0, meta, ranks, scaling)
-    expected = _dense_delta(x.cpu(), a.cpu(), b_t.cpu(), slots, ranks.cpu(), scaling.cpu())
-    torch.testing.assert_close(out.cpu().double(), expected, rtol=2e-2, atol=2e-2)
+    out = torch.zeros(num_tokens, lora.b_t.shape[2], dtype=torch.bfloat16, device="cuda")
+    workspace = torch.zeros(2048 + num_tokens, 48, device="cuda")
+    add_lora(x, out, lora, meta, workspace)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        add_lora(x, out, lora, meta, workspace)
+    cpu = LoRAStack(lora.a.cpu(), lora.b_t.cpu(), lora.ranks.cpu(), lora.scaling.cpu(),
+                    lora.slice_offsets)  # fmt: skip
+    for seed in (4, 5):  # new slots written in place, same graph
+        _, new_slots = _inputs(num_tokens, 4096, 8, seed)
+        fresh = lora_kernel_meta(new_slots.cuda(), 8)
+        for mine, new in zip(vars(meta).values(), vars(fresh).values()):
+            mine.copy_(new)
+        out.zero_()
+        graph.replay()
+        expected = _dense_delta(x.cpu(), cpu, new_slots, out.shape[1])
+        torch.testing.assert_close(out.cpu().double(), expected, rtol=2e-2, atol=2e-2)

@@ -55,6 +55,8 @@ class StructuredOutputManager:
 
     def poll(self) -> list[tuple[Request, Exception]]:
         """Hand matchers to requests whose grammar is ready; returns the failed ones."""
+        if not self._waiting:
+            return []
         from loraplex.grammar.matcher import GrammarMatcher
 
         failed = []
