@@ -42,7 +42,9 @@ class GemmConfig:
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
         if self.kind == "gemv" and self.block_m != 1:
-            raise ValueError(f"the gemv kernel runs one row per program, got block_m {self.block_m}")
+            raise ValueError(
+                f"the gemv kernel runs one row per program, got block_m {self.block_m}"
+            )
 
 
 #: (bits, M bucket, N, K) -> measured best config (H200, group size 128).
@@ -92,9 +94,7 @@ def fit_split_k(config: GemmConfig, m: int, n: int, k: int, num_sms: int) -> int
     return split
 
 
-def select_config(
-    m: int, n: int, k: int, group_size: int, bits: int, num_sms: int
-) -> GemmConfig:
+def select_config(m: int, n: int, k: int, group_size: int, bits: int, num_sms: int) -> GemmConfig:
     """The launch for M tokens of an [N, K] weight: the tuned entry or the heuristic, with
     block_k fitted to the group size and split_k resolved."""
     config = TUNED_CONFIGS.get((bits, m_bucket(m), n, k)) or heuristic_config(m)

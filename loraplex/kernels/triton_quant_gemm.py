@@ -11,9 +11,9 @@ the workspace again, so a call is one launch.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
+
 
 @triton.jit
 def _unpack(q, BITS: tl.constexpr):

@@ -1,4 +1,4 @@
-"""On a GPU: decode replayed from CUDA graphs gives the same tokens as eager execution."""
+"""On a GPU: decode replayed from CUDA graphs computes what eager execution computes."""
 
 from __future__ import annotations
 
@@ -13,18 +13,35 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 @needs_cuda
-@pytest.mark.parametrize("config", ["configs/models/qwen3-0.6b.json"])
-def test_graph_decode_equals_eager(config):
+def test_graph_decode_equals_eager():
+    # NOTE: random weights give near-flat logits, so greedy tokens of the two runs may part at a
+    # near-tie; compare the sampled tokens' logprobs wherever both runs saw the same prefix.
     prompts = [[(7 * i + j) % 5000 + 10 for j in range(5 + 9 * i)] for i in range(11)]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    outputs = {}
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
+    runs = {}
     for eager in (True, False):
-        llm = LLM(config, dtype="bfloat16", enable_lora=False, enforce_eager=eager,
-                  max_model_len=1024, max_num_seqs=32, gpu_memory_utilization=0.3, seed=1)
+        llm = LLM(
+            "configs/models/qwen3-0.6b.json",
+            dtype="bfloat16",
+            enable_lora=False,
+            enforce_eager=eager,
+            max_model_len=1024,
+            max_num_seqs=32,
+            gpu_memory_utilization=0.3,
+            seed=1,
+        )
         assert (llm.engine.runner.graphs is None) == eager
-        outputs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        runs[eager] = [o.outputs[0] for o in llm.generate(prompts, params)]
         del llm
         torch.cuda.empty_cache()
-    agree = sum(a == b for a, b in zip(outputs[True], outputs[False]))
-    # bf16 sums in a different order may flip a near-tie late in a sequence; most must agree.
-    assert agree >= len(prompts) - 1, (outputs[True], outputs[False])
+    compared = 0
+    for eager_out, graph_out in zip(runs[True], runs[False]):
+        for pos, (a, b) in enumerate(zip(eager_out.token_ids, graph_out.token_ids)):
+            lp_a = eager_out.logprobs[pos][a].logprob
+            lp_b = graph_out.logprobs[pos].get(a)
+            if lp_b is not None:
+                assert abs(lp_a - lp_b.logprob) < 0.05, (pos, lp_a, lp_b)
+                compared += pos > 0  # position 0 comes from the (eager) prefill
+            if a != b:
+                break
+    assert compared >= 2 * len(prompts)
