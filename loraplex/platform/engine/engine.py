@@ -111,7 +111,7 @@ class Engine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if self.output_processor.has(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        token_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
+        token_ids = self.tokenize(prompt_token_ids if prompt_token_ids is not None else prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")
         max_tokens = self._check_length(len(token_ids), params)
