@@ -15,6 +15,7 @@ from typing import Any
 
 from fastapi import Request
 
+from loraplex.adapters.request import LoRARequest
 from loraplex.platform.api.errors import APIError, engine_unavailable, from_engine_error
 from loraplex.platform.api.logprobs import TokenLogprobs
 from loraplex.platform.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
@@ -64,6 +65,7 @@ async def submit(
     params: SamplingParams,
     request_id: str,
     tenant: str = "default",
+    lora_request: LoRARequest | None = None,
 ) -> list[RequestStream]:
     """Add one engine request per prompt; if any is refused, abort the others and raise 4xx."""
     streams: list[RequestStream] = []
@@ -77,6 +79,7 @@ async def submit(
                 params,
                 prompt_token_ids=None if prompt.from_client_ids else prompt.token_ids,
                 tenant=tenant,
+                lora_request=lora_request,
             )
             streams.append(stream)
     except ValueError as error:

@@ -6,11 +6,15 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
+from loraplex.adapters.request import LoRARequest
 from loraplex.platform.api.errors import model_not_found
 from loraplex.platform.api.metrics import ServerMetrics
+from loraplex.platform.api.tenancy import Tenancy
+from loraplex.platform.api.tenants import OPEN_TENANT
 from loraplex.platform.engine.async_engine import AsyncEngine
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_MAX_ADAPTER_BYTES = 512 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -21,6 +25,10 @@ class ServerSettings:
     port: int = 8000
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     disconnect_poll_s: float = 0.25
+    data_dir: str | None = None  # the adapter registry and tenants (None: envs.data_dir())
+    tenants_file: str | None = None  # a YAML file of static tenants
+    admin_key: str | None = None  # None: LORAPLEX_ADMIN_KEY, if set
+    max_adapter_bytes: int = DEFAULT_MAX_ADAPTER_BYTES  # per adapter upload
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -31,6 +39,8 @@ class ServerSettings:
             )
         if self.disconnect_poll_s <= 0:
             raise ValueError(f"disconnect_poll_s must be positive, got {self.disconnect_poll_s}")
+        if self.max_adapter_bytes < 1024:
+            raise ValueError(f"max_adapter_bytes must be >= 1024, got {self.max_adapter_bytes}")
 
 
 @dataclass(frozen=True)
@@ -40,22 +50,23 @@ class ServedModel:
     name: str
     root: str  # the base model's served name
     adapter: str | None = None  # None = the base model itself
+    lora_request: LoRARequest | None = None  # what the engine runs for the adapter
 
 
 class ModelResolver:
-    """Maps OpenAI `model` names to what serves them. Only the base model for now; tenant
-    namespaces and adapters plug in here, behind `resolve_model`."""
+    """Maps OpenAI `model` names, inside a tenant's namespace, to what serves them. This one
+    knows only the base model; `TenantModelResolver` adds each tenant's adapters."""
 
     def __init__(self, base_name: str) -> None:
         self.base = ServedModel(name=base_name, root=base_name)
 
-    def resolve_model(self, name: str | None) -> ServedModel:
+    def resolve_model(self, name: str | None, tenant: str = OPEN_TENANT) -> ServedModel:
         """The served model of `name` (None = the base model); 404 `model_not_found` if none."""
         if name is None or name == self.base.name:
             return self.base
         raise model_not_found(name)
 
-    def list_models(self) -> list[ServedModel]:
+    def list_models(self, tenant: str = OPEN_TENANT) -> list[ServedModel]:
         return [self.base]
 
 
@@ -65,6 +76,7 @@ class ServerState:
     settings: ServerSettings
     models: ModelResolver
     metrics: ServerMetrics
+    tenancy: Tenancy
 
 
 def server_state(request: Request) -> ServerState:

@@ -1,7 +1,8 @@
 """AsyncEngine: the Engine on its own thread, driven from asyncio.
 
 The Engine is not thread-safe, so exactly one thread — the engine thread — ever touches it. The
-event loop talks to that thread through a command queue (add / abort / stop); the thread hands
+event loop talks to that thread through a command queue (add / abort / stop, and adapter and
+tenant-weight changes, which run between steps); the thread hands
 each RequestOutput back to the request's asyncio.Queue with `loop.call_soon_threadsafe`. This
 module imports no web framework: the server, benchmarks and tests all drive it the same way.
 """
@@ -9,6 +10,7 @@ module imports no web framework: the server, benchmarks and tests all drive it t
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -16,6 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from loraplex.adapters.request import LoRARequest
 from loraplex.config import EngineConfig
 from loraplex.platform.engine.engine import Engine, EngineStats
 from loraplex.platform.engine.outputs import RequestOutput
@@ -47,6 +50,8 @@ class RequestTiming:
     num_prompt_tokens: int
     num_generation_tokens: int
     finish_reason: str | None
+    tenant: str = "default"
+    adapter: str | None = None  # the LoRARequest's name, None for the base model
 
 
 TimingObserver = Callable[[RequestTiming], None]
@@ -62,11 +67,20 @@ class _Add:
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue
     arrival: float
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _Call:
+    """Run `fn(engine)` on the engine thread between steps; its result goes to `future`."""
+
+    fn: Callable[[Engine], object]
+    future: concurrent.futures.Future
 
 
 @dataclass
@@ -176,6 +190,7 @@ class AsyncEngine:
         *,
         prompt_token_ids: list[int] | None = None,
         tenant: str = "default",
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Queue a request and wait until the engine accepts it.
 
@@ -194,6 +209,7 @@ class AsyncEngine:
             asyncio.get_running_loop(),
             outputs,
             time.monotonic(),
+            lora_request,
         )
         self._commands.put(command)
         try:
@@ -217,17 +233,62 @@ class AsyncEngine:
         *,
         prompt_token_ids: list[int] | None = None,
         tenant: str = "default",
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs; aborts the request if the consumer stops early."""
         request_id = request_id or self.new_request_id()
         stream = await self.add_request(
-            request_id, prompt, params, prompt_token_ids=prompt_token_ids, tenant=tenant
+            request_id,
+            prompt,
+            params,
+            prompt_token_ids=prompt_token_ids,
+            tenant=tenant,
+            lora_request=lora_request,
         )
         try:
             async for output in stream:
                 yield output
         finally:
             stream.abort()
+
+    # -- adapters and tenants --------------------------------------------------------------
+
+    async def call(self, fn: Callable[[Engine], object]) -> object:
+        """Run `fn(engine)` on the engine thread between steps and return its result."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running") from self.dead_reason
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Call(fn, future))
+        return await asyncio.wrap_future(future)
+
+    async def add_lora(self, lora_request: LoRARequest) -> str:
+        """Register an adapter with the engine (loading it into the CPU cache); returns its
+        key. Raises AdapterValidationError, or ValueError when LoRA is disabled."""
+
+        def add(engine: Engine) -> str:
+            if engine.lora_manager is None:
+                raise ValueError("LoRA adapters are disabled on this engine (enable_lora=False)")
+            return engine.lora_manager.add_adapter(lora_request)
+
+        return await self.call(add)  # type: ignore[return-value]
+
+    async def remove_lora(self, lora_name: str) -> bool:
+        """Unregister an adapter; requests already running on it finish on it."""
+
+        def remove(engine: Engine) -> bool:
+            return engine.lora_manager is not None and engine.lora_manager.remove_adapter(lora_name)
+
+        return await self.call(remove)  # type: ignore[return-value]
+
+    async def set_tenant_weight(self, tenant: str, weight: float) -> None:
+        """The tenant's share in the scheduler's weighted fair queuing."""
+        if not weight > 0:
+            raise ValueError(f"weight must be positive, got {weight}")
+
+        def set_weight(engine: Engine) -> None:
+            engine.scheduler.waiting.weights[tenant] = weight
+
+        await self.call(set_weight)
 
     # -- the engine thread -----------------------------------------------------------------
 
@@ -266,6 +327,8 @@ class AsyncEngine:
                 self._add(command)
             elif isinstance(command, _Abort):
                 self._abort(command.request_id)
+            elif isinstance(command, _Call):
+                self._call(command)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
@@ -279,12 +342,21 @@ class AsyncEngine:
                 command.params,
                 prompt_token_ids=command.prompt_token_ids,
                 tenant=command.tenant,
+                lora_request=command.lora_request,
             )
         except Exception as exc:
             self._deliver(command, exc)
             return
         self._live[command.request_id] = _Live(command)
         self._deliver(command, _ACCEPTED)
+
+    def _call(self, command: _Call) -> None:
+        if not command.future.set_running_or_notify_cancel():
+            return
+        try:
+            command.future.set_result(command.fn(self.engine))
+        except Exception as exc:
+            command.future.set_exception(exc)
 
     def _abort(self, request_id: str) -> None:
         live = self._live.pop(request_id, None)
@@ -315,6 +387,7 @@ class AsyncEngine:
 
     def _observe(self, live: _Live, output: RequestOutput, now: float) -> None:
         arrival = live.command.arrival
+        lora = live.command.lora_request
         first = output.metrics.get("first_token_time", live.first_output)
         reasons = {c.finish_reason for c in output.outputs}
         timing = RequestTiming(
@@ -324,6 +397,8 @@ class AsyncEngine:
             num_prompt_tokens=len(output.prompt_token_ids),
             num_generation_tokens=int(output.metrics.get("num_generation_tokens", 0)),
             finish_reason=reasons.pop() if len(reasons) == 1 else None,
+            tenant=live.command.tenant,
+            adapter=None if lora is None else lora.lora_name,
         )
         for observer in self._observers:
             try:
@@ -350,6 +425,8 @@ class AsyncEngine:
                 return
             if isinstance(command, _Add):
                 self._deliver(command, error)
+            elif isinstance(command, _Call) and command.future.set_running_or_notify_cancel():
+                command.future.set_exception(error)
 
     @staticmethod
     def _deliver(command: _Add, item: object) -> None:
