@@ -175,4 +175,7 @@ def test_triton_bf16_on_gpu_replays_in_a_cuda_graph(num_tokens):
         out.zero_()
         graph.replay()
         expected = _dense_delta(x.cpu(), cpu, new_slots, out.shape[1])
-        torch.testing.assert_close(out.cpu().double(), expected, rtol=2e-2, atol=2e-2)
+        # NOTE: past 64 tokens the grouped path feeds the shrink result to the tensor cores in
+        # bf16 (as Punica does): ~2^-8 relative error on the rank-16 intermediate.
+        atol = 2e-2 if num_tokens <= 64 else 8e-2
+        torch.testing.assert_close(out.cpu().double(), expected, rtol=2e-2, atol=atol)

@@ -7,15 +7,26 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from loraplex import __version__
-from loraplex.platform.api import serving_chat, serving_completion, serving_health, serving_models
+from loraplex import __version__, envs
+from loraplex.platform.api import (
+    serving_adapters,
+    serving_admin,
+    serving_chat,
+    serving_completion,
+    serving_health,
+    serving_models,
+)
+from loraplex.platform.api.adapter_service import AdapterService
+from loraplex.platform.api.auth import AuthMiddleware
 from loraplex.platform.api.errors import install_error_handlers
 from loraplex.platform.api.metrics import ServerMetrics
 from loraplex.platform.api.state import ModelResolver, ServerSettings, ServerState
+from loraplex.platform.api.tenancy import Tenancy
+from loraplex.platform.api.tenant_models import TenantModelResolver
 from loraplex.platform.engine.async_engine import AsyncEngine
 
 ROUTERS = (serving_models.router, serving_completion.router, serving_chat.router,
-           serving_health.router)  # fmt: skip
+           serving_health.router, serving_adapters.router, serving_admin.router)  # fmt: skip
 
 
 def build_app(
@@ -25,29 +36,41 @@ def build_app(
 ) -> FastAPI:
     """The app; it starts the engine thread on startup and stops it on shutdown.
 
-    `models` resolves OpenAI `model` names (default: only the engine's served model name).
+    `models` resolves OpenAI `model` names (default: the engine's served model name, and each
+    tenant's adapters from the registry under `settings.data_dir`).
     """
     settings = settings or ServerSettings()
     metrics = ServerMetrics(engine.served_model_name)
     engine.add_timing_observer(metrics.observe)
+    tenancy = Tenancy(
+        settings.data_dir or envs.data_dir(),
+        settings.tenants_file,
+        settings.admin_key or envs.admin_key(),
+    )
+    engine.add_timing_observer(tenancy.metrics.observe)
     state = ServerState(
         engine=engine,
         settings=settings,
-        models=models or ModelResolver(engine.served_model_name),
+        models=models or TenantModelResolver(engine.served_model_name, tenancy.registry),
         metrics=metrics,
+        tenancy=tenancy,
     )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
         try:
+            await serving_admin.sync_weights(state)
             yield
         finally:
             engine.shutdown()
+            tenancy.close()
 
     app = FastAPI(title="loraplex", version=__version__, lifespan=lifespan)
     app.state.loraplex = state
+    app.state.adapters = AdapterService(state)
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
+    app.add_middleware(AuthMiddleware, tenancy=tenancy)
     return app

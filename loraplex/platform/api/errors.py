@@ -14,6 +14,12 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from loraplex.grammar.errors import (
+    GrammarError,
+    GrammarMemoryError,
+    GrammarTimeoutError,
+    UnsupportedSchemaError,
+)
 from loraplex.platform.engine.async_engine import EngineDeadError
 from loraplex.platform.engine.engine import PromptTooLongError
 
@@ -99,7 +105,25 @@ def from_engine_error(error: ValueError) -> APIError:
     """An error from SamplingParams or Engine.add_request (both ValueError)."""
     if isinstance(error, PromptTooLongError):
         return bad_request(str(error), param=error.param, code="context_length_exceeded")
+    if isinstance(error, GrammarError):
+        return bad_request(str(error), code=_grammar_code(error))
     return bad_request(str(error), param=getattr(error, "param", None))
+
+
+def _grammar_code(error: GrammarError) -> str:
+    if isinstance(error, UnsupportedSchemaError):
+        return "unsupported_schema_feature"
+    if isinstance(error, GrammarTimeoutError):
+        return "grammar_compile_timeout"
+    if isinstance(error, GrammarMemoryError):
+        return "grammar_compile_memory"
+    return "invalid_structured_output"
+
+
+def request_failed(message: str) -> APIError:
+    """A request the engine ended early (`RequestOutput.error`): its grammar failed to
+    compile, over a time or memory limit or refused by the compiler. The client's fault: 400."""
+    return bad_request(message, code="invalid_structured_output")
 
 
 def engine_unavailable(error: EngineDeadError) -> APIError:

@@ -16,7 +16,12 @@ from typing import Any
 from fastapi import Request
 
 from loraplex.adapters.request import LoRARequest
-from loraplex.platform.api.errors import APIError, engine_unavailable, from_engine_error
+from loraplex.platform.api.errors import (
+    APIError,
+    engine_unavailable,
+    from_engine_error,
+    request_failed,
+)
 from loraplex.platform.api.logprobs import TokenLogprobs
 from loraplex.platform.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from loraplex.platform.engine.outputs import CompletionOutput, RequestOutput
@@ -96,12 +101,21 @@ def abort_all(streams: list[RequestStream]) -> None:
         stream.abort()
 
 
+def _checked(output: RequestOutput) -> RequestOutput:
+    """`output`, or APIError (400) if the engine ended its request early, e.g. a failed grammar."""
+    if output.error is not None:
+        raise request_failed(output.error)
+    return output
+
+
 async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from all streams as they arrive; aborts them all if closed early."""
+    """(prompt index, output) from all streams as they arrive; aborts them all if closed early.
+
+    Raises APIError (400) when the engine ended a request early (`RequestOutput.error`)."""
     try:
         if len(streams) == 1:
             async for output in streams[0]:
-                yield 0, output
+                yield 0, _checked(output)
             return
         pending = {asyncio.ensure_future(anext(stream)): i for i, stream in enumerate(streams)}
         try:
@@ -114,7 +128,7 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
                     except StopAsyncIteration:
                         continue
                     pending[asyncio.ensure_future(anext(streams[i]))] = i
-                    yield i, output
+                    yield i, _checked(output)
         finally:
             for task in pending:
                 task.cancel()

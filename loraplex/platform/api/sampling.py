@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
+from loraplex.grammar.params import StructuredOutputs
 from loraplex.platform.api.errors import bad_request, from_engine_error
 from loraplex.platform.api.protocol import (
     ChatCompletionRequest,
@@ -12,30 +13,87 @@ from loraplex.platform.api.protocol import (
 )
 from loraplex.platform.engine.sampling_params import RequestOutputKind, SamplingParams
 
-if TYPE_CHECKING:
-    from loraplex.grammar.params import StructuredOutputs
-
 MAX_N = 128
 _MAX_INT32 = 2**31 - 1
-_STRUCTURED_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice")
+# vLLM's extras, each a shorthand for one kind of `structured_outputs`.
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice"}
+_STRUCTURED_KINDS = ("json", "regex", "choice", "json_object")
 
 
 def structured_outputs_for(body: SamplingFields) -> StructuredOutputs | None:
     """The request's output constraint, or None when it asks for free text.
 
-    NOTE: the grammar engine is not wired into the sampler yet, so every structured-output
-    request answers 400 "not supported yet" here. This is the one function to replace when it is.
+    Reads OpenAI's `response_format` (`json_schema`, `json_object`, `text`), vLLM's
+    `structured_outputs` ({"json" | "regex" | "choice" | "json_object": ...}) and its older
+    `guided_json` / `guided_regex` / `guided_choice`. At most one constraint may be given.
+    Whether a schema can be honoured is decided when the engine admits the request.
     """
-    if body.response_format is not None and body.response_format.get("type", "text") != "text":
+    given: list[tuple[str, str, Any]] = []  # (param, kind, spec)
+    if body.response_format is not None:
+        kind_spec = _response_format(body.response_format)
+        if kind_spec is not None:
+            given.append(("response_format", *kind_spec))
+    if body.structured_outputs is not None:
+        given.append(("structured_outputs", *_structured_field(body.structured_outputs)))
+    for name, kind in _GUIDED_FIELDS.items():
+        value = getattr(body, name)
+        if value is not None:
+            given.append((name, kind, value))
+    if not given:
+        return None
+    if len(given) > 1:
+        names = ", ".join(param for param, _, _ in given)
+        raise bad_request(f"give at most one output constraint, got {names}", param=given[1][0])
+    param, kind, spec = given[0]
+    try:
+        return StructuredOutputs(**{kind: spec})
+    except ValueError as error:
+        raise bad_request(str(error), param=param) from None
+
+
+def _response_format(value: dict[str, Any]) -> tuple[str, Any] | None:
+    """(kind, spec) of OpenAI's `response_format`, or None for plain text."""
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "json_object", True
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise bad_request(
+                "response_format of type 'json_schema' needs json_schema.schema, a JSON object",
+                param="response_format.json_schema.schema",
+            )
+        return "json", spec["schema"]
+    raise bad_request(
+        f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+        param="response_format.type",
+    )
+
+
+def _structured_field(value: dict[str, Any]) -> tuple[str, Any]:
+    """(kind, spec) of vLLM's `structured_outputs` object, which sets exactly one kind."""
+    unknown = sorted(set(value) - set(_STRUCTURED_KINDS))
+    if unknown:
         raise bad_request(
-            "response_format of type "
-            f"{body.response_format.get('type')!r} is not supported yet; only 'text' is",
-            param="response_format",
+            f"structured_outputs field {unknown[0]!r} is not supported; "
+            f"use one of {list(_STRUCTURED_KINDS)}",
+            param=f"structured_outputs.{unknown[0]}",
         )
-    for name in _STRUCTURED_FIELDS:
-        if getattr(body, name) is not None:
-            raise bad_request(f"{name} is not supported yet", param=name)
-    return None
+    set_kinds = [kind for kind in _STRUCTURED_KINDS if value.get(kind) not in (None, False)]
+    if len(set_kinds) != 1:
+        raise bad_request(
+            f"structured_outputs needs exactly one of {list(_STRUCTURED_KINDS)}, "
+            f"got {set_kinds or 'none'}",
+            param="structured_outputs",
+        )
+    kind = set_kinds[0]
+    if kind == "json_object" and value[kind] is not True:
+        raise bad_request(
+            "structured_outputs.json_object must be true", param="structured_outputs.json_object"
+        )
+    return kind, value[kind]
 
 
 def _check_common(body: SamplingFields) -> None:

@@ -66,6 +66,13 @@ _OPTIONS = (
     _Option("--max-request-body-bytes", 4 * 1024 * 1024, "larger request bodies answer 413",
             int),
     _Option("--uvicorn-log-level", "info", "uvicorn's log level (debug, info, warning, error)"),
+    _Option("--data-dir", None, "the adapter registry and tenants (default: LORAPLEX_DATA_DIR, "
+            "else ~/.local/share/loraplex)"),
+    _Option("--tenants", None, "a YAML file of static tenants, keys as SHA-256 hashes (e.g. "
+            "configs/tenants.yaml); with no tenant and no admin key the server is open"),
+    _Option("--admin-key", None, "the admin API key, which manages tenants (default: "
+            "LORAPLEX_ADMIN_KEY)"),
+    _Option("--max-adapter-bytes", 512 * 1024 * 1024, "the largest adapter upload", int),
 )  # fmt: skip
 _KEYS = {option.key for option in _OPTIONS}
 
@@ -176,6 +183,10 @@ def run_serve(args: argparse.Namespace) -> int:
         host=values["host"],
         port=values["port"],
         max_request_body_bytes=values["max_request_body_bytes"],
+        data_dir=values["data_dir"],
+        tenants_file=values["tenants"],
+        admin_key=values["admin_key"],
+        max_adapter_bytes=values["max_adapter_bytes"],
     )
     config = engine_config(values)
     engine = AsyncEngine(config)

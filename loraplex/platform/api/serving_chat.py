@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from loraplex.platform.api.auth import tenant_of
 from loraplex.platform.api.errors import bad_request
 from loraplex.platform.api.generation import (
     SSE_DONE,
@@ -56,11 +57,14 @@ async def create_chat_completion(request: Request) -> Response:
     state = server_state(request)
     limit = state.settings.max_request_body_bytes
     body = await read_json_model(request, ChatCompletionRequest, limit)
-    served = state.models.resolve_model(body.model)
+    tenant = tenant_of(request).name
+    served = state.models.resolve_model(body.model, tenant)
     params = chat_sampling_params(body)
     prompt = await asyncio.to_thread(render_chat_prompt, state.engine.tokenizer, body)
     request_id = new_id("chatcmpl")
-    streams = await submit(state.engine, [prompt], params, request_id)
+    streams = await submit(
+        state.engine, [prompt], params, request_id, tenant, lora_request=served.lora_request
+    )
     if body.stream:
         events = _chat_events(request, state, body, streams, request_id, served.name)
         return StreamingResponse(

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from loraplex.platform.api.auth import tenant_of
 from loraplex.platform.api.generation import (
     SSE_DONE,
     Prompt,
@@ -54,11 +55,14 @@ async def create_completion(request: Request) -> Response:
     state = server_state(request)
     limit = state.settings.max_request_body_bytes
     body = await read_json_model(request, CompletionRequest, limit)
-    served = state.models.resolve_model(body.model)
+    tenant = tenant_of(request).name
+    served = state.models.resolve_model(body.model, tenant)
     params = completion_sampling_params(body)
     prompts = await asyncio.to_thread(tokenize_prompts, state.engine.tokenizer, body.prompts)
     request_id = new_id("cmpl")
-    streams = await submit(state.engine, prompts, params, request_id)
+    streams = await submit(
+        state.engine, prompts, params, request_id, tenant, lora_request=served.lora_request
+    )
     if body.stream:
         events = _completion_events(request, state, body, prompts, streams, request_id, served.name)
         return StreamingResponse(

@@ -23,5 +23,7 @@ async def health(request: Request) -> Response:
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     state = server_state(request)
-    text = state.metrics.render(state.engine.snapshot())
+    snapshot = state.engine.snapshot()
+    text = state.metrics.render(snapshot)
+    text += state.tenancy.metrics.render(snapshot.stats.lora, state.tenancy.registry.disk_count())
     return Response(text, media_type=CONTENT_TYPE)

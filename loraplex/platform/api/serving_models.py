@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from loraplex.platform.api.auth import tenant_of
 from loraplex.platform.api.state import ServedModel, ServerState, server_state
 
 router = APIRouter()
@@ -29,11 +30,13 @@ def _model_card(model: ServedModel, state: ServerState) -> dict[str, Any]:
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONResponse:
     state = server_state(request)
-    cards = [_model_card(m, state) for m in state.models.list_models()]
+    tenant = tenant_of(request).name
+    cards = [_model_card(m, state) for m in state.models.list_models(tenant)]
     return JSONResponse({"object": "list", "data": cards})
 
 
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(model: str, request: Request) -> JSONResponse:
     state = server_state(request)
-    return JSONResponse(_model_card(state.models.resolve_model(model), state))
+    served = state.models.resolve_model(model, tenant_of(request).name)
+    return JSONResponse(_model_card(served, state))

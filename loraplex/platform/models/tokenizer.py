@@ -120,7 +120,8 @@ class TokenIdsOnlyTokenizer:
 
 
 def load_tokenizer(model_path: Path, vocab_size: int) -> Tokenizer | TokenIdsOnlyTokenizer:
-    model_path = Path(model_path)
-    if model_path.is_dir() and (model_path / "tokenizer.json").is_file():
-        return Tokenizer(model_path)
+    # NOTE: a random-weight model is a bare config file; its tokenizer may sit beside it.
+    folder = Path(model_path) if Path(model_path).is_dir() else Path(model_path).parent
+    if (folder / "tokenizer.json").is_file():
+        return Tokenizer(folder)
     return TokenIdsOnlyTokenizer(vocab_size)

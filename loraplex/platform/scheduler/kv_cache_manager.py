@@ -40,11 +40,12 @@ class KVCacheManager:
         bs = self.block_size
         hashes = request.block_hashes
         tokens = request.all_token_ids
+        # NOTE: the tenant is part of the key too: cached prefixes are never shared across
+        # tenants (a hit's timing would tell one tenant what another sent).
+        scope = (request.tenant, request.adapter_key)
         for i in range(len(hashes), num_tokens // bs):
             parent = hashes[-1] if hashes else None
-            hashes.append(
-                hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], request.adapter_key)
-            )
+            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], scope))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of a new request: (blocks, number of tokens they hold).
