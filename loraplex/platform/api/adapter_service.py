@@ -1,0 +1,148 @@
+"""Installing and removing a tenant's adapters: stage, validate (off the event loop and off the
+engine thread), commit to the registry, then register with the engine through its command queue.
+
+Replacing an adapter installs the new version under a new engine name and unregisters the old
+one: requests already admitted keep the old version (its slot and files stay until they
+finish); new requests resolve to the new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from loraplex.adapters.peft_format import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    AdapterValidationError,
+    load_peft_adapter,
+)
+from loraplex.adapters.registry import AdapterRecord
+from loraplex.adapters.request import LoRARequest
+from loraplex.adapters.upload import UploadedFile, UploadTooLargeError, unpack_upload
+from loraplex.platform.api.errors import APIError, bad_request
+from loraplex.platform.api.state import ServerState
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
+
+
+def adapter_not_found(name: str) -> APIError:
+    """404 for a name the caller's tenant does not hold (also when another tenant does)."""
+    return APIError(
+        404, f"The adapter `{name}` does not exist.", type="not_found_error", param="name",
+        code="adapter_not_found",
+    )  # fmt: skip
+
+
+def check_adapter_name(name: object, base_name: str) -> str:
+    """A valid adapter name, or 400: letters, digits and `_ . : -`, no `/`, `..` or NUL."""
+    if not isinstance(name, str) or not _NAME.match(name) or ".." in name or name == base_name:
+        raise bad_request(
+            f"invalid adapter name {name!r}: use 1-128 letters, digits, '_', '.', ':' or '-', "
+            "starting with a letter or digit, without '..', and not the base model's name",
+            param="name",
+        )
+    return name
+
+
+def card(record: AdapterRecord, base_name: str) -> dict[str, object]:
+    """An adapter as the API shows it."""
+    return {
+        "id": record.name,
+        "object": "adapter",
+        "created": int(record.created),
+        "parent": base_name,
+        "digest": f"sha256:{record.digest}",
+        "size_bytes": record.size,
+        "rank": record.rank,
+        "target_modules": list(record.modules),
+    }
+
+
+def files_from_upload(files: list[UploadedFile]) -> Callable[[Path, int], None]:
+    return lambda staging, limit: unpack_upload(files, staging, limit)
+
+
+def files_from_path(path: str) -> Callable[[Path, int], None]:
+    """Copy a server-local PEFT folder's two files into the staging folder."""
+
+    def copy(staging: Path, limit: int) -> None:
+        folder = Path(path)
+        if not folder.is_dir():
+            raise AdapterValidationError(f"{path}: adapter path is not a folder")
+        if any((folder / f).is_file() and (folder / f).stat().st_size > limit
+               for f in (CONFIG_FILE, WEIGHTS_FILE)):  # fmt: skip
+            raise UploadTooLargeError(f"{path}: over the limit of {limit} bytes")
+        for f in (CONFIG_FILE, WEIGHTS_FILE):
+            if (folder / f).is_file():
+                shutil.copyfile(folder / f, staging / f)
+
+    return copy
+
+
+class AdapterService:
+    """Tenant-scoped adapter installs and removals, serialized per (tenant, name)."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+
+    @property
+    def base_name(self) -> str:
+        return self.state.engine.served_model_name
+
+    async def install(
+        self, tenant: str, name: str, write_files: Callable[[Path, int], None]
+    ) -> tuple[AdapterRecord, bool]:
+        """Validate and store an adapter under (tenant, name); returns (record, replaced)."""
+        manager = self.state.engine.engine.lora_manager
+        if manager is None:
+            raise bad_request("LoRA adapters are disabled on this server")
+        registry = self.state.tenancy.registry
+        limit = self.state.settings.max_adapter_bytes
+        staging = registry.new_staging_dir()
+
+        def stage_and_validate():
+            write_files(staging, limit)
+            return load_peft_adapter(staging, manager.spec, manager.config.max_lora_rank)
+
+        try:
+            weights = await asyncio.to_thread(stage_and_validate)
+        except UploadTooLargeError as error:
+            registry.discard(staging)
+            raise APIError(413, _public(error, staging), code="adapter_too_large") from None
+        except (AdapterValidationError, OSError) as error:
+            registry.discard(staging)
+            raise bad_request(_public(error, staging), code="invalid_adapter") from None
+        async with self._lock(tenant, name):
+            record, old = await asyncio.to_thread(registry.commit, tenant, name, staging, weights)
+            await self.state.engine.add_lora(LoRARequest(record.engine_name, record.path))
+            if old is not None and old.engine_name != record.engine_name:
+                await self.state.engine.remove_lora(old.engine_name)
+        return record, old is not None
+
+    async def remove(self, tenant: str, name: str) -> AdapterRecord:
+        """Delete (tenant, name); 404 if the tenant holds no such adapter."""
+        async with self._lock(tenant, name):
+            record = await asyncio.to_thread(self.state.tenancy.registry.delete, tenant, name)
+            if record is None:
+                raise adapter_not_found(name)
+            await self.state.engine.remove_lora(record.engine_name)
+        return record
+
+    def get(self, tenant: str, name: str) -> AdapterRecord:
+        record = self.state.tenancy.registry.get(tenant, name)
+        if record is None:
+            raise adapter_not_found(name)
+        return record
+
+    def _lock(self, tenant: str, name: str) -> asyncio.Lock:
+        return self._locks.setdefault((tenant, name), asyncio.Lock())
+
+
+def _public(error: Exception, staging: Path) -> str:
+    """The error's message without the server's staging path."""
+    return str(error).replace(f"{staging}/", "").replace(str(staging), "the adapter")

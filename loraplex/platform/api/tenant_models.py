@@ -1,0 +1,39 @@
+"""`TenantModelResolver`: a tenant sees the base model and its own adapters, by their names."""
+
+from __future__ import annotations
+
+from loraplex.adapters.registry import AdapterRecord, AdapterRegistry
+from loraplex.adapters.request import LoRARequest
+from loraplex.platform.api.errors import model_not_found
+from loraplex.platform.api.state import ModelResolver, ServedModel
+from loraplex.platform.api.tenants import OPEN_TENANT
+
+
+class TenantModelResolver(ModelResolver):
+    """The base model under its served name, plus the tenant's adapters from the registry.
+
+    The same adapter name in two tenants resolves to two different engine adapters, named
+    `tenant/name@digest` (see `AdapterRecord.engine_name`)."""
+
+    def __init__(self, base_name: str, registry: AdapterRegistry) -> None:
+        super().__init__(base_name)
+        self.registry = registry
+
+    def resolve_model(self, name: str | None, tenant: str = OPEN_TENANT) -> ServedModel:
+        if name is None or name == self.base.name:
+            return self.base
+        record = self.registry.get(tenant, name)
+        if record is None:
+            raise model_not_found(name)
+        return self.served(record)
+
+    def list_models(self, tenant: str = OPEN_TENANT) -> list[ServedModel]:
+        return [self.base, *(self.served(r) for r in self.registry.list(tenant))]
+
+    def served(self, record: AdapterRecord) -> ServedModel:
+        return ServedModel(
+            name=record.name,
+            root=self.base.name,
+            adapter=record.name,
+            lora_request=LoRARequest(record.engine_name, record.path),
+        )
