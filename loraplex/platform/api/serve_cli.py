@@ -15,6 +15,7 @@ from typing import Any
 from loraplex.config import (
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     RunnerConfig,
     SchedulerConfig,
@@ -61,6 +62,11 @@ _OPTIONS = (
     _Option("--max-num-batched-tokens", 2048, "the most tokens one engine step computes "
             "(longer prompts are prefilled in chunks)", int),
     _Option("--enforce-eager", False, "never capture CUDA graphs", boolean=True),
+    _Option("--enable-lora", True, "serve LoRA adapters (slots are reserved at start)",
+            boolean=True),
+    _Option("--max-loras", 8, "adapters resident on the device at once (slots)", int),
+    _Option("--max-lora-rank", 64, "the largest adapter rank accepted", int),
+    _Option("--max-cpu-loras", 32, "adapters kept in host memory", int),
     _Option("--host", "127.0.0.1", "address to listen on (0.0.0.0: every interface)"),
     _Option("--port", 8000, "TCP port to listen on", int),
     _Option("--max-request-body-bytes", 4 * 1024 * 1024, "larger request bodies answer 413",
@@ -165,6 +171,12 @@ def engine_config(values: dict[str, Any]) -> EngineConfig:
         scheduler=SchedulerConfig(
             max_num_seqs=values["max_num_seqs"],
             max_num_batched_tokens=values["max_num_batched_tokens"],
+        ),
+        lora=LoRAConfig(
+            enable_lora=values["enable_lora"],
+            max_loras=values["max_loras"],
+            max_lora_rank=values["max_lora_rank"],
+            max_cpu_loras=values["max_cpu_loras"],
         ),
         runner=RunnerConfig(enforce_eager=values["enforce_eager"]),
     )

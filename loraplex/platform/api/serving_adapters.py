@@ -3,7 +3,6 @@ and vLLM's `load_lora_adapter` / `unload_lora_adapter`."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -20,6 +19,7 @@ from loraplex.platform.api.adapter_service import (
 )
 from loraplex.platform.api.auth import caller_of, require_admin, tenant_of
 from loraplex.platform.api.errors import APIError, bad_request
+from loraplex.platform.api.request_body import parse_json
 from loraplex.platform.api.state import server_state
 
 router = APIRouter()
@@ -63,16 +63,6 @@ async def upload_adapter(request: Request) -> JSONResponse:
     return JSONResponse({**card(record, service.base_name), "replaced": replaced}, status_code=201)
 
 
-async def _json(request: Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise bad_request("the request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    return body
-
-
 def _target_tenant(request: Request, body: dict[str, Any]) -> str:
     """The tenant an admin acts for: the body's `tenant` (the open server's one by default)."""
     own = caller_of(request).tenant  # set on an open server only
@@ -89,7 +79,7 @@ def _target_tenant(request: Request, body: dict[str, Any]) -> str:
 
 async def _register(request: Request, name_field: str, path_field: str) -> JSONResponse:
     require_admin(request)
-    body = await _json(request)
+    body = parse_json(await request.body())
     service = _service(request)
     name = check_adapter_name(body.get(name_field), service.base_name)
     path = body.get(path_field)
@@ -115,7 +105,7 @@ async def load_lora_adapter(request: Request) -> JSONResponse:
 @router.post("/v1/unload_lora_adapter")
 async def unload_lora_adapter(request: Request) -> JSONResponse:
     """vLLM-compatible: `{"lora_name"}`, one of the caller's adapters."""
-    body = await _json(request)
+    body = parse_json(await request.body())
     name = body.get("lora_name")
     if not isinstance(name, str):
         raise bad_request("`lora_name` must be a string", param="lora_name")

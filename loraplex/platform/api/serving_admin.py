@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
-
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from loraplex.platform.api.errors import APIError, bad_request
+from loraplex.platform.api.request_body import parse_json
 from loraplex.platform.api.state import ServerState, server_state
 from loraplex.platform.api.tenants import Tenant
 
@@ -24,12 +23,7 @@ async def create_tenant(request: Request) -> JSONResponse:
     """`{"name", "weight"?, "max_concurrent_requests"?, "tokens_per_minute"?}` -> the tenant
     and its API key, shown only this once."""
     state = server_state(request)
-    try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise bad_request("the request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
+    body = parse_json(await request.body())
     unknown = sorted(set(body) - set(_FIELDS))
     if unknown:
         raise bad_request(f"unknown field(s) {unknown}; known: {list(_FIELDS)}")
