@@ -46,8 +46,11 @@ def main() -> int:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--hf-subset", type=int, default=64)
     parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument("--skip-throughput", action="store_true",
-                        help="only latency and decode time (a quick re-measure)")
+    parser.add_argument(
+        "--skip-throughput",
+        action="store_true",
+        help="only latency and decode time (a quick re-measure)",
+    )
     parser.add_argument("--out", default="h200_gpu_path.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -115,8 +118,7 @@ def main() -> int:
     )
 
     if args.skip_throughput:
-        write_result(args.out, "gpu_path_decode", metrics, baseline,
-                     workload={"model": args.model})
+        write_result(args.out, "gpu_path_decode", metrics, baseline, workload={"model": args.model})
         return 0
 
     # 3. throughput: nano-vllm's workload

@@ -27,7 +27,9 @@ def hf_model_from_engine(llm, dtype: torch.dtype):
         hf_state_dict(llm.engine.runner.model), strict=False
     )
     tied = arch.tie_word_embeddings
-    real_missing = [m for m in missing if "rotary" not in m and not (tied and m == "lm_head.weight")]
+    real_missing = [
+        m for m in missing if "rotary" not in m and not (tied and m == "lm_head.weight")
+    ]
     if real_missing or unexpected:
         raise RuntimeError(
             f"weights did not map onto HF: missing {real_missing[:4]}, unexpected {unexpected[:4]}"

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_prompts import PROMPTS
 
 from loraplex import SamplingParams
-
-from engine_prompts import PROMPTS
 
 transformers = pytest.importorskip("transformers")
 
@@ -19,10 +18,15 @@ def hf_greedy(model_dir):
 
     def run(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         with torch.no_grad():
-            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
-                                 do_sample=False, pad_token_id=2, eos_token_id=None,
-                                 min_new_tokens=max_new_tokens)
-        return out[0, len(prompt_ids):].tolist()
+            out = model.generate(
+                torch.tensor([prompt_ids]),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=2,
+                eos_token_id=None,
+                min_new_tokens=max_new_tokens,
+            )
+        return out[0, len(prompt_ids) :].tolist()
 
     return run
 
@@ -38,8 +42,10 @@ def test_batched_greedy_equals_hf_one_at_a_time(llm, hf_greedy):
 
 
 def test_chat_applies_the_template_and_answers(llm):
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(temperature=0.0, max_tokens=24))
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0.0, max_tokens=24),
+    )
     assert "Paris" in out[0].outputs[0].text
     assert out[0].outputs[0].finish_reason == "stop"  # <|im_end|> ended it
     prompt = llm.tokenizer.decode(out[0].prompt_token_ids, skip_special_tokens=False)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from loraplex import LLM, SamplingParams
-
 from engine_prompts import PROMPTS
+
+from loraplex import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -32,8 +32,9 @@ def test_shared_prefix_reports_cached_tokens_and_same_output(llm, model_dir):
     llm.generate([first], GREEDY)
     cached = llm.generate([second], GREEDY)[0]
     assert cached.num_cached_tokens >= 192  # 12 full blocks of 16
-    uncached_llm = LLM(str(model_dir), dtype="float32", device="cpu", num_kv_blocks=64,
-                       enable_prefix_caching=False)
+    uncached_llm = LLM(
+        str(model_dir), dtype="float32", device="cpu", num_kv_blocks=64, enable_prefix_caching=False
+    )
     uncached = uncached_llm.generate([second], GREEDY)[0]
     assert uncached.num_cached_tokens == 0
     assert cached.outputs[0].token_ids == uncached.outputs[0].token_ids
@@ -46,8 +47,14 @@ def test_chunked_prefill_matches_one_shot(llm, model_dir):
     long_prompt = PROMPTS[4] * 4
     one_shot = llm.generate([long_prompt], GREEDY)[0]
     assert len(one_shot.prompt_token_ids) > 100
-    chunked_llm = LLM(str(model_dir), dtype="float32", device="cpu", num_kv_blocks=64,
-                      max_num_batched_tokens=24, enable_prefix_caching=False)
+    chunked_llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        device="cpu",
+        num_kv_blocks=64,
+        max_num_batched_tokens=24,
+        enable_prefix_caching=False,
+    )
     chunked = chunked_llm.generate([long_prompt], GREEDY)[0]
     assert chunked.outputs[0].token_ids == one_shot.outputs[0].token_ids
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from engine_prompts import PROMPTS
 
 from loraplex import SamplingParams
-
-from engine_prompts import PROMPTS
 
 STORY = PROMPTS[4]
 
@@ -26,8 +25,9 @@ def test_greedy_is_deterministic(llm):
 
 
 def test_temperature_spreads_samples(llm):
-    hot = llm.generate([STORY], SamplingParams(temperature=1.5, n=6, max_tokens=12, seed=1,
-                                               ignore_eos=True))[0]
+    hot = llm.generate(
+        [STORY], SamplingParams(temperature=1.5, n=6, max_tokens=12, seed=1, ignore_eos=True)
+    )[0]
     assert len({tuple(o.token_ids) for o in hot.outputs}) >= 5
     cold = _one(llm, STORY, temperature=1e-3, max_tokens=12, seed=1, ignore_eos=True)
     assert cold.token_ids == _greedy(llm, STORY, 12)
@@ -50,8 +50,9 @@ def test_truncation_to_one_token_is_greedy(llm, kw):
 
 
 def test_top_k_limits_choices(llm):
-    outs = llm.generate([STORY], SamplingParams(temperature=2.0, top_k=2, n=8, max_tokens=1,
-                                                seed=3, logprobs=2))[0].outputs
+    outs = llm.generate(
+        [STORY], SamplingParams(temperature=2.0, top_k=2, n=8, max_tokens=1, seed=3, logprobs=2)
+    )[0].outputs
     for o in outs:
         assert o.logprobs[0][o.token_ids[0]].rank <= 2
 
@@ -63,8 +64,9 @@ def _max_repeat(ids):
 REPEATER = "one two one two one two one two one two one two"
 
 
-@pytest.mark.parametrize("kw", [{"repetition_penalty": 1.8}, {"presence_penalty": 2.0},
-                                {"frequency_penalty": 2.0}])
+@pytest.mark.parametrize(
+    "kw", [{"repetition_penalty": 1.8}, {"presence_penalty": 2.0}, {"frequency_penalty": 2.0}]
+)
 def test_penalties_reduce_repetition(llm, kw):
     plain = _one(llm, REPEATER, temperature=0.0, max_tokens=24, ignore_eos=True)
     penalised = _one(llm, REPEATER, temperature=0.0, max_tokens=24, ignore_eos=True, **kw)
@@ -78,8 +80,15 @@ def test_stop_string_cuts_text(llm):
     out = _one(llm, STORY, temperature=0.0, max_tokens=32, ignore_eos=True, stop=[stop])
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert stop not in out.text and full.text.startswith(out.text)
-    kept = _one(llm, STORY, temperature=0.0, max_tokens=32, ignore_eos=True, stop=[stop],
-                include_stop_str_in_output=True)
+    kept = _one(
+        llm,
+        STORY,
+        temperature=0.0,
+        max_tokens=32,
+        ignore_eos=True,
+        stop=[stop],
+        include_stop_str_in_output=True,
+    )
     assert kept.text.endswith(stop)
 
 
@@ -95,19 +104,22 @@ def test_max_tokens_and_eos(llm):
     chat = [{"role": "user", "content": "Say hi."}]
     natural = llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=64))[0].outputs[0]
     assert natural.finish_reason == "stop" and len(natural.token_ids) < 64
-    ignored = llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=64,
-                                            ignore_eos=True))[0].outputs[0]
+    ignored = llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))[
+        0
+    ].outputs[0]
     assert len(ignored.token_ids) == 64 and ignored.finish_reason == "length"
     short = llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=3))[0].outputs[0]
     assert len(short.token_ids) == 3 and short.finish_reason == "length"
-    at_least = llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=64,
-                                             min_tokens=len(natural.token_ids) + 5))[0].outputs[0]
+    at_least = llm.chat(
+        chat, SamplingParams(temperature=0.0, max_tokens=64, min_tokens=len(natural.token_ids) + 5)
+    )[0].outputs[0]
     assert len(at_least.token_ids) >= len(natural.token_ids) + 5
 
 
 def test_n_samples(llm):
-    out = llm.generate([STORY], SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8,
-                                               ignore_eos=True))[0]
+    out = llm.generate(
+        [STORY], SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
+    )[0]
     assert [o.index for o in out.outputs] == [0, 1, 2]
     assert all(len(o.token_ids) == 8 for o in out.outputs)
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1
@@ -122,4 +134,5 @@ def test_logprobs(llm):
         assert all(lp.logprob <= 0.0 for lp in entry.values())
         assert max(entry.values(), key=lambda lp: lp.logprob) is entry[token]
     assert out.cumulative_logprob == pytest.approx(
-        sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
+        sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs))
+    )

@@ -15,23 +15,54 @@ from loraplex.platform.models.dummy_weights import hf_state_dict
 transformers = pytest.importorskip("transformers")
 
 BASE = {
-    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
-    "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
     "torch_dtype": "float32",
 }
 CONFIGS = {
-    "llama3": {**BASE, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-               "rope_theta": 500000.0, "tie_word_embeddings": False,
-               "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                "high_freq_factor": 4.0,
-                                "original_max_position_embeddings": 32}},
-    "mistral": {**BASE, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
-                "rope_theta": 10000.0, "tie_word_embeddings": False},
-    "qwen2": {**BASE, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
-              "rope_theta": 1000000.0, "tie_word_embeddings": True},
-    "qwen3": {**BASE, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-              "head_dim": 32, "rope_theta": 1000000.0, "tie_word_embeddings": True},
+    "llama3": {
+        **BASE,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    },
+    "mistral": {
+        **BASE,
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    },
+    "qwen2": {
+        **BASE,
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+    },
+    "qwen3": {
+        **BASE,
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "head_dim": 32,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+    },
 }
 
 
@@ -39,8 +70,7 @@ CONFIGS = {
 def test_random_weights_match_hf(name, tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(CONFIGS[name]))
-    llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=64, seed=3,
-              enable_lora=False)
+    llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=64, seed=3, enable_lora=False)
     model = llm.engine.runner.model
     # Give the biases and norms non-trivial values, so the test sees them.
     for pname, param in model.named_parameters():
@@ -56,7 +86,13 @@ def test_random_weights_match_hf(name, tmp_path):
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12,
-                              do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist(), name
+            ref = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=12,
+                min_new_tokens=12,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        assert out.outputs[0].token_ids == ref[0, len(prompt) :].tolist(), name
         assert out.outputs[0].text == ""  # no tokenizer: token ids only
