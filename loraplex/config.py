@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from loraplex.grammar.config import GrammarConfig
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {
     "fp32": "float32",
@@ -125,3 +127,4 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
+    grammar: GrammarConfig = field(default_factory=GrammarConfig)

@@ -20,6 +20,7 @@ from loraplex.config import (
     RunnerConfig,
     SchedulerConfig,
 )
+from loraplex.grammar.config import GrammarConfig
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,10 @@ _OPTIONS = (
     _Option("--max-loras", 8, "adapters resident on the device at once (slots)", int),
     _Option("--max-lora-rank", 64, "the largest adapter rank accepted", int),
     _Option("--max-cpu-loras", 32, "adapters kept in host memory", int),
+    _Option("--grammar-compile-timeout", 30.0, "seconds one JSON schema / regex may take to "
+            "compile; slower ones answer 400", float),
+    _Option("--grammar-compile-memory-mib", 4096, "memory one grammar compile may use; more "
+            "answers 400", int),
     _Option("--host", "127.0.0.1", "address to listen on (0.0.0.0: every interface)"),
     _Option("--port", 8000, "TCP port to listen on", int),
     _Option("--max-request-body-bytes", 4 * 1024 * 1024, "larger request bodies answer 413",
@@ -179,6 +184,10 @@ def engine_config(values: dict[str, Any]) -> EngineConfig:
             max_cpu_loras=values["max_cpu_loras"],
         ),
         runner=RunnerConfig(enforce_eager=values["enforce_eager"]),
+        grammar=GrammarConfig(
+            compile_timeout_s=values["grammar_compile_timeout"],
+            compile_memory_mib=values["grammar_compile_memory_mib"],
+        ),
     )
 
 

@@ -14,6 +14,7 @@ from loraplex.platform.engine.request import Request, RequestStatus
 if TYPE_CHECKING:
     from loraplex.grammar.compiled import CompiledGrammar
     from loraplex.grammar.compiler import GrammarCompiler
+    from loraplex.grammar.config import GrammarConfig
     from loraplex.grammar.params import StructuredOutputs
     from loraplex.platform.models.tokenizer import Tokenizer
 
@@ -25,7 +26,9 @@ class StructuredOutputManager:
         stop_token_ids: tuple[int, ...],
         vocab_size: int,
         max_num_seqs: int,
+        config: GrammarConfig | None = None,
     ) -> None:
+        self._config = config
         self._tokenizer = tokenizer
         self._stop_token_ids = stop_token_ids
         self._vocab_size = vocab_size
@@ -42,7 +45,7 @@ class StructuredOutputManager:
             from loraplex.grammar.vocabulary import build_vocabulary
 
             vocab = build_vocabulary(self._tokenizer.backend, self._stop_token_ids)
-            self._compiler = GrammarCompiler(vocab)
+            self._compiler = GrammarCompiler(vocab, self._config)
         return self._compiler
 
     def submit(self, spec: StructuredOutputs) -> Future[CompiledGrammar]:
