@@ -121,7 +121,7 @@ def test_second_ensure_does_no_work(model_dir: Path, monkeypatch: pytest.MonkeyP
     def fail(*args: object, **kwargs: object) -> Path:
         raise AssertionError("the default model was converted twice")
 
-    monkeypatch.setattr(model_store, "import_gguf", fail)
+    monkeypatch.setattr(gguf_import, "import_gguf", fail)
     start = time.perf_counter()
     assert ensure_default_model(progress=False) == model_dir
     assert time.perf_counter() - start < 0.5
@@ -147,7 +147,7 @@ def test_stale_temp_folder_from_killed_import_is_cleaned(
     stale.mkdir(parents=True)
     (stale / "model.safetensors").write_bytes(b"half written")
     calls: list[Path] = []
-    monkeypatch.setattr(model_store, "import_gguf", _fake_import(calls))
+    monkeypatch.setattr(gguf_import, "import_gguf", _fake_import(calls))
 
     out_dir = ensure_default_model(progress=False)
     assert out_dir == models / DEFAULT_MODEL_NAME and calls == [out_dir]
@@ -157,7 +157,7 @@ def test_stale_temp_folder_from_killed_import_is_cleaned(
 def test_concurrent_ensure_converts_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LORAPLEX_CACHE_DIR", str(tmp_path))
     calls: list[Path] = []
-    monkeypatch.setattr(model_store, "import_gguf", _fake_import(calls))
+    monkeypatch.setattr(gguf_import, "import_gguf", _fake_import(calls))
     results: list[Path] = []
     threads = [
         threading.Thread(target=lambda: results.append(ensure_default_model(progress=False)))
