@@ -14,7 +14,7 @@ from loraplex.platform.models.attention_metadata import AttentionMetadata
 from loraplex.platform.models.model_loader import load_model
 from loraplex.platform.runner.cuda_graph import CudaGraphRunner
 from loraplex.platform.runner.request_state import CachedRequestState
-from loraplex.platform.runner.sampler import Sampler, SamplingRow
+from loraplex.platform.runner.sampler import Sampler, SamplerOutput, SamplingRow
 from loraplex.platform.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -151,6 +151,10 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
                 lora_slot=new.lora_slot,
                 banned_until_min=tuple(self.eos_token_ids) + tuple(params.stop_token_ids),
+                plain_greedy=params.greedy
+                and params.logprobs is None
+                and not params.needs_penalties
+                and params.min_tokens == 0,
             )
         for cached in so.cached_reqs:
             state = self.requests[cached.req_id]
@@ -177,11 +181,18 @@ class ModelRunner:
             self._forward(host)
             return ModelRunnerOutput(sampled={})
         logits = self._forward(host)
-        rows = [self._sampling_row(self.requests[r]) for r in host.sample_req_ids]
-        mask = None
-        if bitmasks:
-            mask = _stack_bitmasks(bitmasks, host.sample_req_ids, logits.shape[1], logits.device)
-        out = self.sampler(logits, rows, mask)
+        states = [self.requests[r] for r in host.sample_req_ids]
+        if not bitmasks and all(s.plain_greedy for s in states):
+            # NOTE: the common decode case: one argmax and the step's one host sync.
+            out = SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(states))
+        else:
+            rows = [self._sampling_row(s) for s in states]
+            mask = None
+            if bitmasks:
+                mask = _stack_bitmasks(
+                    bitmasks, host.sample_req_ids, logits.shape[1], logits.device
+                )
+            out = self.sampler(logits, rows, mask)
         sampled, logprobs = {}, {}
         for req_id, token, lp in zip(host.sample_req_ids, out.token_ids, out.logprobs):
             self.requests[req_id].token_ids.append(token)
@@ -250,6 +261,8 @@ class ModelRunner:
         """The step's batch as host arrays (DESIGN.md's layout), built vectorised."""
         req_ids = list(so.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
+        if so.total_num_scheduled_tokens == len(req_ids):
+            return self._prepare_decode(req_ids, states)
         counts = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), np.int64, len(req_ids))
         starts = np.fromiter((s.num_computed_tokens for s in states), np.int64, len(states))
         rows = np.fromiter((s.row for s in states), np.int64, len(states))
@@ -291,6 +304,31 @@ class ModelRunner:
             logits_indices=query_start[1:][sampling].astype(np.int64) - 1,
             max_query_len=int(counts.max()),
             is_decode=int(counts.max()) == 1 and len(sampling) == len(req_ids),
+        )
+
+    def _prepare_decode(self, req_ids: list[str], states: list[CachedRequestState]) -> _HostBatch:
+        """`_prepare_host` for a step of one token per sequence (the decode hot path)."""
+        n = len(states)
+        positions = np.fromiter((s.num_computed_tokens for s in states), np.int64, n)
+        rows = np.fromiter((s.row for s in states), np.int64, n)
+        block_ids = self.block_table[rows, positions // self.block_size]
+        input_ids = np.fromiter((s.token_ids[s.num_computed_tokens] for s in states), np.int64, n)
+        seq_lens = (positions + 1).astype(np.int32)
+        sampling = [
+            i for i, s in enumerate(states) if s.num_computed_tokens + 1 == len(s.token_ids)
+        ]
+        return _HostBatch(
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=block_ids.astype(np.int64) * self.block_size + positions % self.block_size,
+            query_start_loc=np.arange(n + 1, dtype=np.int32),
+            seq_lens=seq_lens,
+            block_tables=self.block_table[rows, : max(s.num_blocks for s in states)],
+            lora_slots=np.fromiter((s.lora_slot for s in states), np.int32, n),
+            sample_req_ids=req_ids if len(sampling) == n else [req_ids[i] for i in sampling],
+            logits_indices=np.asarray(sampling, dtype=np.int64),
+            max_query_len=1,
+            is_decode=len(sampling) == n,
         )
 
 

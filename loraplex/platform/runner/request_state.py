@@ -18,6 +18,7 @@ class CachedRequestState:
     num_computed_tokens: int
     lora_slot: int
     banned_until_min: tuple[int, ...]  # EOS and stop ids, masked until min_tokens
+    plain_greedy: bool  # argmax of the raw logits is all its sampling needs
 
     @property
     def num_output_tokens(self) -> int:

@@ -47,9 +47,6 @@ class Sampler:
         rows: list[SamplingRow],
         bitmask: torch.Tensor | None = None,  # [num_rows, ceil(vocab / 32)] int32, or None
     ) -> SamplerOutput:
-        if bitmask is None and all(_plain_greedy(r) for r in rows):
-            # NOTE: the common decode case costs one argmax and the one host sync.
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
         want_logprobs = any(r.logprobs is not None for r in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         logits = logits.clone()
@@ -141,17 +138,6 @@ class Sampler:
                 ]
             result.append(entry)
         return result
-
-
-def _plain_greedy(row: SamplingRow) -> bool:
-    return (
-        row.temperature < 1e-5
-        and row.logprobs is None
-        and not row.banned_token_ids
-        and row.repetition_penalty == 1.0
-        and not row.presence_penalty
-        and not row.frequency_penalty
-    )
 
 
 def _top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
