@@ -6,7 +6,8 @@ fit, which device was found) live in state objects, never in a mutated config.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from loraplex.grammar.config import GrammarConfig
 
@@ -128,3 +129,31 @@ class EngineConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     grammar: GrammarConfig = field(default_factory=GrammarConfig)
+
+    # Flat option names (vLLM's, as `LLM(...)` and `loraplex serve` take them) that differ from
+    # the field they set.
+    _ALIASES = {
+        "grammar_compile_timeout": "compile_timeout_s",
+        "grammar_compile_memory_mib": "compile_memory_mib",
+    }
+
+    @classmethod
+    def from_options(cls, **options: Any) -> EngineConfig:
+        """Build the config from flat options (`max_num_seqs=...`, `max_loras=...`); each goes
+        to the part that owns a field of that name. Unknown names raise ValueError."""
+        parts = {
+            "model": ModelConfig,
+            "cache": CacheConfig,
+            "scheduler": SchedulerConfig,
+            "lora": LoRAConfig,
+            "runner": RunnerConfig,
+            "grammar": GrammarConfig,
+        }
+        owner = {f.name: part for part, c in parts.items() for f in fields(c)}
+        kwargs: dict[str, dict[str, Any]] = {part: {} for part in parts}
+        for name, value in options.items():
+            key = cls._ALIASES.get(name, name)
+            if key not in owner:
+                raise ValueError(f"unknown engine option {name!r}")
+            kwargs[owner[key]][key] = value
+        return cls(**{part: parts[part](**kw) for part, kw in kwargs.items()})

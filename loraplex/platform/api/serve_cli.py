@@ -12,15 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loraplex.config import (
-    CacheConfig,
-    EngineConfig,
-    LoRAConfig,
-    ModelConfig,
-    RunnerConfig,
-    SchedulerConfig,
-)
-from loraplex.grammar.config import GrammarConfig
+from loraplex.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +78,10 @@ _OPTIONS = (
     _Option("--max-adapter-bytes", 512 * 1024 * 1024, "the largest adapter upload", int),
 )  # fmt: skip
 _KEYS = {option.key for option in _OPTIONS}
+# Options the HTTP server itself uses; every other option configures the engine.
+_SERVER_KEYS = {"host", "port", "max_request_body_bytes", "uvicorn_log_level", "data_dir",
+                "tenants", "admin_key", "max_adapter_bytes"}  # fmt: skip
+_ENGINE_KEYS = sorted(_KEYS - _SERVER_KEYS)
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -156,39 +152,8 @@ def resolve_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def engine_config(values: dict[str, Any]) -> EngineConfig:
-    return EngineConfig(
-        model=ModelConfig(
-            model=values["model"],
-            dtype=values["dtype"],
-            max_model_len=values["max_model_len"],
-            quantization=values["quantization"],
-            seed=values["seed"],
-            served_model_name=values["served_model_name"],
-            device=values["device"],
-        ),
-        cache=CacheConfig(
-            block_size=values["block_size"],
-            num_kv_blocks=values["num_kv_blocks"],
-            gpu_memory_utilization=values["gpu_memory_utilization"],
-            cpu_kv_cache_gib=values["cpu_kv_cache_gib"],
-            enable_prefix_caching=values["enable_prefix_caching"],
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=values["max_num_seqs"],
-            max_num_batched_tokens=values["max_num_batched_tokens"],
-        ),
-        lora=LoRAConfig(
-            enable_lora=values["enable_lora"],
-            max_loras=values["max_loras"],
-            max_lora_rank=values["max_lora_rank"],
-            max_cpu_loras=values["max_cpu_loras"],
-        ),
-        runner=RunnerConfig(enforce_eager=values["enforce_eager"]),
-        grammar=GrammarConfig(
-            compile_timeout_s=values["grammar_compile_timeout"],
-            compile_memory_mib=values["grammar_compile_memory_mib"],
-        ),
-    )
+    """The engine's options among the resolved serve options (the rest are the server's)."""
+    return EngineConfig.from_options(**{k: values[k] for k in _ENGINE_KEYS})
 
 
 def run_serve(args: argparse.Namespace) -> int:

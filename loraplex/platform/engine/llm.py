@@ -9,14 +9,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from loraplex.adapters.request import LoRARequest
-from loraplex.config import (
-    CacheConfig,
-    EngineConfig,
-    LoRAConfig,
-    ModelConfig,
-    RunnerConfig,
-    SchedulerConfig,
-)
+from loraplex.config import EngineConfig
 from loraplex.platform.engine.engine import Engine, EngineStats
 from loraplex.platform.engine.outputs import RequestOutput
 from loraplex.platform.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -54,32 +47,15 @@ class LLM:
         enforce_eager: bool = False,
         enable_lora: bool = True,
     ) -> None:
-        config = EngineConfig(
-            model=ModelConfig(
-                model=model,
-                dtype=dtype,
-                max_model_len=max_model_len,
-                quantization=quantization,
-                seed=seed,
-                device=device,
-            ),
-            cache=CacheConfig(
-                block_size=block_size,
-                num_kv_blocks=num_kv_blocks,
-                gpu_memory_utilization=gpu_memory_utilization,
-                enable_prefix_caching=enable_prefix_caching,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
-            ),
-            lora=LoRAConfig(
-                enable_lora=enable_lora,
-                max_loras=max_loras,
-                max_lora_rank=max_lora_rank,
-                max_cpu_loras=max_cpu_loras,
-            ),
-            runner=RunnerConfig(enforce_eager=enforce_eager),
-        )
+        config = EngineConfig.from_options(
+            model=model, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
+            quantization=quantization, seed=seed, device=device,
+            gpu_memory_utilization=gpu_memory_utilization, enable_lora=enable_lora,
+            max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
+            enforce_eager=enforce_eager,
+        )  # fmt: skip
         self.engine = Engine(config)
 
     @property
