@@ -6,7 +6,6 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from loraplex.adapters.manager import LoRAStats
 from loraplex.adapters.request import LoRARequest
@@ -242,7 +241,3 @@ class Engine:
             if deadline_s is not None and time.monotonic() - start > deadline_s:
                 raise TimeoutError(f"generation did not finish within {deadline_s} s")
         return done
-
-    @property
-    def model_path(self) -> Path:
-        return self.model_dir
