@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -16,6 +17,10 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def git_commit() -> str:
+    """HEAD of this checkout; a copy without .git (the GPU machine's) reads
+    LORAPLEX_BENCH_COMMIT, set to the commit the copy was made from."""
+    if os.environ.get("LORAPLEX_BENCH_COMMIT"):
+        return os.environ["LORAPLEX_BENCH_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"],
