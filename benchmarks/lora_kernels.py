@@ -58,6 +58,10 @@ VARIANTS = {
     "expand_bn512": dataclasses.replace(_D, expand_block_n=512),
     "shrink_bk64_splits64": dataclasses.replace(_D, shrink_block_k=64, max_splits=64),
     "programs_256": dataclasses.replace(_D, target_programs=256),
+    # with a workspace of 16384 rows, so the split count is not capped at 2048 / tokens
+    "ws16k_programs_512": _D,
+    "ws16k_programs_1024": dataclasses.replace(_D, target_programs=1024),
+    "ws16k_programs_2048": dataclasses.replace(_D, target_programs=2048, max_splits=64),
     "programs_1024": dataclasses.replace(_D, target_programs=1024),
 }
 
@@ -123,13 +127,29 @@ def _reference(layer: LoRALayer, x: torch.Tensor, meta: LoRABatchMeta) -> torch.
     return ref
 
 
+_BIG_WORKSPACE: dict[torch.device, torch.Tensor] = {}
+
+
+def _workspace(name: str, meta: LoRABatchMeta) -> torch.Tensor:
+    if not name.startswith("ws16k_"):
+        return meta.workspace
+    device = meta.workspace.device
+    if device not in _BIG_WORKSPACE:
+        _BIG_WORKSPACE[device] = torch.zeros(16384, meta.workspace.shape[1], device=device)
+    return _BIG_WORKSPACE[device]
+
+
 def _rel_error(
-    layers: list[LoRALayer], xs: list[torch.Tensor], meta: LoRABatchMeta, config: LoRAKernelConfig
+    layers: list[LoRALayer],
+    xs: list[torch.Tensor],
+    meta: LoRABatchMeta,
+    config: LoRAKernelConfig,
+    workspace: torch.Tensor,
 ) -> float:
     worst = 0.0
     for layer, x in zip(layers, xs):
         out = torch.zeros(x.shape[0], layer.offsets[-1], dtype=x.dtype, device=x.device)
-        add_lora(x, out, layer.weights, meta.kernel_meta, meta.workspace, config)
+        add_lora(x, out, layer.weights, meta.kernel_meta, workspace, config)
         ref = _reference(layer, x, meta)
         worst = max(worst, float((out.float() - ref).abs().max() / ref.abs().max()))
     return worst
@@ -149,11 +169,13 @@ def _measure(
     xs = [torch.randn(num_tokens, w.shape[1], device=device, dtype=dtype) for w in weights]
     outs = [torch.zeros(num_tokens, w.shape[0], device=device, dtype=dtype) for w in weights]
 
-    def lora_step(config: LoRAKernelConfig) -> Callable[[], None]:
+    def lora_step(config: LoRAKernelConfig, name: str = "default") -> Callable[[], None]:
+        workspace = _workspace(name, meta)
+
         def step() -> None:
             for per_layer in layers:
                 for layer, x, out in zip(per_layer, xs, outs):
-                    add_lora(x, out, layer.weights, meta.kernel_meta, meta.workspace, config)
+                    add_lora(x, out, layer.weights, meta.kernel_meta, workspace, config)
 
         return step
 
@@ -170,8 +192,10 @@ def _measure(
     }
     best = ("", float("inf"))
     for name, config in VARIANTS.items():
-        row[f"{name}_max_rel_error"] = _rel_error(layers[0], xs, meta, config)
-        us = _time_us(lora_step(config), graph=True, iters=20) / NUM_LAYERS
+        row[f"{name}_max_rel_error"] = _rel_error(
+            layers[0], xs, meta, config, _workspace(name, meta)
+        )
+        us = _time_us(lora_step(config, name), graph=True, iters=20) / NUM_LAYERS
         row[f"{name}_lora_us_graph"] = us
         if us < best[1] and row[f"{name}_max_rel_error"] < 2e-2:
             best = (name, us)
@@ -181,6 +205,37 @@ def _measure(
     row["best_lora_us_graph"] = best[1]
     row["best_over_base_graph"] = best[1] / row["base_gemm_us_graph"]
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
+
+
+PROFILE_CASES = ((256, 1), (256, 64), (64, 64))
+
+
+def profile(meta: LoRABatchMeta, layers: list[list[LoRALayer]]) -> dict[str, float]:
+    """Device time per layer of each kernel (by name) of each projection, default config,
+    launched eagerly under the torch profiler (kernel durations, no launch gaps)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    out: dict[str, float] = {}
+    device, dtype = meta.workspace.device, layers[0][0].weights.a.dtype
+    for num_tokens, num_adapters in PROFILE_CASES:
+        meta.set((torch.arange(num_tokens) % num_adapters).to(torch.int32))
+        for p, name in enumerate(PROJECTIONS):
+            x = torch.randn(num_tokens, layers[0][p].weights.a.shape[2], device=device, dtype=dtype)
+            y = torch.zeros(num_tokens, layers[0][p].offsets[-1], device=device, dtype=dtype)
+            for per_layer in layers:  # compile and warm
+                add_lora(x, y, per_layer[p].weights, meta.kernel_meta, meta.workspace, _D)
+            torch.cuda.synchronize()
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for per_layer in layers:
+                    add_lora(x, y, per_layer[p].weights, meta.kernel_meta, meta.workspace, _D)
+                torch.cuda.synchronize()
+            for event in prof.key_averages():
+                us = event.self_device_time_total / NUM_LAYERS
+                if us > 0:
+                    key = f"profile_t{num_tokens}_a{num_adapters}_{name}_{event.key[:40]}_us"
+                    out[key] = round(us, 2)
+    return out
 
 
 def _build(device: torch.device, dtype: torch.dtype):
@@ -204,7 +259,7 @@ def _build(device: torch.device, dtype: torch.dtype):
     return meta, layers, weights
 
 
-def run(out_path: Path) -> dict:
+def run(out_path: Path, with_profile: bool = False) -> dict:
     """Measure every case and write the results JSON to `out_path`."""
     device, dtype = torch.device("cuda"), torch.bfloat16
     torch.manual_seed(0)
@@ -213,6 +268,8 @@ def run(out_path: Path) -> dict:
     for num_tokens, num_adapters in CASES:
         row = _measure(num_tokens, num_adapters, meta, layers, weights)
         metrics.update({f"t{num_tokens}_a{num_adapters}_{k}": v for k, v in row.items()})
+    if with_profile:
+        metrics.update(profile(meta, layers))
     result = {
         "benchmark": "lora_kernels",
         "device": torch.cuda.get_device_name(device),
@@ -241,11 +298,14 @@ def run(out_path: Path) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/lora_kernels.json"))
+    parser.add_argument(
+        "--profile", action="store_true", help="also each kernel's time per projection"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("lora_kernels: no CUDA device; nothing to measure", file=sys.stderr)
         return 0
-    result = run(args.out)
+    result = run(args.out, args.profile)
     summary = {k: v for k, v in result["metrics"].items() if "_default_" not in k}
     print(json.dumps({k: v for k, v in summary.items() if "rel_error" not in k}, indent=1))
     return 0

@@ -149,7 +149,9 @@ def main() -> int:
     needed = max(args.adapters) if "lora" in stages else 64
     adapters = []
     for i in range(needed):
-        write_random_adapter(folder / f"a{i}", arch, rank=16, seed=i, device=llm.engine.runner.device)
+        write_random_adapter(
+            folder / f"a{i}", arch, rank=16, seed=i, device=llm.engine.runner.device
+        )
         adapters.append(LoRARequest(f"a{i}", str(folder / f"a{i}")))
     print(f"{needed} adapters written in {time.perf_counter() - start:.1f} s")
 
@@ -180,6 +182,7 @@ def main() -> int:
             path, name = adapters[g].lora_path, adapters[g].lora_name
             if model is None:
                 model = PeftModel.from_pretrained(hf, path, adapter_name=name)
+                hf_generate_static(model, [prompts[0][:64]] * 8, [8] * 8)  # warm-up
             else:
                 model.load_adapter(path, adapter_name=name)
             model.set_adapter(name)

@@ -56,7 +56,9 @@ def write_random_adapter(
     for layer in range(arch.num_layers):
         for module in modules:
             in_features, out_features = shapes[module]
-            block = "self_attn" if module.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+            block = (
+                "self_attn" if module.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+            )
             name = f"base_model.model.model.layers.{layer}.{block}.{module}"
             a = torch.randn(rank, in_features, generator=gen, device=device) / in_features**0.5
             b = torch.randn(out_features, rank, generator=gen, device=device) / rank**0.5

@@ -1,9 +1,13 @@
 """Launch configurations of the W4A16 / W8A16 dequant-GEMM, the one place dispatch on M lives.
 
-Three kernels (see `quant_gemm_w4a16`):
+Five kernels (see `quant_gemm_w4a16`):
 - "gemv": one token row per program, FMA dot products, split-K (decode, M <= 2);
+- "fma": like "gemv", with a dequantization of ~2 instructions per weight and no layout change
+  or cross-thread reduction in the loop (the bandwidth-bound decode kernel, M of 1 to a few);
 - "gemm": tiled tensor-core kernel, dequant in the prologue, split-K when the tiles alone do not
   fill the GPU (M up to a few hundred);
+- "gemm_t": "gemm" with the MMA operands swapped (weight tile as the MMA's M side, tokens as
+  its N side), for M = 16..64 where a token tile would waste most of a Hopper MMA;
 - "dequant": dequantize `block_n` output columns at a time into a reused buffer (it stays in L2)
   and run the dense matmul on it (prefill, M >= `DEQUANT_MATMUL_MIN_M`).
 
@@ -21,7 +25,10 @@ DEQUANT_MATMUL_MIN_M = 1024
 #: Token counts the tuned table is keyed by; M uses the smallest bucket >= M.
 M_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096)
 
-KINDS = ("gemv", "gemm", "dequant")
+KINDS = ("gemv", "fma", "gemm", "gemm_t", "dequant")
+
+#: Kinds that run one token row per program (block_m must be 1).
+ONE_ROW_KINDS = ("gemv", "fma")
 
 
 @dataclass(frozen=True)
@@ -41,9 +48,13 @@ class GemmConfig:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
-        if self.kind == "gemv" and self.block_m != 1:
+        if self.kind in ONE_ROW_KINDS and self.block_m != 1:
             raise ValueError(
-                f"the gemv kernel runs one row per program, got block_m {self.block_m}"
+                f"the {self.kind} kernel runs one row per program, got block_m {self.block_m}"
+            )
+        if self.num_stages < 1 or self.num_warps < 1:
+            raise ValueError(
+                f"num_warps and num_stages must be >= 1, got {self.num_warps}, {self.num_stages}"
             )
 
 
@@ -86,7 +97,7 @@ def fit_split_k(config: GemmConfig, m: int, n: int, k: int, num_sms: int) -> int
     k_blocks = k // config.block_k
     if config.split_k:
         return max(1, min(config.split_k, k_blocks))
-    rows = m if config.kind == "gemv" else -(-m // config.block_m)
+    rows = m if config.kind in ONE_ROW_KINDS else -(-m // config.block_m)
     tiles = rows * -(-n // config.block_n)
     split = 1
     while tiles * split < 2 * num_sms and split * 2 <= k_blocks:

@@ -9,9 +9,10 @@ The kernels take one weight layout, to which AWQ and GPTQ checkpoints are repack
   perm[k]; the load sorted the rows by group so groups are contiguous again.
 
 On CUDA `wna16_gemm` asks `quant_gemm_configs.select_config` (the one place that dispatches on
-the token count M) for a kernel: "gemv" (FMA, split-K) for decode, "gemm" (tiled tensor-core,
-split-K when the tiles do not fill the GPU) for mid sizes, "dequant" (chunked dequantization
-into an L2-resident buffer + dense matmul) for prefill. The kernels are in `triton_quant_gemm`.
+the token count M) for a kernel: "gemv" or "fma" (FMA, split-K) for decode, "gemm" or "gemm_t"
+(tiled tensor-core, split-K when the tiles do not fill the GPU) for mid sizes, "dequant"
+(chunked dequantization into an L2-resident buffer + dense matmul) for prefill. The kernels are
+in `triton_quant_gemm` and `triton_quant_gemm_small_m`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from loraplex.kernels.triton_quant_gemm import (
     _wna16_gemm_kernel,
     _wna16_gemv_kernel,
 )
+from loraplex.kernels.triton_quant_gemm_small_m import _wna16_fma_kernel, _wna16_gemm_t_kernel
 
 __all__ = [
     "DEQUANT_MATMUL_MIN_M",
@@ -208,7 +210,8 @@ def wna16_gemm_triton(
     k_per_split = triton.cdiv(k // config.block_k, config.split_k) * config.block_k
     split = triton.cdiv(k, k_per_split)
     n_tiles = triton.cdiv(n, config.block_n)
-    rows = m if config.kind == "gemv" else triton.cdiv(m, config.block_m)
+    one_row = config.kind in ("gemv", "fma")
+    rows = m if one_row else triton.cdiv(m, config.block_m)
     ws, locks = split_k_workspace(x.device, m * n if split > 1 else 1, rows * n_tiles)
     common = (
         x, qweight, scales, zeros, perm if perm is not None else qweight,
@@ -217,18 +220,31 @@ def wna16_gemm_triton(
     strides = (x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0))
     flags = dict(BITS=bits, HAS_PERM=perm is not None, HAS_BIAS=bias is not None, SPLIT_K=split)
     launch = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    tiles = dict(BLOCK_N=config.block_n, BLOCK_K=config.block_k)
     if config.kind == "gemv":
         _wna16_gemv_kernel[(n_tiles, split, m)](
-            *common, n, group_size, k_per_split, *strides, **flags,
-            BLOCK_N=config.block_n, BLOCK_K=config.block_k, **launch,
+            *common, n, group_size, k_per_split, *strides, **flags, **tiles, **launch,
+        )  # fmt: skip
+        return out
+    if config.kind == "fma":
+        _wna16_fma_kernel[(m * n_tiles, split)](
+            *common, m, n, group_size, k_per_split, *strides, **flags, **tiles,
+            NUM_STAGES=config.num_stages, **launch,
         )  # fmt: skip
         return out
     magic, offset = _magic(x.dtype, bits)
+    mma = dict(
+        MAGIC=magic, OFFSET=offset, BLOCK_M=config.block_m,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+    )  # fmt: skip
+    if config.kind == "gemm_t":
+        _wna16_gemm_t_kernel[(rows * n_tiles, split)](
+            *common, m, n, group_size, k_per_split, *strides, **flags, **mma, **tiles,
+            NUM_STAGES=config.num_stages, **launch,
+        )  # fmt: skip
+        return out
     _wna16_gemm_kernel[(rows * n_tiles, split)](
-        *common, m, n, group_size, k_per_split, *strides, **flags,
-        MAGIC=magic, OFFSET=offset, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        **launch,
+        *common, m, n, group_size, k_per_split, *strides, **flags, **mma, **tiles, **launch,
     )  # fmt: skip
     return out
 

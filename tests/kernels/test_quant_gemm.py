@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.kernels.quant_gemm_configs import GemmConfig, select_config
+from loraplex.kernels.quant_gemm_configs import ONE_ROW_KINDS, GemmConfig, select_config
 from loraplex.kernels.quant_gemm_w4a16 import (
     wna16_dequantize,
     wna16_dequantize_reference,
@@ -33,16 +33,32 @@ def _weights(bits: int, n: int, k: int, group_size: int, act_order: bool, seed: 
     [(4, 1, 40, 64, 32, False, 1), (4, 5, 24, 128, 64, True, 2), (8, 17, 56, 96, 96, False, 1),
      (8, 3, 8, 64, 16, True, 4), (4, 33, 72, 32, 32, False, 1)],
 )  # fmt: skip
-@pytest.mark.parametrize("kind", ["gemm", "gemv"])
+@pytest.mark.parametrize("kind", ["gemm", "gemv", "fma", "gemm_t"])
 def test_fused_kernels_match_reference(bits, m, n, k, group_size, act_order, split_k, kind) -> None:
     qweight, scales, zeros, perm = _weights(bits, n, k, group_size, act_order)
     x = torch.randn(m, k)
     bias = torch.randn(n)
-    config = GemmConfig(kind, 16 if kind == "gemm" else 1, 32, 32, split_k, 4, 1)
+    config = GemmConfig(kind, 1 if kind in ONE_ROW_KINDS else 16, 32, 32, split_k, 4, 2)
     expected = wna16_gemm_reference(x, qweight, scales, zeros, group_size, bits, perm, bias)
     for _ in range(2):  # the second call finds the split-K workspace zeroed again
         out = wna16_gemm_triton(x, qweight, scales, zeros, group_size, bits, perm, bias, config)
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("bits", "m", "group_size", "act_order", "split_k"),
+    [(4, 1, 64, False, 1), (4, 3, 32, True, 2), (8, 2, 64, True, 4)],
+)
+def test_fma_kernel_in_bf16_matches_reference(bits, m, group_size, act_order, split_k) -> None:
+    # NOTE: the FMA kernel's float trick is exact, so a bf16 call differs from the fp32
+    # reference by the bf16 rounding of x (done before both) and of the output only.
+    qweight, scales, zeros, perm = _weights(bits, 24, 64, group_size, act_order, seed=3)
+    x = torch.randn(m, 64).bfloat16()
+    config = GemmConfig("fma", 1, 16, 32, split_k, 4, 3)
+    out = wna16_gemm_triton(x, qweight, scales, zeros, group_size, bits, perm, None, config)
+    expected = wna16_gemm_reference(x.float(), qweight, scales, zeros, group_size, bits, perm)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, rtol=2**-7, atol=1e-3)
 
 
 @pytest.mark.parametrize("chunk", [0, 16])
@@ -69,6 +85,13 @@ def test_reference_dequantizes_the_documented_layout() -> None:
     qweight = torch.tensor([[0x76543210]], dtype=torch.int32)
     w = wna16_dequantize_reference(qweight, torch.ones(1, 1), torch.full((1, 1), 2.0), 8, 4)
     assert w[:, 0].tolist() == [-2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+def test_one_row_kinds_reject_token_tiles() -> None:
+    with pytest.raises(ValueError, match="fma kernel runs one row per program"):
+        GemmConfig("fma", 16, 128, 128, 0, 4, 3)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        GemmConfig("marlin", 16, 128, 128, 0, 4, 3)
 
 
 def test_select_config_dispatches_on_tokens_and_fills_the_gpu() -> None:
@@ -109,5 +132,31 @@ def test_gpu_dispatch_matches_reference(m: int, bits: int, act_order: bool) -> N
     expected = x.float() @ w  # [m, 1000] fp32
     # NOTE: bf16 output rounding (half an ulp: 2**-9 relative) plus, on the dequant path, the
     # weight rounded to bf16: per product 2**-9 relative, ~sqrt(K) of them adding up.
+    atol = 4 * 2**-9 * k**0.5 * float(w.abs().max())
+    torch.testing.assert_close(out.float(), expected, rtol=2**-7, atol=atol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    "config",
+    [GemmConfig("fma", 1, 128, 128, 0, 4, 3), GemmConfig("fma", 1, 256, 64, 16, 8, 2),
+     GemmConfig("gemm_t", 16, 128, 128, 0, 4, 3), GemmConfig("gemm_t", 64, 64, 64, 0, 4, 2)],
+)  # fmt: skip
+@pytest.mark.parametrize("m", [1, 5, 16, 33])
+@pytest.mark.parametrize(("bits", "act_order", "dtype"), [(4, False, torch.bfloat16),
+                                                          (4, True, torch.float16),
+                                                          (8, False, torch.bfloat16)])  # fmt: skip
+def test_gpu_small_m_kernels_match_reference(
+    config: GemmConfig, m: int, bits: int, act_order: bool, dtype: torch.dtype
+) -> None:
+    k = 1024
+    qweight, scales, zeros, perm = _weights(bits, 1000, k, 128, act_order)
+    args = [t.cuda() if t is not None else None for t in (qweight, scales, zeros, perm)]
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    bias = torch.randn(1000, device="cuda", dtype=dtype)
+    out = wna16_gemm_triton(x, *args[:3], 128, bits, args[3], bias, config)
+    w = wna16_dequantize_reference(args[0], args[1], args[2], 128, bits, args[3])
+    expected = x.float() @ w + bias.float()  # [m, 1000] fp32
     atol = 4 * 2**-9 * k**0.5 * float(w.abs().max())
     torch.testing.assert_close(out.float(), expected, rtol=2**-7, atol=atol)
