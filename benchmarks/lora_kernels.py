@@ -19,7 +19,6 @@ import argparse
 import dataclasses
 import datetime
 import json
-import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.record import git_commit
 from loraplex.adapters.lora_layer import LoRABatchMeta, LoRALayer
 from loraplex.kernels.lora import (
     DEFAULT_KERNEL_CONFIG,
@@ -58,10 +58,11 @@ VARIANTS = {
     "expand_bn512": dataclasses.replace(_D, expand_block_n=512),
     "shrink_bk64_splits64": dataclasses.replace(_D, shrink_block_k=64, max_splits=64),
     "programs_256": dataclasses.replace(_D, target_programs=256),
-    # with a workspace of 16384 rows, so the split count is not capped at 2048 / tokens
-    "ws16k_programs_512": _D,
-    "ws16k_programs_1024": dataclasses.replace(_D, target_programs=1024),
-    "ws16k_programs_2048": dataclasses.replace(_D, target_programs=2048, max_splits=64),
+    "expand_chunks_1": dataclasses.replace(_D, group_expand_max_chunks=1),
+    "expand_chunks_4": dataclasses.replace(_D, group_expand_max_chunks=4),
+    "expand_chunks_8_always": dataclasses.replace(_D, group_expand_programs=1),
+    "expand_programs_512": dataclasses.replace(_D, group_expand_programs=512),
+    "expand_programs_2048": dataclasses.replace(_D, group_expand_programs=2048),
     "programs_1024": dataclasses.replace(_D, target_programs=1024),
 }
 
@@ -100,20 +101,6 @@ def _time_us(fn: Callable[[], None], graph: bool, iters: int) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1000 / iters
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=Path(__file__).parent,
-        )
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _reference(layer: LoRALayer, x: torch.Tensor, meta: LoRABatchMeta) -> torch.Tensor:
@@ -274,7 +261,7 @@ def run(out_path: Path, with_profile: bool = False) -> dict:
         "benchmark": "lora_kernels",
         "device": torch.cuda.get_device_name(device),
         "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
-        "commit": _commit(),
+        "commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "config": {
             "shapes": "Llama-3.1-8B",

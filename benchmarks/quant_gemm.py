@@ -1,6 +1,6 @@
 """W4A16 and FP8 W8A8 GEMM against torch bf16 matmul on Llama-3.1-8B projection shapes.
 
-    python benchmarks/quant_gemm.py [--out benchmarks/results/h200_quant.json] [--quick]
+    python -m benchmarks.quant_gemm [--out benchmarks/results/h200_quant.json] [--quick]
         [--tokens 1,16,64]
 
 For each (N, K) shape and token count M: checks every W4A16 candidate config against an fp32
@@ -17,12 +17,12 @@ import argparse
 import datetime
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
+from benchmarks.record import git_commit
 from loraplex.kernels.quant_gemm_configs import GemmConfig
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # (N, K)
@@ -145,12 +145,11 @@ def _tuned_table(rows: list[dict]) -> str:
 def _summary(rows: list[dict]) -> dict:
     metrics = {f"w4a16_speedup_m{m}": _geomean(rows, "w4a16_speedup", m) for m in (1, 16, 64, 1024)}
     metrics["fp8_speedup_m1024"] = _geomean(rows, "fp8_speedup", 1024)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
     return {
         "benchmark": "quant_gemm",
         "device": torch.cuda.get_device_name(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "commit": commit.stdout.strip() or "unknown",
+        "commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "metrics": metrics,
         "baseline": "torch.nn.functional.linear in bf16 (cuBLAS), same shapes, CUDA graphs",

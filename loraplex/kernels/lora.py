@@ -46,12 +46,18 @@ class LoRAKernelConfig:
     expand_block_n: int = 256  # columns per program of the per-token expand
     group_block_m: int = 16  # tokens per program of the grouped kernels
     group_block_n: int = 128
+    group_expand_max_chunks: int = 8  # column chunks of group_block_n per grouped expand program
+    group_expand_programs: int = 1024  # ... as long as about this many programs remain
 
     def __post_init__(self) -> None:
         for name in ("shrink_block_k", "expand_block_n", "group_block_m", "group_block_n"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"LoRAKernelConfig.{name} must be a power of two >= 16")
+        if self.group_expand_max_chunks < 1 or self.group_expand_programs < 1:
+            raise ValueError(
+                "LoRAKernelConfig: group_expand_max_chunks and group_expand_programs must be >= 1"
+            )
         if self.target_programs < 1 or self.max_splits < 1:
             raise ValueError("LoRAKernelConfig: target_programs and max_splits must be >= 1")
 

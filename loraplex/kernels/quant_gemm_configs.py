@@ -58,8 +58,26 @@ class GemmConfig:
             )
 
 
-#: (bits, M bucket, N, K) -> measured best config (H200, group size 128).
-TUNED_CONFIGS: dict[tuple[int, int, int, int], GemmConfig] = {}
+#: (bits, M bucket, N, K) -> measured best config (H200, group size 128), pasted from
+#: `python benchmarks/quant_gemm.py --quick` (benchmarks/results/h200_quant.json).
+TUNED_CONFIGS: dict[tuple[int, int, int, int], GemmConfig] = {
+    (4, 1, 6144, 4096): GemmConfig("fma", 1, 256, 64, 16, 4, 3),
+    (4, 16, 6144, 4096): GemmConfig("gemm", 16, 128, 128, 0, 4, 1),
+    (4, 64, 6144, 4096): GemmConfig("gemm_t", 64, 64, 128, 0, 4, 2),
+    (4, 1024, 6144, 4096): GemmConfig("dequant", 0, 0, 128, 1, 4, 1),
+    (4, 1, 4096, 4096): GemmConfig("fma", 1, 64, 128, 0, 2, 3),
+    (4, 16, 4096, 4096): GemmConfig("gemm", 16, 128, 128, 0, 4, 1),
+    (4, 64, 4096, 4096): GemmConfig("gemm_t", 64, 64, 64, 0, 4, 4),
+    (4, 1024, 4096, 4096): GemmConfig("dequant", 0, 0, 128, 1, 4, 1),
+    (4, 1, 28672, 4096): GemmConfig("fma", 1, 256, 64, 16, 4, 3),
+    (4, 16, 28672, 4096): GemmConfig("gemm", 16, 128, 128, 0, 4, 1),
+    (4, 64, 28672, 4096): GemmConfig("gemm", 64, 64, 128, 0, 4, 3),
+    (4, 1024, 28672, 4096): GemmConfig("dequant", 0, 0, 128, 1, 4, 1),
+    (4, 1, 4096, 14336): GemmConfig("fma", 1, 64, 128, 0, 2, 3),
+    (4, 16, 4096, 14336): GemmConfig("gemm", 16, 128, 128, 0, 4, 1),
+    (4, 64, 4096, 14336): GemmConfig("gemm_t", 64, 64, 64, 0, 4, 4),
+    (4, 1024, 4096, 14336): GemmConfig("dequant", 0, 0, 128, 1, 4, 1),
+}
 
 
 def m_bucket(m: int) -> int:

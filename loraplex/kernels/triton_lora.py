@@ -174,13 +174,18 @@ def _expand_group_kernel(
     num_tokens, num_slots, num_splits,
     stride_tm, stride_bs, stride_br, stride_om, stride_rs,
     MAX_RANK: tl.constexpr, RANK_PAD: tl.constexpr, NUM_SLICES: tl.constexpr,
-    SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
+    """Program (block, tile) writes CHUNKS consecutive BLOCK_N-column chunks of one slice for a
+    block of tokens, so it reads (and sums the split partials of) `t` once for all of them."""
     slot, pos0, pos_end = _group_block(count_ptr, start_ptr, tl.program_id(0), num_slots,
                                        BLOCK_M, SLOTS)  # fmt: skip
     if slot >= num_slots:
         return
-    slice_idx, col0, col_end = _tile_slice(offsets_ptr, tl.program_id(1), BLOCK_N, NUM_SLICES)
+    slice_idx, col0, col_end = _tile_slice(
+        offsets_ptr, tl.program_id(1), CHUNKS * BLOCK_N, NUM_SLICES
+    )
     rank = tl.load(rank_ptr + slice_idx * stride_rs + slot)
     if rank == 0:
         return
@@ -194,18 +199,17 @@ def _expand_group_kernel(
     t = tl.zeros((BLOCK_M, RANK_PAD), dtype=tl.float32)
     for split in range(num_splits):
         t += tl.load(t_ptrs + split * num_tokens * stride_tm, mask=t_mask, other=0.0)
-    offs_n = col0 + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < col_end
-    b = tl.load(
-        b_ptr + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br + offs_n[None, :],
-        mask=r_mask[:, None] & n_mask[None, :], other=0.0,
-    )  # fmt: skip
-    acc = tl.dot(t.to(b.dtype), b, input_precision=PRECISION)
-    acc = acc * tl.load(scaling_ptr + slice_idx * stride_rs + slot)
-    o_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
-    mask = m_mask[:, None] & n_mask[None, :]
-    cur = tl.load(o_ptrs, mask=mask, other=0.0)
-    tl.store(o_ptrs, (cur.to(tl.float32) + acc).to(cur.dtype), mask=mask)
+    scaling = tl.load(scaling_ptr + slice_idx * stride_rs + slot)
+    b_rows = b_ptr + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br
+    o_rows = out_ptr + rows[:, None] * stride_om
+    for chunk in range(CHUNKS):
+        offs_n = col0 + chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < col_end
+        b = tl.load(b_rows + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(t.to(b.dtype), b, input_precision=PRECISION) * scaling
+        mask = m_mask[:, None] & n_mask[None, :]
+        cur = tl.load(o_rows + offs_n[None, :], mask=mask, other=0.0)
+        tl.store(o_rows + offs_n[None, :], (cur.to(tl.float32) + acc).to(cur.dtype), mask=mask)
 
 
 @triton.jit
@@ -269,6 +273,19 @@ def num_splits(num_tokens: int, k: int, workspace_rows: int, config: LoRAKernelC
     return triton.cdiv(k, k_per_split * config.shrink_block_k)
 
 
+def expand_chunks(blocks: int, slice_sizes: tuple[int, ...], config: LoRAKernelConfig) -> int:
+    """Column chunks per grouped-expand program: the most (up to `group_expand_max_chunks`)
+    that still leave about `group_expand_programs` programs, so wide projections (gate-up)
+    read each block's `t` once per several chunks while narrow ones keep the GPU busy."""
+    chunks = 1
+    while chunks < config.group_expand_max_chunks:
+        width = 2 * chunks * config.group_block_n
+        if blocks * sum(triton.cdiv(n, width) for n in slice_sizes) < config.group_expand_programs:
+            break
+        chunks *= 2
+    return chunks
+
+
 def lora_triton(
     x: torch.Tensor,  # [num_tokens, in]
     out: torch.Tensor,  # [num_tokens, >= offsets[-1]]
@@ -316,12 +333,14 @@ def lora_triton(
         BLOCK_N=shrink_n, BLOCK_K=config.shrink_block_k, PRECISION=_precision(x.dtype),
         num_warps=_warps(shrink_n * config.shrink_block_k),
     )  # fmt: skip
-    tiles = sum(triton.cdiv(n, config.group_block_n) for n in lora.slice_sizes)
+    chunks = expand_chunks(blocks, lora.slice_sizes, config)
+    width = chunks * config.group_block_n
+    tiles = sum(triton.cdiv(n, width) for n in lora.slice_sizes)
     _expand_group_kernel[(blocks, tiles)](
         t, b_t, out, *group, lora.ranks, lora.scaling, offsets, num_tokens, num_slots, splits,
         t.stride(0), b_t.stride(0), b_t.stride(1), out.stride(0), stride_rs,
         MAX_RANK=max_rank, RANK_PAD=rank_pad, NUM_SLICES=num_slices, SLOTS=slots_pad,
-        BLOCK_M=bm, BLOCK_N=config.group_block_n, PRECISION=_precision(b_t.dtype),
+        BLOCK_M=bm, BLOCK_N=config.group_block_n, CHUNKS=chunks, PRECISION=_precision(b_t.dtype),
         num_warps=_warps(bm * config.group_block_n),
     )  # fmt: skip
 

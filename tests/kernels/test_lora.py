@@ -115,6 +115,7 @@ def test_mismatched_shapes_are_refused():
         LoRAStack(lora.a[:, :6], lora.b_t, lora.ranks, lora.scaling, lora.slice_offsets)
 
 
+@pytest.mark.parametrize("expand_chunks", [1, 4])
 @pytest.mark.parametrize("token_kernels", [True, False])
 @pytest.mark.parametrize(
     ("num_tokens", "in_features", "slice_sizes", "num_slots", "max_rank", "max_splits"),
@@ -126,13 +127,19 @@ def test_mismatched_shapes_are_refused():
     ],
 )
 def test_triton_matches_reference(
-    token_kernels, num_tokens, in_features, slice_sizes, num_slots, max_rank, max_splits
-):
+    expand_chunks, token_kernels, num_tokens, in_features, slice_sizes, num_slots, max_rank,
+    max_splits,
+):  # fmt: skip
+    from loraplex.kernels.triton_lora import expand_chunks as chunks_for
     from loraplex.kernels.triton_lora import lora_triton, num_splits
 
+    # NOTE: group_expand_programs=1 makes every grouped-expand program take the most chunks,
+    # some of them past the end of a slice (masked).
     config = LoRAKernelConfig(
-        token_kernels_max_tokens=64 if token_kernels else 0, max_splits=max_splits, **TINY
-    )
+        token_kernels_max_tokens=64 if token_kernels else 0, max_splits=max_splits,
+        group_expand_max_chunks=expand_chunks, group_expand_programs=1, **TINY,
+    )  # fmt: skip
+    assert chunks_for(1, slice_sizes, config) == expand_chunks
     lora = _stack(in_features, slice_sizes, num_slots, max_rank, 7, first=3)
     x, slots = _inputs(num_tokens, in_features, num_slots, 7)
     meta = lora_kernel_meta(slots, num_slots)
