@@ -19,6 +19,10 @@ from loraplex.quant.registry import find_quantization_config, get_quantization_c
 
 logger = logging.getLogger(__name__)
 
+#: Methods `--quantization` applies to unquantized weights at load; the others (awq, gptq,
+#: compressed-tensors) name a checkpoint format and come from the checkpoint's config.
+LOAD_TIME_QUANTIZATION = ("fp8",)
+
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -70,18 +74,46 @@ def load_model(
     with random weights generated on the device from `random_seed` (for benchmarks)."""
     model_path = Path(model_path)
     if model_path.is_file():
-        arch = ArchConfig.from_dict(json.loads(model_path.read_text()))
-        torch_dtype = resolve_dtype(dtype, arch, device)
-        if quantization is not None:
-            raise ValueError("random weights are generated unquantized; drop --quantization")
-        model = build_model(arch, torch_dtype, device)
-        init_random_weights(model, random_seed or 0)
-        return model, arch, torch_dtype
+        return load_random_model(model_path, dtype, device, quantization, random_seed or 0)
     arch = ArchConfig.from_path(model_path)
     torch_dtype = resolve_dtype(dtype, arch, device)
     quant = quantization_for(model_path, arch, quantization)
     model = build_model(arch, torch_dtype, device, quant)
     model.load_weights(iterate_checkpoint(model_path))
+    finish_loading(model)
+    return model, arch, torch_dtype
+
+
+def load_random_model(
+    config_path: Path,
+    dtype: str,
+    device: torch.device,
+    quantization: str | None,
+    seed: int,
+) -> tuple[nn.Module, ArchConfig, torch.dtype]:
+    """The architecture of a bare config.json with random weights generated on the device.
+
+    A `quantization_config` in the file makes the weights random in that checkpoint format
+    (e.g. configs/models/llama-3.1-8b-awq.json); `quantization` may name a method that
+    quantizes at load (`LOAD_TIME_QUANTIZATION`). Either way the weights then go through the
+    same post-load processing as a real checkpoint's."""
+    arch = ArchConfig.from_dict(json.loads(Path(config_path).read_text()))
+    torch_dtype = resolve_dtype(dtype, arch, device)
+    checkpoint_quant = arch.raw.get("quantization_config")
+    if (
+        quantization is not None
+        and checkpoint_quant is None
+        and quantization not in LOAD_TIME_QUANTIZATION
+    ):
+        raise ValueError(
+            f"--quantization {quantization} names a checkpoint format, not a quantization at "
+            f"load: random {quantization} weights need a 'quantization_config' in "
+            f"{config_path} (e.g. configs/models/llama-3.1-8b-awq.json); random weights are "
+            f"quantized at load only by {list(LOAD_TIME_QUANTIZATION)}"
+        )
+    quant = get_quantization_config(quantization, checkpoint_quant)
+    model = build_model(arch, torch_dtype, device, quant)
+    init_random_weights(model, seed)
     finish_loading(model)
     return model, arch, torch_dtype
 

@@ -1,0 +1,219 @@
+"""Issue 5 end to end on an H200: AWQ against bf16 on random Llama-3.1-8B-shaped weights.
+
+    python -m benchmarks.quant_e2e [--num-requests 64] [--fp8] [--awq-dtype auto]
+
+For each model in turn (bf16, then AWQ 4-bit g128 from configs/models/llama-3.1-8b-awq.json,
+optionally FP8 quantized at load), one engine at a time:
+- decode time per output token at batch 1, measured as in `benchmarks.gpu_path`:
+  (time of 257 tokens - time of 1 token) / 256, median of 3, 32 input tokens, greedy, ignore_eos;
+  plus the GPU time of one batch-1 decode step (CUDA-graph replay);
+- throughput on `benchmarks.gpu_path`'s nano-vllm workload (input and output lengths uniform in
+  [100, 1024]), `--num-requests` of them. The workload runs once untimed first, so Triton
+  compiles every kernel specialization the timed run meets.
+The AWQ weights are random in AutoAWQ's checkpoint format and go through the same load-time
+repack as a real checkpoint. Prints which W4A16 kernel each layer shape runs per token count.
+Writes benchmarks/results/h200_quant_e2e.json. Skips (exit 0) without CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from benchmarks.gpu_path import _timed, random_prompts
+from benchmarks.record import write_result
+from loraplex import LLM, SamplingParams
+from loraplex.platform.models.linear import Linear
+
+#: Token counts whose W4A16 kernel choice is printed: decode at batch 1..64, prefill chunks.
+KERNEL_REPORT_M = (1, 16, 64, 256, 1024, 8192)
+_DECODE_STEPS = 256
+_PROMPT_LEN = 32
+_GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One engine to measure: a random-weight config file, its dtype, a load-time method."""
+
+    name: str
+    config: str
+    dtype: str
+    quantization: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelFigures:
+    tpot_bs1_ms: float
+    gpu_decode_step_bs1_ms: float | None
+    throughput_out_tok_s: float | None
+    weight_gb: float
+    engine_start_s: float
+
+
+def kernel_choices(llm: LLM) -> dict[str, dict[int, str]]:
+    """W4A16 kernel per linear shape ("N x K") and token count, as `wna16_gemm` picks it."""
+    from loraplex.kernels.quant_gemm_w4a16 import kernel_name
+    from loraplex.quant.wna16 import WNA16LinearMethod
+
+    choices: dict[str, dict[int, str]] = {}
+    for module in llm.engine.runner.model.modules():
+        if not isinstance(module, Linear) or not isinstance(module.method, WNA16LinearMethod):
+            continue
+        method, n, k = module.method, module.output_size, module.input_size
+        choices.setdefault(
+            f"{n}x{k}",
+            {m: kernel_name(m, n, k, method.group_size, method.bits) for m in KERNEL_REPORT_M},
+        )
+    return choices
+
+
+def decode_tpot(llm: LLM, rng: random.Random) -> tuple[float, float | None]:
+    """(seconds per output token at batch 1, GPU seconds of one graph-replayed decode step)."""
+    vocab = llm.engine.runner.arch.vocab_size
+
+    def one(n: int) -> float:
+        prompt = random_prompts(rng, vocab, [_PROMPT_LEN])
+        return _timed(lambda: llm.generate(prompt, SamplingParams(max_tokens=n, **_GREEDY)))
+
+    one(8)
+    tpot = statistics.median((one(_DECODE_STEPS + 1) - one(1)) / _DECODE_STEPS for _ in range(3))
+    graphs = llm.engine.runner.graphs
+    if graphs is None:
+        return tpot, None
+    graph = graphs.graphs[1]
+    replay = min(_timed(lambda: [graph.replay() for _ in range(20)]) for _ in range(3)) / 20
+    return tpot, replay
+
+
+def throughput(llm: LLM, num_requests: int) -> float:
+    """Output tokens per second over gpu_path's workload; a full untimed run warms up first."""
+    vocab = llm.engine.runner.arch.vocab_size
+    wl = random.Random(1)
+    lens = [(wl.randint(100, 1024), wl.randint(100, 1024)) for _ in range(num_requests)]
+    prompts = random_prompts(wl, vocab, [i for i, _ in lens])
+    params = [SamplingParams(max_tokens=o, **_GREEDY) for _, o in lens]
+    llm.generate(prompts, params)
+    llm.engine.scheduler.kv.reset_prefix_cache()
+    seconds = _timed(lambda: llm.generate(prompts, params))
+    out_tokens = sum(o for _, o in lens)
+    print(f"  throughput {num_requests} reqs: {out_tokens} tokens in {seconds:.1f} s")
+    return out_tokens / seconds
+
+
+def measure(spec: ModelSpec, num_requests: int, skip_throughput: bool) -> ModelFigures:
+    """Start one engine for `spec`, measure it, and free all its GPU memory."""
+    print(f"== {spec.name}: {spec.config} ({spec.dtype}, quantization={spec.quantization})")
+    start = time.perf_counter()
+    llm = LLM(
+        spec.config, dtype=spec.dtype, quantization=spec.quantization, enable_lora=False,
+        max_model_len=4096, max_num_batched_tokens=8192, gpu_memory_utilization=0.45, seed=0,
+    )  # fmt: skip
+    engine_start = time.perf_counter() - start
+    model = llm.engine.runner.model
+    weight_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
+    print(f"  engine ready in {engine_start:.1f} s, weights {weight_gb:.2f} GB; {llm.stats()}")
+    for shape, by_m in kernel_choices(llm).items():
+        print(f"  W4A16 {shape}: " + ", ".join(f"M={m} {name}" for m, name in by_m.items()))
+    tpot, replay = decode_tpot(llm, random.Random(0))
+    step = f", GPU step {replay * 1e3:.3f} ms" if replay is not None else ""
+    print(f"  tpot bs1 {tpot * 1e3:.3f} ms{step}")
+    tok_s = None if skip_throughput else throughput(llm, num_requests)
+    llm.engine.shutdown()
+    del llm, model
+    gc.collect()
+    torch.cuda.empty_cache()
+    print(f"  freed: {torch.cuda.memory_allocated() / 1e9:.2f} GB still allocated")
+    return ModelFigures(
+        tpot_bs1_ms=tpot * 1e3,
+        gpu_decode_step_bs1_ms=replay * 1e3 if replay is not None else None,
+        throughput_out_tok_s=tok_s,
+        weight_gb=weight_gb,
+        engine_start_s=engine_start,
+    )
+
+
+def metrics_vs_bf16(figures: dict[str, ModelFigures]) -> dict[str, float]:
+    """Each model's figures under its name, and quantized-over-bf16 ratios."""
+    bf16 = figures["bf16"]
+    metrics: dict[str, float] = {}
+    for name, fig in figures.items():
+        metrics[f"{name}_tpot_bs1_ms"] = fig.tpot_bs1_ms
+        if fig.gpu_decode_step_bs1_ms is not None:
+            metrics[f"{name}_gpu_decode_step_bs1_ms"] = fig.gpu_decode_step_bs1_ms
+        if fig.throughput_out_tok_s is not None:
+            metrics[f"{name}_throughput_out_tok_s"] = fig.throughput_out_tok_s
+        metrics[f"{name}_weight_gb"] = fig.weight_gb
+        if name == "bf16":
+            continue
+        metrics[f"{name}_tpot_ratio_vs_bf16"] = fig.tpot_bs1_ms / bf16.tpot_bs1_ms
+        if fig.gpu_decode_step_bs1_ms is not None and bf16.gpu_decode_step_bs1_ms is not None:
+            metrics[f"{name}_gpu_decode_step_ratio_vs_bf16"] = (
+                fig.gpu_decode_step_bs1_ms / bf16.gpu_decode_step_bs1_ms
+            )
+        if fig.throughput_out_tok_s is not None and bf16.throughput_out_tok_s is not None:
+            metrics[f"{name}_throughput_ratio_vs_bf16"] = (
+                fig.throughput_out_tok_s / bf16.throughput_out_tok_s
+            )
+    return metrics
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--bf16-model", default="configs/models/llama-3.1-8b.json")
+    parser.add_argument("--awq-model", default="configs/models/llama-3.1-8b-awq.json")
+    parser.add_argument(
+        "--awq-dtype",
+        default="auto",
+        choices=("auto", "bfloat16", "float16"),
+        help="activation dtype of the AWQ engine (auto: the config's, float16 like AutoAWQ)",
+    )
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--fp8", action="store_true", help="also FP8 quantized at load")
+    parser.add_argument("--skip-throughput", action="store_true", help="only decode time")
+    parser.add_argument("--out", default="h200_quant_e2e.json")
+    args = parser.parse_args()
+    if args.num_requests < 1:
+        parser.error(f"--num-requests must be >= 1, got {args.num_requests}")
+    if not torch.cuda.is_available():
+        print("benchmarks.quant_e2e needs a CUDA GPU; skipped")
+        return 0
+    logging.basicConfig(level=logging.INFO, format="  [%(name)s] %(message)s")
+
+    specs = [
+        ModelSpec("bf16", args.bf16_model, "bfloat16"),
+        ModelSpec("awq", args.awq_model, args.awq_dtype),
+    ]
+    if args.fp8:
+        specs.append(ModelSpec("fp8", args.bf16_model, "bfloat16", quantization="fp8"))
+    figures = {spec.name: measure(spec, args.num_requests, args.skip_throughput) for spec in specs}
+    metrics = metrics_vs_bf16(figures)
+    print(json.dumps(metrics, indent=2))
+    write_result(
+        args.out,
+        "quant_e2e",
+        metrics,
+        {},
+        workload={
+            "models": [asdict(spec) for spec in specs],
+            "engine_start_s": {name: fig.engine_start_s for name, fig in figures.items()},
+            "num_requests": None if args.skip_throughput else args.num_requests,
+            "input_output_uniform": [100, 1024],
+            "tpot": f"({_DECODE_STEPS + 1} tokens - 1 token) / {_DECODE_STEPS}, median of 3, "
+            f"{_PROMPT_LEN} input tokens, batch 1",
+            "target": "awq_tpot_ratio_vs_bf16 <= 0.45",
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
