@@ -182,6 +182,8 @@ class Engine:
         failed = self._poll_grammars()
         so = self.scheduler.schedule()
         runner_out = self.runner.execute(so, self._grammar_bitmasks(so))
+        if runner_out.prompt_logprobs:
+            self.output_processor.add_prompt_logprobs(runner_out.prompt_logprobs)
         core_outputs = self.scheduler.update_from_output(so, runner_out)
         self.generation_tokens_total += len(core_outputs)
         outputs, stopped = self.output_processor.process(core_outputs)

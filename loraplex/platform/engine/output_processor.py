@@ -7,7 +7,12 @@ import time
 from dataclasses import dataclass, field
 
 from loraplex.platform.engine.detokenizer import IncrementalDetokenizer
-from loraplex.platform.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from loraplex.platform.engine.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestOutput,
+)
 from loraplex.platform.engine.sampling_params import RequestOutputKind, SamplingParams
 from loraplex.platform.models.tokenizer import Tokenizer
 from loraplex.platform.scheduler.output import EngineCoreOutput
@@ -39,6 +44,8 @@ class _Parent:
     num_cached_tokens: int = 0
     first_token_time: float | None = None
     num_generated: int = 0
+    prompt_logprobs: PromptLogprobs | None = None
+    sent_prompt_logprobs: bool = False  # DELTA mode hands them out once
 
 
 class OutputProcessor:
@@ -71,6 +78,20 @@ class OutputProcessor:
         self._parents[request_id] = _Parent(
             request_id, prompt, prompt_token_ids, params, samples, time.monotonic()
         )
+        if params.prompt_logprobs is not None:
+            self._parents[request_id].prompt_logprobs = [None] * len(prompt_token_ids)
+
+    def add_prompt_logprobs(
+        self, scores: dict[str, tuple[int, list[list[tuple[int, float, int]]]]]
+    ) -> None:
+        """Record scored prompt tokens (core request id -> (first position, entries)); a
+        recomputed prompt (after preemption) overwrites the same positions."""
+        for core_id, (first, entries) in scores.items():
+            parent = self._parents.get(self._core_to_parent.get(core_id, ""))
+            if parent is None or parent.prompt_logprobs is None:
+                continue
+            for pos, entry in enumerate(entries, start=first):
+                parent.prompt_logprobs[pos] = self._decode_logprobs(entry)
 
     def core_ids(self, request_id: str) -> list[str]:
         parent = self._parents.get(request_id)
@@ -179,6 +200,10 @@ class OutputProcessor:
             del self._parents[parent.request_id]
             for core_id in parent.samples:
                 self._core_to_parent.pop(core_id, None)
+        prompt_logprobs = parent.prompt_logprobs
+        if kind == RequestOutputKind.DELTA:
+            prompt_logprobs = None if parent.sent_prompt_logprobs else prompt_logprobs
+            parent.sent_prompt_logprobs = True
         return RequestOutput(
             parent.request_id,
             parent.prompt,
@@ -187,4 +212,5 @@ class OutputProcessor:
             finished,
             parent.num_cached_tokens,
             metrics,
+            prompt_logprobs=prompt_logprobs,
         )

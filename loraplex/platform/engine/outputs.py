@@ -14,6 +14,9 @@ class Logprob:
 
 # One dict per generated token: the sampled token and the top-k alternatives.
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token: None for the first (nothing precedes it), then the prompt token's
+# logprob and the top-k alternatives.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -41,3 +44,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None  # why the request was ended early, e.g. its grammar failed
+    prompt_logprobs: PromptLogprobs | None = None  # with SamplingParams.prompt_logprobs

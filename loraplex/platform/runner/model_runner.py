@@ -14,12 +14,13 @@ from loraplex.platform.models.attention_metadata import AttentionMetadata
 from loraplex.platform.models.model_loader import load_model
 from loraplex.platform.runner.cuda_graph import CudaGraphRunner
 from loraplex.platform.runner.request_state import CachedRequestState
-from loraplex.platform.runner.sampler import Sampler, SamplerOutput, SamplingRow
+from loraplex.platform.runner.sampler import Sampler, SamplerOutput, SamplingRow, score_tokens
 from loraplex.platform.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 _ACTIVATION_RESERVE_BYTES = 2 << 30  # headroom kept free on CUDA for activations and graphs
+_SCORE_CHUNK = 1024  # prompt rows whose logits are materialised at once for prompt logprobs
 
 
 def resolve_device(name: str) -> torch.device:
@@ -57,6 +58,8 @@ class ModelRunner:
             for _ in range(self.arch.num_layers)
         ]
         self.requests: dict[str, CachedRequestState] = {}
+        # Requests asking for prompt logprobs whose prompt is not all computed yet.
+        self._scoring: set[str] = set()
         self.sampler = Sampler(config.model.seed)
         self.max_model_len = min(
             config.model.max_model_len or self.arch.max_position_embeddings,
@@ -137,8 +140,11 @@ class ModelRunner:
             state = self.requests.pop(req_id, None)
             if state is not None:
                 self._free_rows.append(state.row)
+            self._scoring.discard(req_id)
         for new in so.new_reqs:
             params = new.sampling_params
+            if params.prompt_logprobs is not None:
+                self._scoring.add(new.req_id)
             row = self._free_rows.pop()
             self.block_table[row, : len(new.block_ids)] = new.block_ids
             self.requests[new.req_id] = CachedRequestState(
@@ -177,10 +183,9 @@ class ModelRunner:
         if so.is_empty:
             return ModelRunnerOutput(sampled={})
         host = self._prepare_host(so)
+        logits, prompt_logprobs = self._forward(host)
         if not host.sample_req_ids:
-            self._forward(host)
-            return ModelRunnerOutput(sampled={})
-        logits = self._forward(host)
+            return ModelRunnerOutput(sampled={}, prompt_logprobs=prompt_logprobs)
         states = [self.requests[r] for r in host.sample_req_ids]
         if not bitmasks and all(s.plain_greedy for s in states):
             # NOTE: the common decode case: one argmax and the step's one host sync.
@@ -199,10 +204,13 @@ class ModelRunner:
             sampled[req_id] = token
             if lp is not None:
                 logprobs[req_id] = lp
-        return ModelRunnerOutput(sampled=sampled, logprobs=logprobs)
+        return ModelRunnerOutput(
+            sampled=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+        )
 
-    def _forward(self, host: _HostBatch) -> torch.Tensor:
-        """Logits [num_sampled, vocab] of the rows that sample (graph replay for pure decode)."""
+    def _forward(self, host: _HostBatch) -> tuple[torch.Tensor, dict]:
+        """Logits [num_sampled, vocab] of the rows that sample (graph replay for pure decode),
+        and the prompt logprobs of the rows `host.prompt_scores` names."""
         num_seqs = len(host.seq_lens)
         lora = host.lora_slots if (host.lora_slots >= 0).any() else None
         if (
@@ -210,10 +218,11 @@ class ModelRunner:
             and host.is_decode
             and self.graphs.padded_size(num_seqs) is not None
         ):
-            return self.graphs.run(
+            logits = self.graphs.run(
                 host.input_ids, host.positions, host.slot_mapping, host.seq_lens,
                 host.block_tables, lora,
             )  # fmt: skip
+            return logits, {}
         dev = self.device
         if self.lora_manager is not None:
             slots = torch.from_numpy(host.lora_slots)
@@ -229,10 +238,19 @@ class ModelRunner:
         input_ids = torch.from_numpy(host.input_ids).to(dev)
         positions = torch.from_numpy(host.positions).to(dev)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        prompt_logprobs = {}
+        for req_id, offset, targets, first_pos in host.prompt_scores:
+            k = self.requests[req_id].sampling_params.prompt_logprobs or 0
+            entries = []
+            for lo in range(0, len(targets), _SCORE_CHUNK):  # bounds the [rows, vocab] logits
+                rows = hidden[offset + lo : offset + min(lo + _SCORE_CHUNK, len(targets))]
+                chunk = torch.from_numpy(targets[lo : lo + _SCORE_CHUNK]).to(dev)
+                entries += score_tokens(self.model.compute_logits(rows), chunk, k)
+            prompt_logprobs[req_id] = (first_pos, entries)
         if not host.sample_req_ids:
-            return hidden[:0]
+            return hidden[:0], prompt_logprobs
         indices = torch.from_numpy(host.logits_indices).to(dev)
-        return self.model.compute_logits(hidden[indices])
+        return self.model.compute_logits(hidden[indices]), prompt_logprobs
 
     def _sampling_row(self, state: CachedRequestState) -> SamplingRow:
         p = state.sampling_params
@@ -261,7 +279,7 @@ class ModelRunner:
         """The step's batch as host arrays (DESIGN.md's layout), built vectorised."""
         req_ids = list(so.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
-        if so.total_num_scheduled_tokens == len(req_ids):
+        if so.total_num_scheduled_tokens == len(req_ids) and not self._scoring:
             return self._prepare_decode(req_ids, states)
         counts = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), np.int64, len(req_ids))
         starts = np.fromiter((s.num_computed_tokens for s in states), np.int64, len(states))
@@ -292,6 +310,16 @@ class ModelRunner:
         lora_slots = np.repeat(
             np.fromiter((s.lora_slot for s in states), np.int32, len(states)), counts
         )
+        prompt_scores = []
+        for i in (i for i, r in enumerate(req_ids) if r in self._scoring):
+            # Row p scores the prompt token at p + 1; the prompt's last row samples instead.
+            state, start = states[i], int(starts[i])
+            n = min(int(counts[i]), state.num_prompt_tokens - 1 - start)
+            if n > 0:
+                targets = np.asarray(state.token_ids[start + 1 : start + 1 + n], dtype=np.int64)
+                prompt_scores.append((req_ids[i], int(query_start[i]), targets, start + 1))
+            if start + int(counts[i]) >= state.num_prompt_tokens:
+                self._scoring.discard(req_ids[i])
         return _HostBatch(
             input_ids=input_ids,
             positions=positions,
@@ -304,6 +332,7 @@ class ModelRunner:
             logits_indices=query_start[1:][sampling].astype(np.int64) - 1,
             max_query_len=int(counts.max()),
             is_decode=int(counts.max()) == 1 and len(sampling) == len(req_ids),
+            prompt_scores=tuple(prompt_scores),
         )
 
     def _prepare_decode(self, req_ids: list[str], states: list[CachedRequestState]) -> _HostBatch:
@@ -345,6 +374,9 @@ class _HostBatch:
     logits_indices: np.ndarray  # [num_sampled] int64
     max_query_len: int
     is_decode: bool  # one new token per sequence, and every sequence samples
+    # (req_id, batch row of its first scored token, the prompt tokens those rows score
+    # [n] int64, prompt position of the first of them), for prompt logprobs
+    prompt_scores: tuple[tuple[str, int, np.ndarray, int], ...] = ()
 
 
 def _stack_bitmasks(

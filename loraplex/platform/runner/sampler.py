@@ -155,3 +155,23 @@ def _top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     mask = (before > top_p[:, None]) & (ranks > 0)
     sorted_logits = sorted_logits.masked_fill(mask, _MASK)
     return torch.full_like(logits, _MASK).scatter(1, order, sorted_logits)
+
+
+def score_tokens(
+    logits: torch.Tensor,  # [n, vocab]
+    targets: torch.Tensor,  # [n] int64, the token that follows each row
+    k: int,
+) -> list[list[tuple[int, float, int]]]:
+    """Each target's logprob and rank under its row, then the row's top-k (prompt logprobs)."""
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    chosen = raw.gather(1, targets[:, None]).squeeze(1)
+    ranks = (raw > chosen[:, None]).sum(dim=-1) + 1
+    entries = [
+        [(t, v, r)]
+        for t, v, r in zip(targets.tolist(), chosen.tolist(), ranks.tolist(), strict=True)
+    ]
+    if k:
+        top_vals, top_ids = raw.topk(k, dim=-1)
+        for entry, ids, vals in zip(entries, top_ids.tolist(), top_vals.tolist(), strict=True):
+            entry += [(t, v, r + 1) for r, (t, v) in enumerate(zip(ids, vals, strict=True))]
+    return entries

@@ -50,9 +50,10 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of a new request: (blocks, number of tokens they hold).
 
-        At least one token is always left to compute, so the request gets logits to sample.
+        At least one token is always left to compute, so the request gets logits to sample;
+        a request that asks for prompt logprobs computes its whole prompt.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         max_hit = request.num_tokens - 1
         self._update_block_hashes(request, max_hit)

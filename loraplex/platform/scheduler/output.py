@@ -50,6 +50,11 @@ class ModelRunnerOutput:
     sampled: dict[str, int]  # req_id -> token id
     # req_id -> [(token_id, logprob, rank)]: the sampled token first, then the top-k.
     logprobs: dict[str, list[tuple[int, float, int]]] = field(default_factory=dict)
+    # req_id -> (prompt position of the first scored token, one entry per scored prompt token
+    # like `logprobs`' entries: the prompt token first, then the top-k).
+    prompt_logprobs: dict[str, tuple[int, list[list[tuple[int, float, int]]]]] = field(
+        default_factory=dict
+    )
 
 
 @dataclass(frozen=True)
