@@ -8,7 +8,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +24,7 @@ from loraplex.platform.api.errors import (
 )
 from loraplex.platform.api.logprobs import TokenLogprobs
 from loraplex.platform.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
-from loraplex.platform.engine.outputs import CompletionOutput, RequestOutput
+from loraplex.platform.engine.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from loraplex.platform.engine.sampling_params import SamplingParams
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -164,6 +164,7 @@ class Choice:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # its prompt's, with `prompt_logprobs` set
 
     def add(self, delta: CompletionOutput) -> None:
         self.text.append(delta.text)
@@ -201,12 +202,23 @@ class UsageCounter:
         }
 
 
-async def collect(streams: list[RequestStream], n: int) -> tuple[list[Choice], UsageCounter]:
-    """Run every stream to its end; choices are numbered prompt_index * n + sample index."""
+async def collect(
+    streams: list[RequestStream],
+    n: int,
+    view: Callable[[RequestOutput], RequestOutput] | None = None,
+) -> tuple[list[Choice], UsageCounter]:
+    """Run every stream to its end; choices are numbered prompt_index * n + sample index.
+
+    `view`, if given, rewrites each output before it counts (e.g. to drop generated tokens)."""
     choices = [Choice(i) for i in range(len(streams) * n)]
     usage = UsageCounter()
     async for prompt_index, output in merge_streams(streams):
+        if view is not None:
+            output = view(output)
         usage.add(prompt_index, output)
+        if output.prompt_logprobs is not None:
+            for choice in choices[prompt_index * n : (prompt_index + 1) * n]:
+                choice.prompt_logprobs = output.prompt_logprobs
         for delta in output.outputs:
             choices[prompt_index * n + delta.index].add(delta)
     return choices, usage

@@ -46,6 +46,7 @@ class SamplingFields(_Body):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None  # each prompt token's logprob and the top-k
     # Structured output: accepted here, answered by `sampling.structured_outputs_for`.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -73,6 +74,11 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+    @property
+    def echo_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: return the prompt (and its logprobs), generate nothing."""
+        return self.echo and self.max_tokens == 0
 
     @property
     def prompts(self) -> list[str | list[int]]:

@@ -14,6 +14,7 @@ from loraplex.platform.api.protocol import (
 from loraplex.platform.engine.sampling_params import RequestOutputKind, SamplingParams
 
 MAX_N = 128
+MAX_PROMPT_LOGPROBS = 20
 _MAX_INT32 = 2**31 - 1
 # vLLM's extras, each a shorthand for one kind of `structured_outputs`.
 _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice"}
@@ -103,6 +104,12 @@ def _check_common(body: SamplingFields) -> None:
         raise bad_request(f"top_k must be at most {_MAX_INT32}, got {body.top_k}", param="top_k")
     if body.logit_bias:
         raise bad_request("logit_bias is not supported", param="logit_bias")
+    k = body.prompt_logprobs
+    if k is not None and not 0 <= k <= MAX_PROMPT_LOGPROBS:
+        raise bad_request(
+            f"prompt_logprobs must be in [0, {MAX_PROMPT_LOGPROBS}], got {k}",
+            param="prompt_logprobs",
+        )
 
 
 def _check_completion(body: CompletionRequest) -> None:
@@ -114,8 +121,10 @@ def _check_completion(body: CompletionRequest) -> None:
         raise bad_request("best_of is not supported (only best_of == n)", param="best_of")
     if body.suffix:
         raise bad_request("suffix is not supported", param="suffix")
-    if body.echo and body.logprobs is not None:
-        raise bad_request("echo with logprobs is not supported", param="echo")
+    if body.echo_only and body.min_tokens > 0:
+        raise bad_request(
+            f"min_tokens must be 0 when max_tokens is 0, got {body.min_tokens}", param="min_tokens"
+        )
 
 
 def _check_chat(body: ChatCompletionRequest) -> None:
@@ -123,9 +132,19 @@ def _check_chat(body: ChatCompletionRequest) -> None:
         raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
     if body.tools and body.tool_choice != "none":
         raise bad_request("tools are not supported yet", param="tools")
+    if body.prompt_logprobs is not None and body.stream:
+        raise bad_request(
+            "prompt_logprobs is not supported with stream on chat completions",
+            param="prompt_logprobs",
+        )
 
 
-def _params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _params(
+    body: SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None,
+) -> SamplingParams:
     try:
         return SamplingParams(
             n=body.n,
@@ -145,6 +164,7 @@ def _params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) 
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
             structured_outputs=structured_outputs_for(body),
@@ -158,7 +178,16 @@ def completion_sampling_params(body: CompletionRequest) -> SamplingParams:
     """Streaming-shaped (DELTA) params of a /v1/completions body; APIError (400) if bad."""
     _check_common(body)
     _check_completion(body)
-    return _params(body, body.max_tokens, body.logprobs)
+    # NOTE: `echo` with `max_tokens: 0` scores a text (lm-evaluation-harness does so), which
+    # OpenAI and vLLM accept. The engine samples at least one token, so it runs one, and the
+    # completion drops it from text, logprobs and usage (serving_completion). Without echo,
+    # max_tokens 0 goes on to SamplingParams, which refuses it (400, param max_tokens).
+    max_tokens = 1 if body.echo_only else body.max_tokens
+    # The echoed prompt's logprobs come from the engine's prompt logprobs.
+    prompt_logprobs = body.prompt_logprobs
+    if body.echo and body.logprobs is not None:
+        prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
+    return _params(body, max_tokens, body.logprobs, prompt_logprobs)
 
 
 def chat_sampling_params(body: ChatCompletionRequest) -> SamplingParams:
@@ -166,4 +195,4 @@ def chat_sampling_params(body: ChatCompletionRequest) -> SamplingParams:
     _check_common(body)
     _check_chat(body)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return _params(body, body.max_new_tokens, logprobs)
+    return _params(body, body.max_new_tokens, logprobs, body.prompt_logprobs)

@@ -27,7 +27,7 @@ from loraplex.platform.api.generation import (
     sse,
     submit,
 )
-from loraplex.platform.api.logprobs import chat_logprobs
+from loraplex.platform.api.logprobs import chat_logprobs, vllm_prompt_logprobs
 from loraplex.platform.api.protocol import ChatCompletionRequest
 from loraplex.platform.api.request_body import read_json_model
 from loraplex.platform.api.sampling import chat_sampling_params
@@ -73,26 +73,30 @@ async def create_chat_completion(request: Request) -> Response:
     with abort_on_disconnect(request, streams, state.settings.disconnect_poll_s):
         choices, usage = await collect(streams, body.n)
     top_k = body.top_logprobs or 0
-    return JSONResponse(
-        {
-            "id": request_id,
-            "object": "chat.completion",
-            "created": now_s(),
-            "model": served.name,
-            "choices": [
-                {
-                    "index": c.index,
-                    "message": {"role": "assistant", "content": c.full_text},
-                    "logprobs": chat_logprobs(c.logprobs, top_k) if body.logprobs else None,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-                for c in choices
-            ],
-            "usage": usage.as_dict(),
-            "system_fingerprint": None,
-        }
-    )
+    response: dict[str, Any] = {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": now_s(),
+        "model": served.name,
+        "choices": [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.full_text},
+                "logprobs": chat_logprobs(c.logprobs, top_k) if body.logprobs else None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in choices
+        ],
+        "usage": usage.as_dict(),
+        "system_fingerprint": None,
+    }
+    if body.prompt_logprobs is not None:  # vLLM's extra: on the response, not on each choice
+        scores = choices[0].prompt_logprobs or []
+        response["prompt_logprobs"] = await asyncio.to_thread(
+            vllm_prompt_logprobs, prompt.token_ids, scores, body.prompt_logprobs
+        )
+    return JSONResponse(response)
 
 
 def _delta_choice(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -13,6 +14,7 @@ from starlette.background import BackgroundTask
 from loraplex.platform.api.auth import tenant_of
 from loraplex.platform.api.generation import (
     SSE_DONE,
+    Choice,
     Prompt,
     UsageCounter,
     abort_all,
@@ -25,12 +27,18 @@ from loraplex.platform.api.generation import (
     sse,
     submit,
 )
-from loraplex.platform.api.logprobs import completion_logprobs
+from loraplex.platform.api.logprobs import (
+    completion_logprobs,
+    echo_logprobs,
+    join_completion_logprobs,
+    vllm_prompt_logprobs,
+)
 from loraplex.platform.api.protocol import CompletionRequest
 from loraplex.platform.api.request_body import read_json_model
 from loraplex.platform.api.sampling import completion_sampling_params
 from loraplex.platform.api.state import ServerState, server_state
 from loraplex.platform.engine.async_engine import RequestStream
+from loraplex.platform.engine.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from loraplex.platform.models.tokenizer import Tokenizer
 
 router = APIRouter()
@@ -58,7 +66,8 @@ async def create_completion(request: Request) -> Response:
     tenant = tenant_of(request).name
     served = state.models.resolve_model(body.model, tenant)
     params = completion_sampling_params(body)
-    prompts = await asyncio.to_thread(tokenize_prompts, state.engine.tokenizer, body.prompts)
+    tokenizer = state.engine.tokenizer
+    prompts = await asyncio.to_thread(tokenize_prompts, tokenizer, body.prompts)
     request_id = new_id("cmpl")
     streams = await submit(
         state.engine, prompts, params, request_id, tenant, lora_request=served.lora_request
@@ -68,23 +77,13 @@ async def create_completion(request: Request) -> Response:
         return StreamingResponse(
             events, media_type="text/event-stream", background=BackgroundTask(abort_all, streams)
         )
+    view = without_generated if body.echo_only else None
     with abort_on_disconnect(request, streams, state.settings.disconnect_poll_s):
-        choices, usage = await collect(streams, body.n)
-    result = []
-    for c in choices:
-        prefix = prompts[c.index // body.n].text if body.echo else ""
-        logprobs = None
-        if body.logprobs is not None:
-            logprobs = completion_logprobs(c.logprobs, body.logprobs, len(prefix))
-        result.append(
-            {
-                "index": c.index,
-                "text": prefix + c.full_text,
-                "logprobs": logprobs,
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-        )
+        choices, usage = await collect(streams, body.n, view)
+    if params.prompt_logprobs is None:
+        result = _choices(body, tokenizer, prompts, choices)
+    else:  # NOTE: a long prompt's scores take a while to shape: keep the event loop free.
+        result = await asyncio.to_thread(_choices, body, tokenizer, prompts, choices)
     return JSONResponse(
         {
             "id": request_id,
@@ -96,6 +95,70 @@ async def create_completion(request: Request) -> Response:
             "system_fingerprint": None,
         }
     )
+
+
+def without_generated(output: RequestOutput) -> RequestOutput:
+    """`output` as an `echo_only` request (max_tokens 0) shows it: the one token the engine had
+    to generate is dropped from text, logprobs and usage, and a sample that ended reports
+    "length", having reached max_tokens 0."""
+    return replace(output, outputs=[_dropped(sample) for sample in output.outputs])
+
+
+def _dropped(sample: CompletionOutput) -> CompletionOutput:
+    finish = sample.finish_reason
+    if finish is not None and finish != "abort":
+        finish = "length"
+    logprobs = None if sample.logprobs is None else []
+    return CompletionOutput(sample.index, "", [], logprobs, finish_reason=finish)
+
+
+@dataclass(frozen=True)
+class EchoedPrompt:
+    """What a choice shows of its prompt: the echoed text ("" without `echo`), the text's legacy
+    logprobs (`echo` with `logprobs`) and vLLM's `prompt_logprobs` (when asked for)."""
+
+    text: str
+    logprobs: dict[str, Any] | None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None
+
+
+def echoed_prompt(
+    body: CompletionRequest, tokenizer: Tokenizer, prompt: Prompt, scores: PromptLogprobs | None
+) -> EchoedPrompt:
+    """The prompt's part of a choice, from the engine's prompt logprobs `scores`."""
+    text = prompt.text if body.echo else ""
+    logprobs = None
+    if body.echo and body.logprobs is not None:
+        first = tokenizer.decode(prompt.token_ids[:1], skip_special_tokens=False)
+        logprobs = echo_logprobs(prompt.token_ids, scores or [], first, body.logprobs)
+    prompt_logprobs = None
+    if body.prompt_logprobs is not None:
+        prompt_logprobs = vllm_prompt_logprobs(prompt.token_ids, scores or [], body.prompt_logprobs)
+    return EchoedPrompt(text, logprobs, prompt_logprobs)
+
+
+def _choices(
+    body: CompletionRequest, tokenizer: Tokenizer, prompts: list[Prompt], choices: list[Choice]
+) -> list[dict[str, Any]]:
+    result = []
+    for c in choices:
+        echoed = echoed_prompt(body, tokenizer, prompts[c.index // body.n], c.prompt_logprobs)
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = completion_logprobs(c.logprobs, body.logprobs, len(echoed.text))
+            if echoed.logprobs is not None:
+                logprobs = join_completion_logprobs(echoed.logprobs, logprobs)
+        choice = {
+            "index": c.index,
+            "text": echoed.text + c.full_text,
+            "logprobs": logprobs,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+        if echoed.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = echoed.prompt_logprobs
+        result.append(choice)
+    return result
 
 
 async def _completion_events(
@@ -118,16 +181,20 @@ async def _completion_events(
         head["usage"] = None
     usage = UsageCounter()
     offsets = [0] * (len(prompts) * body.n)  # text length sent so far, per choice
+    started: set[int] = set()  # prompts whose first output has arrived
     try:
         with abort_on_disconnect(request, streams, state.settings.disconnect_poll_s):
-            if body.echo:
-                for index in range(len(offsets)):
-                    text = prompts[index // body.n].text
-                    offsets[index] = len(text)
-                    choice = {"index": index, "text": text, "logprobs": None, "finish_reason": None}
-                    yield sse({**head, "choices": [choice]})
             async for prompt_index, output in merge_streams(streams):
+                if body.echo_only:
+                    output = without_generated(output)
                 usage.add(prompt_index, output)
+                if prompt_index not in started:
+                    started.add(prompt_index)
+                    # NOTE: the echoed prompt waits for the first output, which brings its
+                    # prompt logprobs; each choice's first chunk carries it.
+                    for index, choice in _first_choices(body, state, prompts, prompt_index, output):
+                        offsets[index] = len(choice["text"])
+                        yield sse({**head, "choices": [choice]})
                 for delta in output.outputs:
                     if not (delta.text or delta.logprobs or delta.finish_reason):
                         continue
@@ -151,3 +218,26 @@ async def _completion_events(
     except Exception as error:
         yield error_event(error)
     yield SSE_DONE
+
+
+def _first_choices(
+    body: CompletionRequest,
+    state: ServerState,
+    prompts: list[Prompt],
+    prompt_index: int,
+    output: RequestOutput,
+) -> list[tuple[int, dict[str, Any]]]:
+    """(choice index, choice) of the first chunk of each of a prompt's n choices, when the
+    request echoes the prompt or asks for its logprobs; none otherwise."""
+    if not body.echo and body.prompt_logprobs is None:
+        return []
+    prompt = prompts[prompt_index]
+    echoed = echoed_prompt(body, state.engine.tokenizer, prompt, output.prompt_logprobs)
+    logprobs = echoed.logprobs
+    if logprobs is None and body.logprobs is not None:
+        logprobs = completion_logprobs([], body.logprobs, 0)
+    choice: dict[str, Any] = {"text": echoed.text, "logprobs": logprobs, "finish_reason": None}
+    if echoed.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = echoed.prompt_logprobs
+    first = prompt_index * body.n
+    return [(i, {"index": i, **choice}) for i in range(first, first + body.n)]
