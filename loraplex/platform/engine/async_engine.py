@@ -364,8 +364,8 @@ class AsyncEngine:
             return
         final = self.engine.abort_request(request_id)
         if final is not None:
-            self._deliver(live.command, final)
             self._observe(live, final, time.monotonic())
+            self._deliver(live.command, final)
 
     def _step(self) -> None:
         outputs = self.engine.step()
@@ -380,10 +380,12 @@ class AsyncEngine:
                 else:
                     live.gaps.append(now - live.last_output)
                 live.last_output = now
-            self._deliver(live.command, output)
             if output.finished:
+                # NOTE: observers (metrics, the tenant's token budget) see a request before its
+                # caller does, so a caller's next request is admitted against the charged budget.
                 del self._live[output.request_id]
                 self._observe(live, output, now)
+            self._deliver(live.command, output)
 
     def _observe(self, live: _Live, output: RequestOutput, now: float) -> None:
         arrival = live.command.arrival
