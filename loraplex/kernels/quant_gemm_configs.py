@@ -11,7 +11,7 @@ Five kernels (see `quant_gemm_w4a16`):
 - "dequant": dequantize `block_n` output columns at a time into a reused buffer (it stays in L2)
   and run the dense matmul on it (prefill, M >= `DEQUANT_MATMUL_MIN_M`).
 
-`TUNED_CONFIGS` holds measured winners per (bits, M bucket, N, K); `benchmarks/quant_gemm.py`
+`TUNED_CONFIGS` holds measured winners per (bits, M bucket, N, K); `python -m benchmarks.quant_gemm`
 prints the dict to paste here. Shapes without an entry fall back to `heuristic_config`.
 """
 
@@ -59,7 +59,7 @@ class GemmConfig:
 
 
 #: (bits, M bucket, N, K) -> measured best config (H200, group size 128), pasted from
-#: `python benchmarks/quant_gemm.py --quick` (benchmarks/results/h200_quant.json).
+#: `python -m benchmarks.quant_gemm --quick` (benchmarks/results/h200_quant.json).
 TUNED_CONFIGS: dict[tuple[int, int, int, int], GemmConfig] = {
     (4, 1, 6144, 4096): GemmConfig("fma", 1, 256, 64, 16, 4, 3),
     (4, 16, 6144, 4096): GemmConfig("gemm", 16, 128, 128, 0, 4, 1),
