@@ -40,12 +40,41 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / seconds
 
 
+def hf_single_stream(hf, modes: set[str], rng: random.Random, vocab: int) -> dict[str, float]:
+    """HF's latency (batch 8, 32 in / 128 out) and decode time per token at batch 1, eager
+    and/or with the static KV cache that `generate` compiles (compile time excluded)."""
+    out: dict[str, float] = {}
+    for mode, kwargs in (("eager", {}), ("compiled", {"cache_implementation": "static"})):
+        if mode not in modes:
+            continue
+        if mode == "compiled":  # the first calls compile (one graph per batch size)
+            for bs in (8, 1):
+                hf_generate_static(hf, random_prompts(rng, vocab, [32] * bs), [8] * bs, **kwargs)
+        t, _ = hf_generate_static(hf, random_prompts(rng, vocab, [32] * 8), [128] * 8, **kwargs)
+        out[f"hf_{mode}_latency_bs8_32in_128out_s"] = t
+        t1, _ = hf_generate_static(hf, random_prompts(rng, vocab, [32]), [1], **kwargs)
+        t65, _ = hf_generate_static(hf, random_prompts(rng, vocab, [32]), [65], **kwargs)
+        out[f"hf_{mode}_tpot_bs1_ms"] = (t65 - t1) / 64 * 1e3
+        print(
+            f"HF {mode}: latency {out[f'hf_{mode}_latency_bs8_32in_128out_s']:.2f} s, "
+            f"tpot {out[f'hf_{mode}_tpot_bs1_ms']:.1f} ms"
+        )
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="configs/models/llama-3.1-8b.json")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--hf-subset", type=int, default=64)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument(
+        "--hf-modes",
+        default="static,eager,compiled",
+        help="HF baselines to run: static (padded-batch throughput on the subset), eager "
+        "(latency and decode time), compiled (the same with a static KV cache, which "
+        "`generate` compiles itself; compile time excluded)",
+    )
     parser.add_argument(
         "--skip-throughput",
         action="store_true",
@@ -118,6 +147,10 @@ def main() -> int:
     )
 
     if args.skip_throughput:
+        modes = set() if args.skip_hf else set(args.hf_modes.split(",")) - {"static"}
+        if modes:
+            hf = hf_model_from_engine(llm, torch.bfloat16)
+            baseline.update(hf_single_stream(hf, modes, rng, vocab))
         write_result(args.out, "gpu_path_decode", metrics, baseline, workload={"model": args.model})
         return 0
 
@@ -146,23 +179,18 @@ def main() -> int:
             if key in attn:
                 metrics[key] = attn[key]
 
-    if not args.skip_hf:
+    modes = set() if args.skip_hf else set(args.hf_modes.split(","))
+    if modes:
         hf = hf_model_from_engine(llm, torch.bfloat16)
+    if "static" in modes:
         t, useful = hf_generate_static(hf, prompts[:sub], [o for _, o in lens[:sub]])
         baseline[f"hf_static_subset{sub}_out_tok_s"] = useful / t
         metrics["speedup_vs_hf_static"] = metrics[f"throughput_subset{sub}_out_tok_s"] / (
             useful / t
         )
         print(f"HF static subset {sub}: {useful / t:.0f} tok/s in {t:.1f} s")
-        t, _ = hf_generate_static(hf, random_prompts(rng, vocab, [32] * 8), [128] * 8)
-        baseline["hf_eager_latency_bs8_32in_128out_s"] = t
-        t1, _ = hf_generate_static(hf, random_prompts(rng, vocab, [32]), [1])
-        t65, _ = hf_generate_static(hf, random_prompts(rng, vocab, [32]), [65])
-        baseline["hf_eager_tpot_bs1_ms"] = (t65 - t1) / 64 * 1e3
-        print(
-            f"HF eager: latency {baseline['hf_eager_latency_bs8_32in_128out_s']:.2f} s, "
-            f"tpot {baseline['hf_eager_tpot_bs1_ms']:.1f} ms"
-        )
+    if modes:
+        baseline.update(hf_single_stream(hf, modes, rng, vocab))
     print(json.dumps(metrics, indent=2))
     write_result(
         args.out,
