@@ -112,6 +112,8 @@ class SamplingParams:
         )
 
     def for_child(self, index: int) -> SamplingParams:
-        """The params of the index-th of n samples: n=1, and a distinct seed if seeded."""
+        """The params of the index-th of n samples: n=1, a distinct seed if seeded, and prompt
+        logprobs computed by the first sample alone (the others may reuse its prompt blocks)."""
         seed = None if self.seed is None else self.seed + index
-        return replace(self, n=1, seed=seed)
+        prompt_logprobs = self.prompt_logprobs if index == 0 else None
+        return replace(self, n=1, seed=seed, prompt_logprobs=prompt_logprobs)

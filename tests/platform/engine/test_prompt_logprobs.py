@@ -76,6 +76,13 @@ def test_chunked_prefill_scores_every_token_once(model_dir, hf_scores):
         assert math.isfinite(total) and total < 0
 
 
+def test_n_samples_share_one_scoring_of_the_prompt(llm, hf_scores):
+    params = SamplingParams(n=3, max_tokens=3, temperature=1.0, seed=5, prompt_logprobs=1)
+    out = llm.generate(TEXT, params)[0]
+    assert len(out.outputs) == 3
+    _check(out, hf_scores(out.prompt_token_ids), k=1, tokenizer=llm.tokenizer)
+
+
 def test_streaming_hands_prompt_logprobs_out_once(llm):
     params = SamplingParams(
         max_tokens=4, temperature=0.0, prompt_logprobs=0, output_kind=RequestOutputKind.DELTA
