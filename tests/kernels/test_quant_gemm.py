@@ -7,7 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.kernels.quant_gemm_configs import ONE_ROW_KINDS, GemmConfig, select_config
+from loraplex.kernels.quant_gemm_configs import (
+    ONE_ROW_KINDS,
+    TUNED_CONFIGS,
+    GemmConfig,
+    select_config,
+)
 from loraplex.kernels.quant_gemm_w4a16 import (
     wna16_dequantize,
     wna16_dequantize_reference,
@@ -95,11 +100,17 @@ def test_one_row_kinds_reject_token_tiles() -> None:
 
 
 def test_select_config_dispatches_on_tokens_and_fills_the_gpu() -> None:
-    decode = select_config(1, 4096, 4096, 128, 4, 132)
+    # An untuned shape takes the heuristic, by token count.
+    decode = select_config(1, 2048, 2048, 128, 4, 132)
     assert decode.kind == "gemv" and decode.split_k > 1
-    assert select_config(16, 4096, 4096, 128, 4, 132).kind == "gemm"
+    assert select_config(16, 2048, 2048, 128, 4, 132).kind == "gemm"
     assert select_config(512, 28672, 4096, 128, 4, 132).split_k == 1
-    assert select_config(4096, 4096, 4096, 128, 4, 132).kind == "dequant"
+    assert select_config(4096, 2048, 2048, 128, 4, 132).kind == "dequant"
+    assert select_config(1, 2048, 2048, 32, 4, 132).block_k == 32
+    # A tuned shape takes the measured winner of its token bucket, fitted to the group size.
+    tuned = TUNED_CONFIGS[(4, 1, 4096, 4096)]
+    picked = select_config(1, 4096, 4096, 128, 4, 132)
+    assert (picked.kind, picked.block_n) == (tuned.kind, tuned.block_n)
     assert select_config(1, 4096, 4096, 32, 4, 132).block_k == 32
 
 
