@@ -19,7 +19,8 @@ from benchmarks.record import RESULTS, write_result
 from loraplex import LLM, SamplingParams
 
 
-def _timed(fn) -> float:
+def cuda_timed(fn) -> float:
+    """Wall seconds of fn(), the GPU synchronised before and after."""
     torch.cuda.synchronize()
     start = time.perf_counter()
     fn()
@@ -31,12 +32,50 @@ def random_prompts(rng: random.Random, vocab: int, lengths: list[int]) -> list[l
     return [[rng.randrange(100, vocab - 100) for _ in range(n)] for n in lengths]
 
 
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+DECODE_STEPS, DECODE_PROMPT_LEN = 256, 32
+
+
+def decode_tpot(llm: LLM, rng: random.Random) -> tuple[float, float | None]:
+    """(seconds per output token at batch 1, GPU seconds of one graph-replayed decode step):
+    (time of DECODE_STEPS + 1 tokens - time of 1) / DECODE_STEPS, median of 3."""
+    vocab = llm.engine.runner.arch.vocab_size
+
+    def one(n: int) -> float:
+        prompt = random_prompts(rng, vocab, [DECODE_PROMPT_LEN])
+        return cuda_timed(lambda: llm.generate(prompt, SamplingParams(max_tokens=n, **GREEDY)))
+
+    one(8)
+    tpot = statistics.median((one(DECODE_STEPS + 1) - one(1)) / DECODE_STEPS for _ in range(3))
+    graphs = llm.engine.runner.graphs
+    if graphs is None:
+        return tpot, None
+    graph = graphs.graphs[1]
+    replay = min(cuda_timed(lambda: [graph.replay() for _ in range(20)]) for _ in range(3)) / 20
+    return tpot, replay
+
+
+def nano_vllm_workload(
+    vocab: int, num_requests: int
+) -> tuple[list[list[int]], list[SamplingParams], int]:
+    """nano-vllm's workload: input and output lengths uniform in [100, 1024], greedy,
+    ignore_eos; returns (prompts, params, output tokens)."""
+    wl = random.Random(1)
+    lens = [(wl.randint(100, 1024), wl.randint(100, 1024)) for _ in range(num_requests)]
+    prompts = random_prompts(wl, vocab, [i for i, _ in lens])
+    return (
+        prompts,
+        [SamplingParams(max_tokens=o, **GREEDY) for _, o in lens],
+        sum(o for _, o in lens),
+    )
+
+
 def copy_bandwidth() -> float:
     """Device copy bandwidth in bytes/s (read + write), the ceiling for memory-bound decode."""
     src = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     dst.copy_(src)
-    seconds = min(_timed(lambda: dst.copy_(src)) for _ in range(5))
+    seconds = min(cuda_timed(lambda: dst.copy_(src)) for _ in range(5))
     return 2 * src.numel() / seconds
 
 
@@ -100,16 +139,15 @@ def main() -> int:
     runner = llm.engine.runner
     vocab = runner.arch.vocab_size
     rng = random.Random(0)
-    greedy = dict(temperature=0.0, ignore_eos=True)
     metrics: dict[str, float] = {}
     baseline: dict[str, float] = {}
 
     # 1. latency: batch 8, 32 in / 128 out, end to end
-    llm.generate(random_prompts(rng, vocab, [32] * 8), SamplingParams(max_tokens=128, **greedy))
+    llm.generate(random_prompts(rng, vocab, [32] * 8), SamplingParams(max_tokens=128, **GREEDY))
     runs = [
-        _timed(
+        cuda_timed(
             lambda: llm.generate(
-                random_prompts(rng, vocab, [32] * 8), SamplingParams(max_tokens=128, **greedy)
+                random_prompts(rng, vocab, [32] * 8), SamplingParams(max_tokens=128, **GREEDY)
             )
         )
         for _ in range(3)
@@ -118,23 +156,12 @@ def main() -> int:
     print(f"latency bs8 32/128: {runs}")
 
     # 2. decode time per token at batch 1, and memory-bandwidth use
-    def one(n: int) -> float:
-        return _timed(
-            lambda: llm.generate(
-                random_prompts(rng, vocab, [32]), SamplingParams(max_tokens=n, **greedy)
-            )
-        )
-
-    one(8)
-    steps = 256
-    tpot = statistics.median((one(steps + 1) - one(1)) / steps for _ in range(3))
+    tpot, replay = decode_tpot(llm, rng)
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     a = runner.arch
-    avg_ctx = 32 + steps / 2
+    avg_ctx = DECODE_PROMPT_LEN + DECODE_STEPS / 2
     kv_bytes = avg_ctx * a.num_layers * 2 * a.num_kv_heads * a.head_dim * 2
-    if runner.graphs is not None:
-        graph = runner.graphs.graphs[1]
-        replay = min(_timed(lambda: [graph.replay() for _ in range(20)]) for _ in range(3)) / 20
+    if replay is not None:
         metrics["gpu_decode_step_bs1_ms"] = replay * 1e3
         metrics["cpu_overhead_bs1_ms"] = (tpot - replay) * 1e3
     bw = copy_bandwidth()
@@ -155,20 +182,16 @@ def main() -> int:
         return 0
 
     # 3. throughput: nano-vllm's workload
-    wl = random.Random(1)
-    lens = [(wl.randint(100, 1024), wl.randint(100, 1024)) for _ in range(args.num_requests)]
-    prompts = random_prompts(wl, vocab, [i for i, _ in lens])
-    params = [SamplingParams(max_tokens=o, **greedy) for _, o in lens]
-    llm.generate(prompts[:8], [SamplingParams(max_tokens=16, **greedy)] * 8)
+    prompts, params, out_tokens = nano_vllm_workload(vocab, args.num_requests)
+    llm.generate(prompts[:8], [SamplingParams(max_tokens=16, **GREEDY)] * 8)
     llm.engine.scheduler.kv.reset_prefix_cache()
-    seconds = _timed(lambda: llm.generate(prompts, params))
-    out_tokens = sum(o for _, o in lens)
+    seconds = cuda_timed(lambda: llm.generate(prompts, params))
     metrics["throughput_out_tok_s"] = out_tokens / seconds
     print(f"throughput {args.num_requests} reqs: {out_tokens} tokens in {seconds:.1f} s")
     sub = args.hf_subset
     llm.engine.scheduler.kv.reset_prefix_cache()
-    sub_seconds = _timed(lambda: llm.generate(prompts[:sub], params[:sub]))
-    sub_tokens = sum(o for _, o in lens[:sub])
+    sub_seconds = cuda_timed(lambda: llm.generate(prompts[:sub], params[:sub]))
+    sub_tokens = sum(p.max_tokens for p in params[:sub])
     metrics[f"throughput_subset{sub}_out_tok_s"] = sub_tokens / sub_seconds
     print(f"throughput subset {sub}: {sub_tokens / sub_seconds:.0f} tok/s")
 
@@ -183,7 +206,7 @@ def main() -> int:
     if modes:
         hf = hf_model_from_engine(llm, torch.bfloat16)
     if "static" in modes:
-        t, useful = hf_generate_static(hf, prompts[:sub], [o for _, o in lens[:sub]])
+        t, useful = hf_generate_static(hf, prompts[:sub], [p.max_tokens for p in params[:sub]])
         baseline[f"hf_static_subset{sub}_out_tok_s"] = useful / t
         metrics["speedup_vs_hf_static"] = metrics[f"throughput_subset{sub}_out_tok_s"] / (
             useful / t

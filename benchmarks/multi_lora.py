@@ -34,20 +34,13 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.gpu_path import GREEDY, cuda_timed
 from benchmarks.hf_baseline import hf_generate_static, hf_model_from_engine
 from benchmarks.random_adapter import write_random_adapter
 from benchmarks.record import RESULTS, write_result
 from loraplex import LLM, LoRARequest, SamplingParams
 
 STAGES = ("disabled", "lora", "peft")
-
-
-def _timed(fn) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
 
 
 def workload(vocab: int, n: int, seed: int = 2) -> tuple[list[list[int]], list[int]]:
@@ -77,9 +70,9 @@ def engine(model: str, enable_lora: bool, max_loras: int) -> LLM:
 
 def serve(llm: LLM, prompts, outputs, loras=None) -> float:
     """Output tokens/s of one `generate` over all requests, from an empty prefix cache."""
-    params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in outputs]
+    params = [SamplingParams(max_tokens=o, **GREEDY) for o in outputs]
     llm.engine.scheduler.kv.reset_prefix_cache()
-    seconds = _timed(lambda: llm.generate(prompts, params, lora_request=loras))
+    seconds = cuda_timed(lambda: llm.generate(prompts, params, lora_request=loras))
     return sum(outputs) / seconds
 
 

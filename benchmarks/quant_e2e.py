@@ -22,22 +22,24 @@ import gc
 import json
 import logging
 import random
-import statistics
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 
-from benchmarks.gpu_path import _timed, random_prompts
+from benchmarks.gpu_path import (
+    DECODE_PROMPT_LEN,
+    DECODE_STEPS,
+    cuda_timed,
+    decode_tpot,
+    nano_vllm_workload,
+)
 from benchmarks.record import write_result
-from loraplex import LLM, SamplingParams
+from loraplex import LLM
 from loraplex.platform.models.linear import Linear
 
 #: Token counts whose W4A16 kernel choice is printed: decode at batch 1..64, prefill chunks.
 KERNEL_REPORT_M = (1, 16, 64, 256, 1024, 8192)
-_DECODE_STEPS = 256
-_PROMPT_LEN = 32
-_GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 @dataclass(frozen=True)
@@ -76,35 +78,14 @@ def kernel_choices(llm: LLM) -> dict[str, dict[int, str]]:
     return choices
 
 
-def decode_tpot(llm: LLM, rng: random.Random) -> tuple[float, float | None]:
-    """(seconds per output token at batch 1, GPU seconds of one graph-replayed decode step)."""
-    vocab = llm.engine.runner.arch.vocab_size
-
-    def one(n: int) -> float:
-        prompt = random_prompts(rng, vocab, [_PROMPT_LEN])
-        return _timed(lambda: llm.generate(prompt, SamplingParams(max_tokens=n, **_GREEDY)))
-
-    one(8)
-    tpot = statistics.median((one(_DECODE_STEPS + 1) - one(1)) / _DECODE_STEPS for _ in range(3))
-    graphs = llm.engine.runner.graphs
-    if graphs is None:
-        return tpot, None
-    graph = graphs.graphs[1]
-    replay = min(_timed(lambda: [graph.replay() for _ in range(20)]) for _ in range(3)) / 20
-    return tpot, replay
-
-
 def throughput(llm: LLM, num_requests: int) -> float:
     """Output tokens per second over gpu_path's workload; a full untimed run warms up first."""
-    vocab = llm.engine.runner.arch.vocab_size
-    wl = random.Random(1)
-    lens = [(wl.randint(100, 1024), wl.randint(100, 1024)) for _ in range(num_requests)]
-    prompts = random_prompts(wl, vocab, [i for i, _ in lens])
-    params = [SamplingParams(max_tokens=o, **_GREEDY) for _, o in lens]
+    prompts, params, out_tokens = nano_vllm_workload(
+        llm.engine.runner.arch.vocab_size, num_requests
+    )
     llm.generate(prompts, params)
     llm.engine.scheduler.kv.reset_prefix_cache()
-    seconds = _timed(lambda: llm.generate(prompts, params))
-    out_tokens = sum(o for _, o in lens)
+    seconds = cuda_timed(lambda: llm.generate(prompts, params))
     print(f"  throughput {num_requests} reqs: {out_tokens} tokens in {seconds:.1f} s")
     return out_tokens / seconds
 
@@ -207,8 +188,8 @@ def main() -> int:
             "engine_start_s": {name: fig.engine_start_s for name, fig in figures.items()},
             "num_requests": None if args.skip_throughput else args.num_requests,
             "input_output_uniform": [100, 1024],
-            "tpot": f"({_DECODE_STEPS + 1} tokens - 1 token) / {_DECODE_STEPS}, median of 3, "
-            f"{_PROMPT_LEN} input tokens, batch 1",
+            "tpot": f"({DECODE_STEPS + 1} tokens - 1 token) / {DECODE_STEPS}, median of 3, "
+            f"{DECODE_PROMPT_LEN} input tokens, batch 1",
             "target": "awq_tpot_ratio_vs_bf16 <= 0.45",
         },
     )
