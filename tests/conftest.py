@@ -22,3 +22,22 @@ def model_dir() -> Path:
     from loraplex.platform.models.model_store import ensure_default_model
 
     return ensure_default_model(progress=False)
+
+
+@pytest.fixture(scope="session")
+def hf_prompt_logprobs(model_dir):
+    """HF transformers' fp32 logprob of each prompt token after the first, under the default
+    model: `run(prompt_ids) -> [len - 1]` tensor, the reference for prompt logprobs."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.eval()
+
+    def run(prompt_ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt_ids])).logits[0, :-1].float()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        return logprobs.gather(1, torch.tensor(prompt_ids[1:])[:, None]).squeeze(1)
+
+    return run

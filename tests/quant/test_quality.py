@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from loraplex import LLM
 from loraplex.quant.quality import (
@@ -103,20 +102,14 @@ def test_greedy_agreement_rejects_mismatched_sets() -> None:
 
 
 @pytest.mark.slow
-def test_teacher_forced_logprobs_match_transformers(model_dir: Path) -> None:
-    from transformers import AutoModelForCausalLM
-
+def test_teacher_forced_logprobs_match_transformers(model_dir: Path, hf_prompt_logprobs) -> None:
     # Rare words: some tokens the model finds very unlikely are scored exactly too.
     text = "The zebra played a quiet xylophone sonata for the astonished lighthouse keeper."
     llm = _serve(model_dir)
     ours = token_logprobs(llm, text)
-    ids = llm.tokenizer.encode(text)
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    with torch.no_grad():
-        logits = hf(torch.tensor([ids])).logits[0, :-1]  # [num_tokens - 1, vocab]
-    theirs = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-    assert min(theirs.tolist()) < -10.0  # at least one token the model finds very unlikely
-    assert ours == pytest.approx(theirs.tolist(), abs=1e-3)
+    theirs = hf_prompt_logprobs(llm.tokenizer.encode(text)).tolist()
+    assert min(theirs) < -10.0  # at least one token the model finds very unlikely
+    assert ours == pytest.approx(theirs, abs=1e-3)
 
 
 @pytest.mark.slow

@@ -10,8 +10,6 @@ import openai
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-
 TEXT = "The old lighthouse keeper climbed the stairs at dusk and lit the lamp for the ships."
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 USER = [{"role": "user", "content": "Say hi."}]
@@ -21,20 +19,6 @@ USER = [{"role": "user", "content": "Say hi."}]
 def http(server):
     with httpx.Client(base_url=server.base_url, timeout=60) as client:
         yield client
-
-
-@pytest.fixture(scope="module")
-def hf_scores(model_dir):
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    model.eval()
-
-    def run(prompt_ids: list[int]) -> torch.Tensor:  # [len - 1] logprob of each next token
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt_ids])).logits[0].float()
-        logprobs = torch.log_softmax(logits[:-1], dim=-1)
-        return logprobs.gather(1, torch.tensor(prompt_ids[1:])[:, None]).squeeze(1)
-
-    return run
 
 
 def _ids(server, text: str) -> list[int]:
@@ -56,7 +40,7 @@ def _check_offsets(text: str, logprobs: dict) -> None:
         assert text[offset : offset + len(token)] == token
 
 
-def test_echo_with_max_tokens_0_scores_the_prompt_like_hf(http, server, hf_scores):
+def test_echo_with_max_tokens_0_scores_the_prompt_like_hf(http, server, hf_prompt_logprobs):
     out = _complete(http, prompt=TEXT, echo=True, logprobs=2, max_tokens=0)
     choice, ids = out["choices"][0], _ids(server, TEXT)
     assert choice["text"] == TEXT
@@ -67,7 +51,7 @@ def test_echo_with_max_tokens_0_scores_the_prompt_like_hf(http, server, hf_score
     assert len(logprobs["tokens"]) == len(ids)
     assert "".join(logprobs["tokens"]) == TEXT
     assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
-    _close(logprobs["token_logprobs"][1:], hf_scores(ids))
+    _close(logprobs["token_logprobs"][1:], hf_prompt_logprobs(ids))
     _check_offsets(choice["text"], logprobs)
     for token, score, top in zip(
         logprobs["tokens"][1:], logprobs["token_logprobs"][1:], logprobs["top_logprobs"][1:]
@@ -90,17 +74,17 @@ def test_echo_then_generated_tokens_follow_the_prompt(http, server):
     _check_offsets(choice["text"], logprobs)
 
 
-def test_token_id_prompts_echo_their_decoded_text(http, server, hf_scores):
+def test_token_id_prompts_echo_their_decoded_text(http, server, hf_prompt_logprobs):
     ids = _ids(server, TEXT)[:12]
     out = _complete(http, prompt=[ids, ids[:5]], echo=True, logprobs=0, max_tokens=0)
     first, second = out["choices"]
     assert first["text"] == server.engine.tokenizer.decode(ids)
     assert second["text"] == server.engine.tokenizer.decode(ids[:5])
     assert len(second["logprobs"]["tokens"]) == 5
-    _close(first["logprobs"]["token_logprobs"][1:], hf_scores(ids))
+    _close(first["logprobs"]["token_logprobs"][1:], hf_prompt_logprobs(ids))
 
 
-def test_vllm_prompt_logprobs_on_completions_and_chat(http, server, hf_scores):
+def test_vllm_prompt_logprobs_on_completions_and_chat(http, server, hf_prompt_logprobs):
     out = _complete(http, prompt=TEXT, prompt_logprobs=1, max_tokens=2)
     choice, ids = out["choices"][0], _ids(server, TEXT)
     assert not choice["text"].startswith(TEXT) and choice["logprobs"] is None
@@ -109,7 +93,9 @@ def test_vllm_prompt_logprobs_on_completions_and_chat(http, server, hf_scores):
     for token_id, entry in zip(ids[1:], scores[1:]):
         assert str(token_id) in entry and 1 <= len(entry) <= 2
         assert min(item["rank"] for item in entry.values()) == 1
-    _close([entry[str(t)]["logprob"] for t, entry in zip(ids[1:], scores[1:])], hf_scores(ids))
+    _close(
+        [entry[str(t)]["logprob"] for t, entry in zip(ids[1:], scores[1:])], hf_prompt_logprobs(ids)
+    )
     tokenizer = server.engine.tokenizer
     assert scores[1][str(ids[1])]["decoded_token"] == tokenizer.decode([ids[1]])
 

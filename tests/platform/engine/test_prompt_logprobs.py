@@ -11,26 +11,10 @@ import torch
 from loraplex import LLM, SamplingParams
 from loraplex.platform.engine.sampling_params import RequestOutputKind
 
-transformers = pytest.importorskip("transformers")
-
 TEXT = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting each of "
     "the one hundred and twelve steps, and lit the great lamp that warned ships of the rocks."
 )
-
-
-@pytest.fixture(scope="module")
-def hf_scores(model_dir):
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    model.eval()
-
-    def run(prompt_ids: list[int]) -> torch.Tensor:  # [len - 1] logprob of each next token
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt_ids])).logits[0].float()
-        logprobs = torch.log_softmax(logits[:-1], dim=-1)
-        return logprobs.gather(1, torch.tensor(prompt_ids[1:])[:, None]).squeeze(1)
-
-    return run
 
 
 def _check(out, expected: torch.Tensor, k: int, tokenizer) -> None:
@@ -50,18 +34,18 @@ def _check(out, expected: torch.Tensor, k: int, tokenizer) -> None:
         assert entry[ids[i]].decoded_token == tokenizer.decode([ids[i]], skip_special_tokens=False)
 
 
-def test_prompt_logprobs_equal_hf(llm, hf_scores):
+def test_prompt_logprobs_equal_hf(llm, hf_prompt_logprobs):
     params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3)
     out = llm.generate(TEXT, params)[0]
-    _check(out, hf_scores(out.prompt_token_ids), k=3, tokenizer=llm.tokenizer)
+    _check(out, hf_prompt_logprobs(out.prompt_token_ids), k=3, tokenizer=llm.tokenizer)
     # A second time the prompt's blocks are cached: they are computed again all the same.
     again = llm.generate(TEXT, params)[0]
-    _check(again, hf_scores(again.prompt_token_ids), k=3, tokenizer=llm.tokenizer)
+    _check(again, hf_prompt_logprobs(again.prompt_token_ids), k=3, tokenizer=llm.tokenizer)
     assert again.num_cached_tokens == 0
     assert out.outputs[0].token_ids == again.outputs[0].token_ids
 
 
-def test_chunked_prefill_scores_every_token_once(model_dir, hf_scores):
+def test_chunked_prefill_scores_every_token_once(model_dir, hf_prompt_logprobs):
     llm = LLM(
         str(model_dir), dtype="float32", num_kv_blocks=64, device="cpu", max_num_batched_tokens=8
     )
@@ -70,17 +54,17 @@ def test_chunked_prefill_scores_every_token_once(model_dir, hf_scores):
     outs = llm.generate([TEXT, "Once upon a time", TEXT[:40]], [scored, plain, scored])
     assert outs[1].prompt_logprobs is None
     for out in (outs[0], outs[2]):
-        _check(out, hf_scores(out.prompt_token_ids), k=0, tokenizer=llm.tokenizer)
+        _check(out, hf_prompt_logprobs(out.prompt_token_ids), k=0, tokenizer=llm.tokenizer)
         ids = out.prompt_token_ids
         total = sum(out.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids)))
         assert math.isfinite(total) and total < 0
 
 
-def test_n_samples_share_one_scoring_of_the_prompt(llm, hf_scores):
+def test_n_samples_share_one_scoring_of_the_prompt(llm, hf_prompt_logprobs):
     params = SamplingParams(n=3, max_tokens=3, temperature=1.0, seed=5, prompt_logprobs=1)
     out = llm.generate(TEXT, params)[0]
     assert len(out.outputs) == 3
-    _check(out, hf_scores(out.prompt_token_ids), k=1, tokenizer=llm.tokenizer)
+    _check(out, hf_prompt_logprobs(out.prompt_token_ids), k=1, tokenizer=llm.tokenizer)
 
 
 def test_streaming_hands_prompt_logprobs_out_once(llm):
