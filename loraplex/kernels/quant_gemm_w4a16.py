@@ -22,6 +22,7 @@ import triton
 
 from loraplex.kernels.quant_gemm_configs import (
     DEQUANT_MATMUL_MIN_M,
+    ONE_ROW_KINDS,
     GemmConfig,
     resolve,
     select_config,
@@ -210,8 +211,7 @@ def wna16_gemm_triton(
     k_per_split = triton.cdiv(k // config.block_k, config.split_k) * config.block_k
     split = triton.cdiv(k, k_per_split)
     n_tiles = triton.cdiv(n, config.block_n)
-    one_row = config.kind in ("gemv", "fma")
-    rows = m if one_row else triton.cdiv(m, config.block_m)
+    rows = m if config.kind in ONE_ROW_KINDS else triton.cdiv(m, config.block_m)
     ws, locks = split_k_workspace(x.device, m * n if split > 1 else 1, rows * n_tiles)
     common = (
         x, qweight, scales, zeros, perm if perm is not None else qweight,

@@ -24,6 +24,25 @@ def _unpack(q, BITS: tl.constexpr):
 
 
 @triton.jit
+def _load_words(qw_ptr, k0, offs_w, offs_n, mask_n, stride_qk, BITS: tl.constexpr):
+    """The packed int32 words [BLOCK_KW, BLOCK_N] of the K tile starting at feature k0."""
+    rows = k0 // (32 // BITS) + offs_w
+    return tl.load(
+        qw_ptr + rows[:, None] * stride_qk + offs_n[None, :], mask=mask_n[None, :], other=0
+    )
+
+
+@triton.jit
+def _load_group(scales_ptr, zeros_ptr, k0, group_size, offs_n, mask_n, stride_sg):
+    """Scales and zero points [BLOCK_N] of the group holding feature k0 (a K tile never crosses
+    a group), in their stored dtype."""
+    g = k0 // group_size
+    s = tl.load(scales_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0)
+    z = tl.load(zeros_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0)
+    return s, z
+
+
+@triton.jit
 def _store_tile(
     acc, offs_m, offs_n, mask_m, mask_n, tile, bias_ptr, out_ptr, ws_ptr, lock_ptr,
     N, stride_om, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -81,20 +100,16 @@ def _wna16_gemm_kernel(
         x = tl.load(
             x_ptr + offs_m[:, None] * stride_xm + src_k[None, :], mask=mask_m[:, None], other=0.0
         )  # [BLOCK_M, BLOCK_K]
-        q = tl.load(
-            qw_ptr + (k0 // (32 // BITS) + offs_w)[:, None] * stride_qk + offs_n[None, :],
-            mask=mask_n[None, :],
-            other=0,
-        )  # [BLOCK_KW, BLOCK_N]
+        q = _load_words(qw_ptr, k0, offs_w, offs_n, mask_n, stride_qk, BITS)  # [BLOCK_KW, BLOCK_N]
         v = _unpack(q, BITS)  # [BLOCK_KW, PACK, BLOCK_N]
         if MAGIC > 0:
             w = (v | MAGIC).to(tl.int16).to(x.dtype, bitcast=True)
         else:
             w = v.to(x.dtype)
         part = tl.dot(x, tl.reshape(w, (BLOCK_K, BLOCK_N)), input_precision=DOT_PRECISION)
-        g = k0 // group_size
-        s = tl.load(scales_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        z = tl.load(zeros_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        s, z = _load_group(scales_ptr, zeros_ptr, k0, group_size, offs_n, mask_n, stride_sg)
+        s = s.to(tl.float32)
+        z = z.to(tl.float32)
         x_sum = tl.sum(x.to(tl.float32), axis=1)  # [BLOCK_M]
         acc += (part - x_sum[:, None] * (z + OFFSET)[None, :]) * s[None, :]
     _store_tile(
@@ -128,17 +143,13 @@ def _wna16_gemv_kernel(
         else:
             src_k = k0 + offs_kp
         x = tl.load(x_ptr + row * stride_xm + src_k).to(tl.float32)  # [BLOCK_KW, PACK]
-        q = tl.load(
-            qw_ptr + (k0 // PACK + offs_w)[:, None] * stride_qk + offs_n[None, :],
-            mask=mask_n[None, :],
-            other=0,
-        )  # [BLOCK_KW, BLOCK_N]
+        q = _load_words(qw_ptr, k0, offs_w, offs_n, mask_n, stride_qk, BITS)  # [BLOCK_KW, BLOCK_N]
         # NOTE: 2**23 + v as fp32 bits, minus 2**23: exact, and cheaper than I2F.
         v = (_unpack(q, BITS) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
         part = tl.sum(v * x[:, :, None], axis=1)  # [BLOCK_KW, BLOCK_N]
-        g = k0 // group_size
-        s = tl.load(scales_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        z = tl.load(zeros_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        s, z = _load_group(scales_ptr, zeros_ptr, k0, group_size, offs_n, mask_n, stride_sg)
+        s = s.to(tl.float32)
+        z = z.to(tl.float32)
         x_sum = tl.sum(x, axis=1)  # [BLOCK_KW]
         acc += (part - x_sum[:, None] * z[None, :]) * s[None, :]
     total = tl.sum(acc, axis=0)[None, :]  # [1, BLOCK_N]
@@ -163,14 +174,10 @@ def _wna16_dequant_kernel(
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_w = tl.arange(0, BLOCK_KW)
-    q = tl.load(
-        qw_ptr + (k0 // PACK + offs_w)[:, None] * stride_qk + offs_n[None, :],
-        mask=mask_n[None, :],
-        other=0,
-    )  # [BLOCK_KW, BLOCK_N]
-    g = k0 // group_size
-    s = tl.load(scales_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    z = tl.load(zeros_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    q = _load_words(qw_ptr, k0, offs_w, offs_n, mask_n, stride_qk, BITS)  # [BLOCK_KW, BLOCK_N]
+    s, z = _load_group(scales_ptr, zeros_ptr, k0, group_size, offs_n, mask_n, stride_sg)
+    s = s.to(tl.float32)
+    z = z.to(tl.float32)
     v = _unpack(q, BITS).to(tl.float32)  # [BLOCK_KW, PACK, BLOCK_N]
     w = v * s[None, None, :] - (z * s)[None, None, :]
     rows = k0 + offs_w[:, None] * PACK + tl.arange(0, PACK)[None, :]  # [BLOCK_KW, PACK]

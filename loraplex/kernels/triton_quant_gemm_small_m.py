@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from loraplex.kernels.triton_quant_gemm import _store_tile, _unpack
+from loraplex.kernels.triton_quant_gemm import _load_group, _load_words, _store_tile, _unpack
 
 
 @triton.jit
@@ -60,11 +60,7 @@ def _wna16_fma_kernel(
     acc = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
     k_begin = tl.program_id(1) * k_per_split
     for k0 in tl.range(k_begin, k_begin + k_per_split, BLOCK_K, num_stages=NUM_STAGES):
-        q = tl.load(
-            qw_ptr + (k0 // PACK + offs_w)[:, None] * stride_qk + offs_n[None, :],
-            mask=mask_n[None, :],
-            other=0,
-        )  # [BLOCK_KW, BLOCK_N]
+        q = _load_words(qw_ptr, k0, offs_w, offs_n, mask_n, stride_qk, BITS)  # [BLOCK_KW, BLOCK_N]
         src_k = k0 + offs_w[:, None] * PACK + offs_p[None, :]  # [BLOCK_KW, PACK]
         if HAS_PERM:
             src_k = tl.load(perm_ptr + src_k)
@@ -77,9 +73,9 @@ def _wna16_fma_kernel(
             x_p = x_p * (2 ** (12 - (8 - BITS) * (p % 3) - (BITS == 8)))
             x_big += x_p
             part += _as_float(q, p, 11 + (8 - BITS) * (p % 3) + (BITS == 8), BITS) * x_p[:, None]
-        g = k0 // group_size
-        s = tl.load(scales_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        z = tl.load(zeros_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        s, z = _load_group(scales_ptr, zeros_ptr, k0, group_size, offs_n, mask_n, stride_sg)
+        s = s.to(tl.float32)
+        z = z.to(tl.float32)
         x_sum = tl.sum(x, axis=1)  # [BLOCK_KW]
         acc += (part - x_big[:, None] - x_sum[:, None] * z[None, :]) * s[None, :]
     total = tl.sum(acc, axis=0)[None, :]  # [1, BLOCK_N]
@@ -121,14 +117,9 @@ def _wna16_gemm_t_kernel(
         x_t = tl.load(
             x_ptr + offs_m[None, :] * stride_xm + src_k[:, None], mask=mask_m[None, :], other=0.0
         )  # [BLOCK_K, BLOCK_M]
-        q = tl.load(
-            qw_ptr + (k0 // (32 // BITS) + offs_w)[:, None] * stride_qk + offs_n[None, :],
-            mask=mask_n[None, :],
-            other=0,
-        )  # [BLOCK_KW, BLOCK_N]
-        g = k0 // group_size
-        s = tl.load(scales_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        z = tl.load(zeros_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0)
+        q = _load_words(qw_ptr, k0, offs_w, offs_n, mask_n, stride_qk, BITS)  # [BLOCK_KW, BLOCK_N]
+        s, z = _load_group(scales_ptr, zeros_ptr, k0, group_size, offs_n, mask_n, stride_sg)
+        s = s.to(tl.float32)
         # NOTE: OFFSET + v and OFFSET + z are small integers, exact in x's dtype, and so is
         # their difference: the zero point goes into the weight, and the MMA result needs only
         # the scale (no per-token sum of x, no [BLOCK_N, BLOCK_M] correction to re-layout).
