@@ -24,6 +24,24 @@ def _unpack(q, BITS: tl.constexpr):
 
 
 @triton.jit
+def _tile_offsets(tile, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Token rows and output columns of tile `tile`. The M tiles sharing a weight tile are
+    consecutive programs, so the weight tile is read from HBM once."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    offs_m = (tile % num_pid_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = (tile // num_pid_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_m, offs_n
+
+
+@triton.jit
+def _source_k(perm_ptr, k, HAS_PERM: tl.constexpr):
+    """The activation columns of weight rows k: perm[k] with act-order, else k."""
+    if HAS_PERM:
+        k = tl.load(perm_ptr + k)
+    return k
+
+
+@triton.jit
 def _load_words(qw_ptr, k0, offs_w, offs_n, mask_n, stride_qk, BITS: tl.constexpr):
     """The packed int32 words [BLOCK_KW, BLOCK_N] of the K tile starting at feature k0."""
     rows = k0 // (32 // BITS) + offs_w
@@ -82,10 +100,7 @@ def _wna16_gemm_kernel(
     k_per_split features. MAGIC (16-bit pattern) > 0: value v becomes OFFSET + v by bits."""
     BLOCK_KW: tl.constexpr = BLOCK_K // (32 // BITS)
     tile = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    # NOTE: the M tiles sharing a weight tile run next to each other, so it is read once.
-    offs_m = (tile % num_pid_m) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = (tile // num_pid_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n = _tile_offsets(tile, M, BLOCK_M, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -93,10 +108,7 @@ def _wna16_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_begin = tl.program_id(1) * k_per_split
     for k0 in range(k_begin, k_begin + k_per_split, BLOCK_K):
-        if HAS_PERM:
-            src_k = tl.load(perm_ptr + k0 + offs_k)
-        else:
-            src_k = k0 + offs_k
+        src_k = _source_k(perm_ptr, k0 + offs_k, HAS_PERM)
         x = tl.load(
             x_ptr + offs_m[:, None] * stride_xm + src_k[None, :], mask=mask_m[:, None], other=0.0
         )  # [BLOCK_M, BLOCK_K]
@@ -138,10 +150,7 @@ def _wna16_gemv_kernel(
     acc = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
     k_begin = tl.program_id(1) * k_per_split
     for k0 in range(k_begin, k_begin + k_per_split, BLOCK_K):
-        if HAS_PERM:
-            src_k = tl.load(perm_ptr + k0 + offs_kp)
-        else:
-            src_k = k0 + offs_kp
+        src_k = _source_k(perm_ptr, k0 + offs_kp, HAS_PERM)
         x = tl.load(x_ptr + row * stride_xm + src_k).to(tl.float32)  # [BLOCK_KW, PACK]
         q = _load_words(qw_ptr, k0, offs_w, offs_n, mask_n, stride_qk, BITS)  # [BLOCK_KW, BLOCK_N]
         # NOTE: 2**23 + v as fp32 bits, minus 2**23: exact, and cheaper than I2F.

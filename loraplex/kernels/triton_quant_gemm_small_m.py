@@ -22,7 +22,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from loraplex.kernels.triton_quant_gemm import _load_group, _load_words, _store_tile, _unpack
+from loraplex.kernels.triton_quant_gemm import (
+    _load_group,
+    _load_words,
+    _source_k,
+    _store_tile,
+    _tile_offsets,
+    _unpack,
+)
 
 
 @triton.jit
@@ -62,8 +69,7 @@ def _wna16_fma_kernel(
     for k0 in tl.range(k_begin, k_begin + k_per_split, BLOCK_K, num_stages=NUM_STAGES):
         q = _load_words(qw_ptr, k0, offs_w, offs_n, mask_n, stride_qk, BITS)  # [BLOCK_KW, BLOCK_N]
         src_k = k0 + offs_w[:, None] * PACK + offs_p[None, :]  # [BLOCK_KW, PACK]
-        if HAS_PERM:
-            src_k = tl.load(perm_ptr + src_k)
+        src_k = _source_k(perm_ptr, src_k, HAS_PERM)
         x = tl.load(x_ptr + row * stride_xm + src_k).to(tl.float32)  # [BLOCK_KW, PACK]
         part = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
         x_big = tl.zeros((BLOCK_KW,), dtype=tl.float32)  # sum of the pre-multiplied x
@@ -99,10 +105,7 @@ def _wna16_gemm_t_kernel(
     MAGIC (16-bit pattern) > 0: value v becomes OFFSET + v by bits (else OFFSET is 0)."""
     BLOCK_KW: tl.constexpr = BLOCK_K // (32 // BITS)
     tile = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    # NOTE: the M tiles sharing a weight tile run next to each other, so it is read once.
-    offs_m = (tile % num_pid_m) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = (tile // num_pid_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n = _tile_offsets(tile, M, BLOCK_M, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -110,10 +113,7 @@ def _wna16_gemm_t_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     k_begin = tl.program_id(1) * k_per_split
     for k0 in tl.range(k_begin, k_begin + k_per_split, BLOCK_K, num_stages=NUM_STAGES):
-        if HAS_PERM:
-            src_k = tl.load(perm_ptr + k0 + offs_k)
-        else:
-            src_k = k0 + offs_k
+        src_k = _source_k(perm_ptr, k0 + offs_k, HAS_PERM)
         x_t = tl.load(
             x_ptr + offs_m[None, :] * stride_xm + src_k[:, None], mask=mask_m[None, :], other=0.0
         )  # [BLOCK_K, BLOCK_M]
