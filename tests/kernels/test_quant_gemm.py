@@ -41,13 +41,18 @@ def _weights(bits: int, n: int, k: int, group_size: int, act_order: bool, seed: 
 @pytest.mark.parametrize("kind", ["gemm", "gemv", "fma", "gemm_t"])
 def test_fused_kernels_match_reference(bits, m, n, k, group_size, act_order, split_k, kind) -> None:
     qweight, scales, zeros, perm = _weights(bits, n, k, group_size, act_order)
-    x = torch.randn(m, k)
-    bias = torch.randn(n)
+    gen = torch.Generator().manual_seed(m * 1000 + n)
+    x = torch.randn(m, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
     config = GemmConfig(kind, 1 if kind in ONE_ROW_KINDS else 16, 32, 32, split_k, 4, 2)
     expected = wna16_gemm_reference(x, qweight, scales, zeros, group_size, bits, perm, bias)
+    # NOTE: "fma" sums x * 2**12 + x * v in fp32 and subtracts x * 2**12 per K tile, so in fp32
+    # it keeps ~12 fewer bits than the other kernels (errors up to ~1e-4 here, seen over 40
+    # random inputs); in bf16, its real dtype, the output's own rounding is far coarser.
+    atol = 1e-3 if kind == "fma" else 1e-4
     for _ in range(2):  # the second call finds the split-K workspace zeroed again
         out = wna16_gemm_triton(x, qweight, scales, zeros, group_size, bits, perm, bias, config)
-        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=atol)
 
 
 @pytest.mark.parametrize(
