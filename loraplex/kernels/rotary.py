@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from loraplex.kernels.kv_cache import write_kv_cache_ref
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2], scaled as `rope_scaling` says (None, llama3, linear)."""
@@ -70,3 +72,42 @@ def apply_rotary(
 
         return apply_rotary_triton(positions, q, k, cache)
     return apply_rotary_ref(positions, q, k, cache)
+
+
+def rotary_write_kv_ref(
+    positions: torch.Tensor,  # [num_tokens]
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cache: torch.Tensor,  # [max_positions, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens], -1 = padding (skipped)
+) -> torch.Tensor:
+    q, k = apply_rotary_ref(positions, q, k, cache)
+    write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
+def rotary_write_kv(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Rotated q [num_tokens, num_heads, head_dim]; writes rotated k and v into the caches.
+
+    One launch on CUDA (Triton) for `apply_rotary` followed by `write_kv_cache`: the caches are
+    [num_blocks, block_size, num_kv_heads, head_dim], written in place at `slot_mapping`
+    (slot = block * block_size + offset, -1 = padding row, nothing written). q, k and v may be
+    strided views of one fused qkv projection; the returned q is a new contiguous tensor.
+    """
+    if q.is_cuda:
+        from loraplex.kernels.triton_rotary import rotary_write_kv_triton
+
+        return rotary_write_kv_triton(positions, q, k, v, cache, k_cache, v_cache, slot_mapping)
+    return rotary_write_kv_ref(positions, q, k, v, cache, k_cache, v_cache, slot_mapping)

@@ -10,9 +10,8 @@ from torch import nn
 
 from loraplex.kernels.activation import silu_and_mul
 from loraplex.kernels.attention import paged_attention
-from loraplex.kernels.kv_cache import write_kv_cache
 from loraplex.kernels.layernorm import fused_add_rms_norm, rms_norm
-from loraplex.kernels.rotary import apply_rotary, cos_sin_cache
+from loraplex.kernels.rotary import cos_sin_cache, rotary_write_kv
 from loraplex.platform.models.arch_config import ArchConfig
 from loraplex.platform.models.attention_metadata import AttentionMetadata
 from loraplex.platform.models.linear import Linear
@@ -85,9 +84,8 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
-        q, k = apply_rotary(positions, q, k, rope_cache)
         k_cache, v_cache = kv_cache
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        q = rotary_write_kv(positions, q, k, v, rope_cache, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(
             q,
             k_cache,
