@@ -79,6 +79,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    # Schedule step N+1 while the device still runs step N (its sampled tokens stay on the
+    # device and feed step N+1), so the CPU's step work overlaps the GPU's. None: on for CUDA.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -55,6 +55,9 @@ _OPTIONS = (
     _Option("--max-num-batched-tokens", 2048, "the most tokens one engine step computes "
             "(longer prompts are prefilled in chunks)", int),
     _Option("--enforce-eager", False, "never capture CUDA graphs", boolean=True),
+    _Option("--async-scheduling", None, "schedule and prepare step N+1 while the GPU runs step "
+            "N (default: on for CUDA; requests with penalties or a grammar run steps in lock "
+            "step)", boolean=True),
     _Option("--enable-lora", True, "serve LoRA adapters (slots are reserved at start)",
             boolean=True),
     _Option("--max-loras", 8, "adapters resident on the device at once (slots)", int),

@@ -18,7 +18,8 @@ from loraplex.platform.engine.structured_output import StructuredOutputManager
 from loraplex.platform.models.model_loader import generation_eos_ids
 from loraplex.platform.models.model_store import resolve_model_path
 from loraplex.platform.models.tokenizer import load_tokenizer
-from loraplex.platform.runner.model_runner import ModelRunner
+from loraplex.platform.runner.model_runner import ModelRunner, StepOutput
+from loraplex.platform.scheduler.output import SchedulerOutput
 from loraplex.platform.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,12 @@ class Engine:
         self._ids = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        async_scheduling = config.scheduler.async_scheduling
+        if async_scheduling is None:
+            async_scheduling = self.runner.device.type == "cuda"
+        self.async_scheduling = async_scheduling
+        # The launched step whose output is not processed yet (async scheduling).
+        self._in_flight: tuple[SchedulerOutput, StepOutput] | None = None
 
     # -- requests ------------------------------------------------------------------------
 
@@ -174,14 +181,39 @@ class Engine:
         return self.output_processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     # -- one step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Run one step; returns the outputs it produced.
+
+        With async scheduling, step N+1 is scheduled and launched before step N's sampled
+        tokens are read, and this returns step N's outputs while the device runs step N+1.
+        While any request samples from its own token history (penalties, a grammar), steps
+        run in lock step."""
         failed = self._poll_grammars()
+        if not self.async_scheduling or self.scheduler.num_lock_step:
+            outputs = self._finish_in_flight()
+            so = self.scheduler.schedule()
+            step = self.runner.execute(so, self._grammar_bitmasks(so))
+            return failed + outputs + self._process(so, step)
         so = self.scheduler.schedule()
-        runner_out = self.runner.execute(so, self._grammar_bitmasks(so))
+        step = self.runner.execute(so)
+        outputs = self._finish_in_flight()
+        if so.is_empty:  # nothing launched
+            return failed + outputs + self._process(so, step)
+        self._in_flight = (so, step)
+        return failed + outputs
+
+    def _finish_in_flight(self) -> list[RequestOutput]:
+        if self._in_flight is None:
+            return []
+        (so, step), self._in_flight = self._in_flight, None
+        return self._process(so, step)
+
+    def _process(self, so: SchedulerOutput, step: StepOutput) -> list[RequestOutput]:
+        runner_out = step.get()
         if runner_out.prompt_logprobs:
             self.output_processor.add_prompt_logprobs(runner_out.prompt_logprobs)
         core_outputs = self.scheduler.update_from_output(so, runner_out)
@@ -191,7 +223,7 @@ class Engine:
             # NOTE: the stop-string hit was already recorded on the sample; freeing the core
             # request here only releases its blocks.
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        return failed + outputs
+        return outputs
 
     def _poll_grammars(self) -> list[RequestOutput]:
         """Start requests whose grammar compiled; end those whose compile failed."""
@@ -208,12 +240,10 @@ class Engine:
 
     def _grammar_bitmasks(self, so) -> dict:
         constrained = []
-        for req_id, n in so.num_scheduled_tokens.items():
+        for req_id in so.num_scheduled_tokens:
             request = self.scheduler.requests[req_id]
-            if (
-                request.grammar is not None
-                and request.num_computed_tokens + n >= request.num_tokens
-            ):
+            # In lock step a request has a pending token exactly when this step samples it.
+            if request.grammar is not None and request.num_pending:
                 constrained.append(request)
         return self.structured.fill_bitmasks(constrained)
 

@@ -46,6 +46,7 @@ class LLM:
         max_cpu_loras: int = 32,
         enforce_eager: bool = False,
         enable_lora: bool = True,
+        async_scheduling: bool | None = None,
     ) -> None:
         config = EngineConfig.from_options(
             model=model, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
@@ -54,7 +55,7 @@ class LLM:
             quantization=quantization, seed=seed, device=device,
             gpu_memory_utilization=gpu_memory_utilization, enable_lora=enable_lora,
             max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
-            enforce_eager=enforce_eager,
+            enforce_eager=enforce_eager, async_scheduling=async_scheduling,
         )  # fmt: skip
         self.engine = Engine(config)
 

@@ -3,7 +3,9 @@
 The graphs read persistent device buffers (token ids, positions, slots, sequence lengths,
 block tables); a step copies its inputs into them from pinned host staging, replays the graph
 of the next larger captured size, and reads the logits of its real rows. Padded rows write no
-K/V (slot -1) and attend to nothing (sequence length 0).
+K/V (slot -1) and attend to nothing (sequence length 0). Two staging sets alternate, so a step
+can be prepared while the device may still be copying the previous step's inputs (async
+scheduling keeps at most one step in flight).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -54,11 +57,22 @@ class CudaGraphRunner:
         def host(shape, dtype):
             return torch.zeros(shape, dtype=dtype, pin_memory=True)
 
-        self.input_ids, self.h_input_ids = dev(n, torch.long), host(n, torch.long)
-        self.positions, self.h_positions = dev(n, torch.long), host(n, torch.long)
-        self.slot_mapping, self.h_slot_mapping = dev(n, torch.long), host(n, torch.long)
-        self.seq_lens, self.h_seq_lens = dev(n, torch.int32), host(n, torch.int32)
-        self.block_tables, self.h_block_tables = dev((n, w), torch.int32), host((n, w), torch.int32)
+        self.input_ids = dev(n, torch.long)
+        self.positions = dev(n, torch.long)
+        self.slot_mapping = dev(n, torch.long)
+        self.seq_lens = dev(n, torch.int32)
+        self.block_tables = dev((n, w), torch.int32)
+        self._staging = [
+            _Staging(
+                host(n, torch.long),
+                host(n, torch.long),
+                host(n, torch.long),
+                host(n, torch.int32),
+                host((n, w), torch.int32),
+            )
+            for _ in range(2)
+        ]
+        self._num_runs = 0
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -113,23 +127,44 @@ class CudaGraphRunner:
         seq_lens: np.ndarray,  # [n] int32
         block_tables: np.ndarray,  # [n, width] int32
         lora_slots: np.ndarray | None,  # [n] int32, or None when no row has an adapter
+        fill_input_ids: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:  # [n, vocab] fp32 logits
+        """Replay the decode graph for these n sequences. `fill_input_ids(buffer)` may then
+        overwrite inputs on the device (tokens sampled by a step not read back yet)."""
         n, width = block_tables.shape
         bs = self.padded_size(n)
         assert bs is not None
-        self.h_input_ids.numpy()[:n] = input_ids
-        self.h_positions.numpy()[:n] = positions
-        self.h_slot_mapping.numpy()[:n] = slot_mapping
-        self.h_slot_mapping.numpy()[n:bs] = -1
-        self.h_seq_lens.numpy()[:n] = seq_lens
-        self.h_seq_lens.numpy()[n:bs] = 0
-        self.h_block_tables.numpy()[:n, :width] = block_tables
-        self.input_ids[:bs].copy_(self.h_input_ids[:bs], non_blocking=True)
-        self.positions[:bs].copy_(self.h_positions[:bs], non_blocking=True)
-        self.slot_mapping[:bs].copy_(self.h_slot_mapping[:bs], non_blocking=True)
-        self.seq_lens[:bs].copy_(self.h_seq_lens[:bs], non_blocking=True)
-        self.block_tables[:n, :width].copy_(self.h_block_tables[:n, :width], non_blocking=True)
+        stage = self._staging[self._num_runs % 2]
+        self._num_runs += 1
+        stage.done.synchronize()  # the copies of the run before last (long finished)
+        stage.input_ids.numpy()[:n] = input_ids
+        stage.positions.numpy()[:n] = positions
+        stage.slot_mapping.numpy()[:n] = slot_mapping
+        stage.slot_mapping.numpy()[n:bs] = -1
+        stage.seq_lens.numpy()[:n] = seq_lens
+        stage.seq_lens.numpy()[n:bs] = 0
+        stage.block_tables.numpy()[:n, :width] = block_tables
+        self.input_ids[:bs].copy_(stage.input_ids[:bs], non_blocking=True)
+        self.positions[:bs].copy_(stage.positions[:bs], non_blocking=True)
+        self.slot_mapping[:bs].copy_(stage.slot_mapping[:bs], non_blocking=True)
+        self.seq_lens[:bs].copy_(stage.seq_lens[:bs], non_blocking=True)
+        self.block_tables[:n, :width].copy_(stage.block_tables[:n, :width], non_blocking=True)
+        stage.done.record()
+        if fill_input_ids is not None:
+            fill_input_ids(self.input_ids)
         if self.before_replay is not None:
             self.before_replay(bs, lora_slots)
         self.graphs[bs].replay()
         return self.logits[bs][:n]
+
+
+@dataclass
+class _Staging:
+    """Pinned host copies of the graph inputs, and when the device finished reading them."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    done: torch.cuda.Event = field(default_factory=torch.cuda.Event)

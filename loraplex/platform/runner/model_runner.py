@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +14,7 @@ from loraplex.platform.models.attention_metadata import AttentionMetadata
 from loraplex.platform.models.model_loader import load_model
 from loraplex.platform.runner.cuda_graph import CudaGraphRunner
 from loraplex.platform.runner.request_state import CachedRequestState
-from loraplex.platform.runner.sampler import Sampler, SamplerOutput, SamplingRow, score_tokens
+from loraplex.platform.runner.sampler import Sampler, SamplingRow, score_tokens
 from loraplex.platform.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -70,6 +70,10 @@ class ModelRunner:
         max_seqs = config.scheduler.max_num_seqs
         self.block_table = np.zeros((max_seqs, self.max_blocks_per_seq), dtype=np.int32)
         self._free_rows = list(range(max_seqs - 1, -1, -1))
+        # The latest step's sampled tokens, on the device, and whose they are (in order): the
+        # input of a request whose token is still pending when the next step is launched.
+        self._last_sampled: torch.Tensor | None = None
+        self._last_sample_ids: list[str] = []
         self.graphs = None
         if self.device.type == "cuda" and not config.runner.enforce_eager:
             self.graphs = CudaGraphRunner(
@@ -177,19 +181,25 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, so: SchedulerOutput, bitmasks: dict[str, torch.Tensor] | None = None
-    ) -> ModelRunnerOutput:
-        """Run one step. `bitmasks` maps req_id -> packed allowed-token row for grammars."""
+    ) -> StepOutput:
+        """Launch one step. `bitmasks` maps req_id -> packed allowed-token row for grammars.
+
+        The device may still be running the step when this returns, and the next step may be
+        launched before `get()` reads its sampled tokens (async scheduling): a request's pending
+        token is then the next step's input, taken on the device."""
         self._update_states(so)
         if so.is_empty:
-            return ModelRunnerOutput(sampled={})
+            return StepOutput.ready(ModelRunnerOutput(sampled={}))
         host = self._prepare_host(so)
         logits, prompt_logprobs = self._forward(host)
         if not host.sample_req_ids:
-            return ModelRunnerOutput(sampled={}, prompt_logprobs=prompt_logprobs)
+            return StepOutput.ready(ModelRunnerOutput(sampled={}, prompt_logprobs=prompt_logprobs))
         states = [self.requests[r] for r in host.sample_req_ids]
+        logprobs = {}
         if not bitmasks and all(s.plain_greedy for s in states):
-            # NOTE: the common decode case: one argmax and the step's one host sync.
-            out = SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(states))
+            # NOTE: the common decode case: one argmax, read back when the engine asks.
+            tokens = logits.argmax(dim=-1)
+            host_tokens: torch.Tensor | list[int] = tokens
         else:
             rows = [self._sampling_row(s) for s in states]
             mask = None
@@ -198,15 +208,41 @@ class ModelRunner:
                     bitmasks, host.sample_req_ids, logits.shape[1], logits.device
                 )
             out = self.sampler(logits, rows, mask)
-        sampled, logprobs = {}, {}
-        for req_id, token, lp in zip(host.sample_req_ids, out.token_ids, out.logprobs):
-            self.requests[req_id].token_ids.append(token)
-            sampled[req_id] = token
-            if lp is not None:
-                logprobs[req_id] = lp
-        return ModelRunnerOutput(
-            sampled=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs
-        )
+            tokens, host_tokens = out.device_token_ids, out.token_ids
+            logprobs = {r: lp for r, lp in zip(host.sample_req_ids, out.logprobs) if lp is not None}
+        for state in states:
+            state.num_pending += 1
+        self._last_sampled, self._last_sample_ids = tokens, host.sample_req_ids
+        return StepOutput(self, states, host_tokens, logprobs, prompt_logprobs)
+
+    def _receive(self, states: list[CachedRequestState], token_ids: list[int]) -> dict[str, int]:
+        """Append a step's sampled tokens to the requests that are still the runner's."""
+        sampled = {}
+        for state, token in zip(states, token_ids):
+            sampled[state.req_id] = token
+            if self.requests.get(state.req_id) is state:
+                state.token_ids.append(token)
+                state.num_pending -= 1
+        return sampled
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A host array on the device, without waiting for the device (pinned staging)."""
+        tensor = torch.from_numpy(array)
+        if self.device.type != "cuda":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    def _fill_pending(self, input_ids: torch.Tensor, host: _HostBatch) -> None:
+        """Write the input tokens still pending from the previous step, from the device."""
+        rows, src = host.pending_rows, host.pending_src
+        k = len(rows)
+        if k == 0:
+            return
+        assert self._last_sampled is not None
+        if rows[-1] == k - 1 and np.array_equal(rows, src):  # the same requests, in order
+            input_ids[:k].copy_(self._last_sampled[:k])
+        else:
+            input_ids[self._to_device(rows)] = self._last_sampled[self._to_device(src)]
 
     def _forward(self, host: _HostBatch) -> tuple[torch.Tensor, dict]:
         """Logits [num_sampled, vocab] of the rows that sample (graph replay for pure decode),
@@ -220,7 +256,7 @@ class ModelRunner:
         ):
             logits = self.graphs.run(
                 host.input_ids, host.positions, host.slot_mapping, host.seq_lens,
-                host.block_tables, lora,
+                host.block_tables, lora, lambda ids: self._fill_pending(ids, host),
             )  # fmt: skip
             return logits, {}
         dev = self.device
@@ -228,15 +264,16 @@ class ModelRunner:
             slots = torch.from_numpy(host.lora_slots)
             self.lora_manager.set_batch(slots.to(dev) if lora is not None else slots)
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(host.slot_mapping).to(dev),
-            query_start_loc=torch.from_numpy(host.query_start_loc).to(dev),
-            seq_lens=torch.from_numpy(host.seq_lens).to(dev),
-            block_tables=torch.from_numpy(host.block_tables).to(dev),
+            slot_mapping=self._to_device(host.slot_mapping),
+            query_start_loc=self._to_device(host.query_start_loc),
+            seq_lens=self._to_device(host.seq_lens),
+            block_tables=self._to_device(host.block_tables),
             max_query_len=host.max_query_len,
             max_seq_len=int(host.seq_lens.max()),
         )
-        input_ids = torch.from_numpy(host.input_ids).to(dev)
-        positions = torch.from_numpy(host.positions).to(dev)
+        input_ids = self._to_device(host.input_ids)
+        self._fill_pending(input_ids, host)
+        positions = self._to_device(host.positions)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         prompt_logprobs = {}
         for req_id, offset, targets, first_pos in host.prompt_scores:
@@ -249,7 +286,7 @@ class ModelRunner:
             prompt_logprobs[req_id] = (first_pos, entries)
         if not host.sample_req_ids:
             return hidden[:0], prompt_logprobs
-        indices = torch.from_numpy(host.logits_indices).to(dev)
+        indices = self._to_device(host.logits_indices)
         return self.model.compute_logits(hidden[indices]), prompt_logprobs
 
     def _sampling_row(self, state: CachedRequestState) -> SamplingRow:
@@ -295,18 +332,19 @@ class ModelRunner:
         block_ids = self.block_table[rows[seq_of_token], positions // self.block_size]
         slot_mapping = block_ids.astype(np.int64) * self.block_size + positions % self.block_size
         if int(counts.max()) == 1:
-            input_ids = np.fromiter(
-                (s.token_ids[s.num_computed_tokens] for s in states), np.int64, len(states)
-            )
+            input_ids = _decode_input_ids(states)
         else:
+            # NOTE: a request with a pending token is decoding: its one input is that token.
             input_ids = np.fromiter(
                 (t for s, n in zip(states, counts.tolist())
-                 for t in s.token_ids[s.num_computed_tokens : s.num_computed_tokens + n]),
+                 for t in (s.token_ids[s.num_computed_tokens : s.num_computed_tokens + n]
+                           if not s.num_pending else (_PENDING,))),
                 np.int64, total,
             )  # fmt: skip
         seq_lens = (starts + counts).astype(np.int32)
         max_blocks = int(max(s.num_blocks for s in states))
-        sampling = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
+        sampling = [i for i, s in enumerate(states) if seq_lens[i] == s.num_tokens]
+        pending_rows = np.flatnonzero(input_ids == _PENDING)
         lora_slots = np.repeat(
             np.fromiter((s.lora_slot for s in states), np.int32, len(states)), counts
         )
@@ -333,7 +371,19 @@ class ModelRunner:
             max_query_len=int(counts.max()),
             is_decode=int(counts.max()) == 1 and len(sampling) == len(req_ids),
             prompt_scores=tuple(prompt_scores),
+            pending_rows=pending_rows,
+            pending_src=self._pending_sources([req_ids[i] for i in seq_of_token[pending_rows]]),
         )
+
+    def _pending_sources(self, req_ids: list[str]) -> np.ndarray:
+        """Where each of these requests' pending token sits in the latest step's samples."""
+        if not req_ids:
+            return _NO_ROWS
+        last = self._last_sample_ids
+        if req_ids == last[: len(req_ids)]:
+            return np.arange(len(req_ids), dtype=np.int64)
+        index = {r: i for i, r in enumerate(last)}
+        return np.fromiter((index[r] for r in req_ids), np.int64, len(req_ids))
 
     def _prepare_decode(self, req_ids: list[str], states: list[CachedRequestState]) -> _HostBatch:
         """`_prepare_host` for a step of one token per sequence (the decode hot path)."""
@@ -341,11 +391,10 @@ class ModelRunner:
         positions = np.fromiter((s.num_computed_tokens for s in states), np.int64, n)
         rows = np.fromiter((s.row for s in states), np.int64, n)
         block_ids = self.block_table[rows, positions // self.block_size]
-        input_ids = np.fromiter((s.token_ids[s.num_computed_tokens] for s in states), np.int64, n)
+        input_ids = _decode_input_ids(states)
         seq_lens = (positions + 1).astype(np.int32)
-        sampling = [
-            i for i, s in enumerate(states) if s.num_computed_tokens + 1 == len(s.token_ids)
-        ]
+        sampling = [i for i, s in enumerate(states) if s.num_computed_tokens + 1 == s.num_tokens]
+        pending_rows = np.flatnonzero(input_ids == _PENDING)
         return _HostBatch(
             input_ids=input_ids,
             positions=positions,
@@ -358,6 +407,10 @@ class ModelRunner:
             logits_indices=np.asarray(sampling, dtype=np.int64),
             max_query_len=1,
             is_decode=len(sampling) == n,
+            pending_rows=pending_rows,
+            pending_src=self._pending_sources(
+                req_ids if len(pending_rows) == n else [req_ids[i] for i in pending_rows]
+            ),
         )
 
 
@@ -377,6 +430,67 @@ class _HostBatch:
     # (req_id, batch row of its first scored token, the prompt tokens those rows score
     # [n] int64, prompt position of the first of them), for prompt logprobs
     prompt_scores: tuple[tuple[str, int, np.ndarray, int], ...] = ()
+    # Token rows whose input is still pending on the device [k] int64 (ascending), and where
+    # each sits in the latest step's sampled tokens [k] int64.
+    pending_rows: np.ndarray = field(default_factory=lambda: _NO_ROWS)
+    pending_src: np.ndarray = field(default_factory=lambda: _NO_ROWS)
+
+
+_PENDING = -1  # input id placeholder of a token still on the device
+_NO_ROWS = np.zeros(0, dtype=np.int64)
+
+
+def _decode_input_ids(states: list[CachedRequestState]) -> np.ndarray:
+    """The one input token of each decoding request; _PENDING where it is still on the device."""
+    return np.fromiter(
+        (s.token_ids[s.num_computed_tokens] if not s.num_pending else _PENDING for s in states),
+        np.int64,
+        len(states),
+    )
+
+
+class StepOutput:
+    """A launched step's output. `get()` reads its sampled tokens back from the device (the
+    step's one synchronisation) and hands them to the runner's request states."""
+
+    def __init__(
+        self,
+        runner: ModelRunner | None,
+        states: list[CachedRequestState],
+        tokens: torch.Tensor | list[int],  # [num_sampled] int64
+        logprobs: dict[str, list[tuple[int, float, int]]],
+        prompt_logprobs: dict,
+    ) -> None:
+        self._runner, self._states = runner, states
+        self._logprobs, self._prompt_logprobs = logprobs, prompt_logprobs
+        self._event = None
+        if isinstance(tokens, torch.Tensor) and tokens.is_cuda:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            tokens = host.copy_(tokens, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._tokens = tokens
+        self._output: ModelRunnerOutput | None = None
+
+    @classmethod
+    def ready(cls, output: ModelRunnerOutput) -> StepOutput:
+        step = cls(None, [], [], {}, {})
+        step._output = output
+        return step
+
+    def get(self) -> ModelRunnerOutput:
+        if self._output is None:
+            if self._event is not None:
+                self._event.synchronize()
+            tokens = self._tokens
+            token_ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
+            assert self._runner is not None
+            self._output = ModelRunnerOutput(
+                sampled=self._runner._receive(self._states, token_ids),
+                logprobs=self._logprobs,
+                prompt_logprobs=self._prompt_logprobs,
+            )
+        return self._output
 
 
 def _stack_bitmasks(

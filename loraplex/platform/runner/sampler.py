@@ -35,6 +35,7 @@ class SamplerOutput:
     token_ids: list[int]
     # per row: [(token_id, logprob, rank)] with the sampled token first, or None
     logprobs: list[list[tuple[int, float, int]] | None]
+    device_token_ids: torch.Tensor  # [num_rows] int64, the same tokens on the logits' device
 
 
 class Sampler:
@@ -59,7 +60,9 @@ class Sampler:
 
             apply_token_bitmask_(logits, bitmask)
         token_ids = self._sample(logits, rows)
-        return SamplerOutput(token_ids.tolist(), self._logprobs(raw_logprobs, token_ids, rows))
+        return SamplerOutput(
+            token_ids.tolist(), self._logprobs(raw_logprobs, token_ids, rows), token_ids
+        )
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:

@@ -5,6 +5,12 @@ One rule drives everything: each step, every scheduled request catches its
 chunked prefill (a long prompt takes several steps), prefix-cache skipping (cached tokens count
 as computed), and prefill mixed with decode in one step. Running requests go first; when the
 KV pool runs dry the most recently admitted running request is preempted and recomputed later.
+
+A step's tokens count as computed when it is scheduled, and a step that reaches a request's
+end leaves one token pending until its output comes back. So with async scheduling the next
+step can be scheduled while the device still runs this one: the pending token is its input
+(the runner takes it from the device), and a request that turns out to have stopped simply
+has one extra token computed and thrown away.
 """
 
 from __future__ import annotations
@@ -55,6 +61,9 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         self._lora_slots: dict[str, int] = {}
         self.num_preemptions = 0
+        # Unfinished requests that cannot be scheduled ahead of their last token (async_ok
+        # False); while there are any, the engine steps in lock step.
+        self.num_lock_step = 0
 
     # -- requests in and out -------------------------------------------------------------
 
@@ -63,6 +72,8 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.push(request)
+        if not request.async_ok:
+            self.num_lock_step += 1
         if self.adapters is not None and request.adapter_key is not None:
             self.adapters.prefetch(request.adapter_key)
 
@@ -84,6 +95,8 @@ class Scheduler:
         self._release_adapter(request)
         self._finished_ids.add(request.request_id)
         del self.requests[request.request_id]
+        if not request.async_ok:
+            self.num_lock_step -= 1
 
     def _release_adapter(self, request: Request) -> None:
         if self._lora_slots.pop(request.request_id, None) is not None and self.adapters:
@@ -131,6 +144,7 @@ class Scheduler:
             cached_reqs.append(
                 CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
             )
+            _advance(request, n)
             budget -= n
             i += 1
 
@@ -187,6 +201,7 @@ class Scheduler:
                     lora_slot=slot,
                 )
             )
+            _advance(request, n)
             budget -= n
         for request in reversed(skipped):
             self.waiting.push_front(request)
@@ -201,8 +216,16 @@ class Scheduler:
         )
 
     def _num_new_tokens(self, request: Request, budget: int, extra_computed: int = 0) -> int:
+        pending = request.num_pending
+        if pending and (
+            not request.async_ok
+            or request.num_output_tokens + pending >= request.max_tokens
+            or request.num_tokens + pending >= self.max_model_len
+        ):
+            # Its pending token must be known first, or will end it (length) anyway.
+            return 0
         computed = request.num_computed_tokens + extra_computed
-        n = min(request.num_tokens - computed, self.max_model_len - computed)
+        n = min(request.num_tokens + pending - computed, self.max_model_len - computed)
         if not self.config.enable_chunked_prefill and n > budget:
             return 0
         return max(0, min(n, budget))
@@ -217,6 +240,7 @@ class Scheduler:
         self._release_adapter(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_pending = 0  # a token still in flight is dropped and sampled again
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._finished_ids.add(request.request_id)
@@ -228,15 +252,11 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         still_running: list[Request] = []
         for request in self.running:
-            n = scheduler_output.num_scheduled_tokens.get(request.request_id)
-            if n is None:
-                still_running.append(request)
-                continue
-            request.num_computed_tokens += n
             token = runner_output.sampled.get(request.request_id)
-            if token is None:
+            if token is None or request.request_id not in scheduler_output.num_scheduled_tokens:
                 still_running.append(request)
                 continue
+            request.num_pending -= 1
             request.append_output_token(token)
             if request.grammar is not None:
                 request.grammar.accept_token(token)
@@ -276,6 +296,13 @@ class Scheduler:
         if request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+def _advance(request: Request, n: int) -> None:
+    """Count a scheduled step's tokens as computed; one that reaches the end samples a token."""
+    request.num_computed_tokens += n
+    if request.num_computed_tokens == request.num_tokens + request.num_pending:
+        request.num_pending += 1
 
 
 def _with_finish(output: EngineCoreOutput, request: Request) -> EngineCoreOutput:
