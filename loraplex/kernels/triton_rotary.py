@@ -23,7 +23,8 @@ def _rotate_heads(
     dst = out_row + heads * stride_oh + dims
     # NOTE: round to x's dtype first, then to the output's, so that a cache of another dtype
     # holds exactly what rotating and then writing k in two steps would have stored.
-    x_ty, out_ty = x_row.dtype.element_ty, out_row.dtype.element_ty
+    x_ty = x_row.dtype.element_ty
+    out_ty = out_row.dtype.element_ty
     tl.store(dst, (x1 * cos - x2 * sin).to(x_ty).to(out_ty), mask=mask)
     tl.store(dst + HALF, (x2 * cos + x1 * sin).to(x_ty).to(out_ty), mask=mask)
 
