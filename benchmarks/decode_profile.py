@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -31,6 +32,74 @@ def kind_of(name: str) -> str:
         if any(k in low for k in keys):
             return kind
     return "other"
+
+
+def engine_timeline(llm: LLM, context: int, steps: int) -> dict[str, float]:
+    """Profile `steps` batch-1 decode steps through the engine: host API calls that can block
+    (synchronisations, pinned allocations), kernels outside the graph, and GPU idle time."""
+    prompt = [[1000 + i for i in range(context)]]
+    params = SamplingParams(max_tokens=steps, **GREEDY)
+    llm.generate(prompt, params)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompt, params)
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    api: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    spans = []
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            spans.append((event.time_range.start, event.time_range.end))
+        elif event.name.startswith(("cuda", "cu")) and not event.name.startswith("cudaGetDevice"):
+            api[event.name][0] += 1
+            api[event.name][1] += event.cpu_time_total
+    spans.sort()
+    busy, end = 0.0, None
+    for lo, hi in spans:  # union of the GPU's busy intervals
+        if end is None or lo > end:
+            busy += hi - lo
+            end = hi
+        elif hi > end:
+            busy += hi - end
+            end = hi
+    print(f"engine: {steps} tokens in {wall * 1e3:.1f} ms ({wall / steps * 1e3:.3f} ms/token, "
+          f"profiled); GPU busy {busy / 1e3:.1f} ms")  # fmt: skip
+    for name, (count, us) in sorted(api.items(), key=lambda kv: -kv[1][1])[:15]:
+        print(f"  {name:40s} x{count:<6d} {us / 1e3:8.2f} ms")
+    return {
+        "engine_ms_per_token": wall / steps * 1e3,
+        "engine_gpu_busy_fraction": busy / 1e3 / (wall * 1e3),
+    }
+
+
+def gemv_variants(shapes: list[tuple[int, int]]) -> dict[str, float]:
+    """One token through a bf16 weight [n, k]: F.linear (what the model calls) against torch.mv,
+    each timed inside a CUDA graph of 50 calls (no launch overhead)."""
+    out = {}
+    for n, k in shapes:
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        variants = {
+            "linear": lambda x=x, w=w: torch.nn.functional.linear(x, w),
+            "mv": lambda x=x, w=w: torch.mv(w, x[0]),
+            "matmul_t": lambda x=x, w=w: (w @ x.t()).t(),
+        }
+        line = []
+        for name, fn in variants.items():
+            fn()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(50):
+                    fn()
+            graph.replay()
+            seconds = min(cuda_timed(graph.replay) for _ in range(5)) / 50
+            out[f"gemv_{n}x{k}_{name}_us"] = seconds * 1e6
+            line.append(
+                f"{name} {seconds * 1e6:.1f} us ({w.numel() * 2 / seconds / 1e12:.2f} TB/s)"
+            )
+        print(f"[1 x {k}] @ [{k} x {n}]: " + ", ".join(line))
+    return out
 
 
 def main() -> int:
@@ -82,6 +151,15 @@ def main() -> int:
         "kernels_per_step": sum(counts.values()) / n,
         **{f"{kind}_us": us for kind, us in sorted(by_kind.items())},
     }
+    metrics.update(engine_timeline(llm, args.context, 64))
+    a = llm.engine.runner.arch
+    shapes = [
+        (a.q_size + 2 * a.kv_size, a.hidden_size),
+        (a.hidden_size, a.q_size),
+        (2 * a.intermediate_size, a.hidden_size),
+        (a.hidden_size, a.intermediate_size),
+    ]
+    metrics.update(gemv_variants(shapes))
     print(metrics)
     write_result(args.out, "decode_profile", metrics, {}, workload={"model": args.model})
     return 0
