@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import statistics
 import time
 
 import torch
@@ -70,6 +71,49 @@ def engine_timeline(llm: LLM, context: int, steps: int) -> dict[str, float]:
     return {
         "engine_ms_per_token": wall / steps * 1e3,
         "engine_gpu_busy_fraction": busy / 1e3 / (wall * 1e3),
+    }
+
+
+def in_situ_steps(llm: LLM, context: int, steps: int) -> dict[str, float]:
+    """Without the profiler: CUDA events around each decode step's graph run (input copies,
+    pending-token fill, replay) during a real generate, against the interval between steps."""
+    graphs = llm.engine.runner.graphs
+    run = graphs.run
+    marks: list[tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def timed_run(*args):
+        start, replay = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = run(*args[:-1], lambda ids: (args[-1](ids), replay.record()))
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        marks.append((start, replay, end))
+        return out
+
+    graphs.run = timed_run
+    try:
+        prompt = [[1000 + i for i in range(context)]]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        llm.generate(prompt, SamplingParams(max_tokens=steps, **GREEDY))
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    finally:
+        graphs.run = run
+    marks = marks[4:]  # steady state
+    copies = statistics.median(a.elapsed_time(b) for a, b, _ in marks)
+    replays = statistics.median(b.elapsed_time(c) for _, b, c in marks)
+    intervals = statistics.median(
+        marks[i][0].elapsed_time(marks[i + 1][0]) for i in range(len(marks) - 1)
+    )
+    print(
+        f"in situ: copies+fill {copies * 1e3:.0f} us, replay {replays * 1e3:.0f} us, "
+        f"step-to-step {intervals * 1e3:.0f} us; wall {wall / steps * 1e3:.3f} ms/token"
+    )
+    return {
+        "in_situ_copies_us": copies * 1e3,
+        "in_situ_replay_us": replays * 1e3,
+        "in_situ_interval_us": intervals * 1e3,
     }
 
 
@@ -151,6 +195,11 @@ def main() -> int:
         "kernels_per_step": sum(counts.values()) / n,
         **{f"{kind}_us": us for kind, us in sorted(by_kind.items())},
     }
+    metrics.update(in_situ_steps(llm, args.context, 128))
+    llm.engine.async_scheduling = False
+    lock_step = in_situ_steps(llm, args.context, 128)
+    metrics.update({f"lock_step_{k}": v for k, v in lock_step.items()})
+    llm.engine.async_scheduling = True
     metrics.update(engine_timeline(llm, args.context, 64))
     a = llm.engine.runner.arch
     shapes = [
