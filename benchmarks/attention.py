@@ -8,15 +8,12 @@ Without CUDA it prints a message and exits 0.
 
 from __future__ import annotations
 
-import datetime
-import json
-import subprocess
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.record import write_result
 from loraplex.kernels.activation import silu_and_mul, silu_and_mul_ref
 from loraplex.kernels.attention import paged_attention, paged_attention_ref
 from loraplex.kernels.kv_cache import write_kv_cache, write_kv_cache_ref
@@ -34,8 +31,6 @@ from loraplex.kernels.rotary import (
     rotary_write_kv_ref,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULT = ROOT / "benchmarks" / "results" / "h200_attention.json"
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 
@@ -221,14 +216,6 @@ def small_kernels(metrics: dict) -> None:
     fused_rotary_case("rotary_write_kv_decode", 1, graph=True)  # batch-1 decode, CUDA graph
 
 
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    except OSError:
-        return "unknown"
-    return out.stdout.strip() or "unknown"
-
-
 def main() -> None:
     if not torch.cuda.is_available():
         print("benchmarks.attention needs a CUDA GPU; none found, nothing measured.")
@@ -241,24 +228,20 @@ def main() -> None:
         "attn_decode_long_small_batch", batch=2, seq_len=16384, query_len=1, metrics=metrics
     )
     small_kernels(metrics)
-    result = {
-        "benchmark": "attention",
-        "device": torch.cuda.get_device_name(),
-        "command": "python -m benchmarks.attention",
-        "commit": git_commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "metrics": metrics,
-        "baseline": (
+    baseline = {k: metrics.pop(k) for k in list(metrics) if k.endswith("_sdpa_ms")}
+    write_result(
+        "h200_attention.json",
+        "attention",
+        metrics,
+        baseline,
+        baseline_is=(
             "torch.nn.functional.scaled_dot_product_attention, flash backend, on contiguous "
             "K/V (prefill: 4 x 2048 tokens causal; decode: 64 x 1024 and 2 x 16384 context; "
             "32 heads, 8 KV heads, head_dim 128, bf16); small kernels vs their torch "
             "references; speedup = baseline time / our time"
         ),
-        "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__},
-    }
-    RESULT.parent.mkdir(parents=True, exist_ok=True)
-    RESULT.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {RESULT.relative_to(ROOT)}")
+        versions={"torch": torch.__version__, "triton": __import__("triton").__version__},
+    )
 
 
 if __name__ == "__main__":
