@@ -122,10 +122,27 @@ def main() -> int:
         help="only latency and decode time (a quick re-measure)",
     )
     parser.add_argument("--out", default="h200_gpu_path.json")
+    parser.add_argument(
+        "--gemv-configs",
+        default=None,
+        help="a JSON file of one-token GEMV configs (`python -m benchmarks.gemv` writes it) "
+        "used instead of loraplex.kernels.gemv.GEMV_CONFIGS",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks.gpu_path needs a CUDA GPU; skipped")
         return 0
+    if args.gemv_configs:
+        from loraplex.kernels import gemv
+
+        with open(args.gemv_configs) as f:
+            table = {
+                tuple(map(int, key.split(","))): gemv.GemvConfig(*value)
+                for key, value in json.load(f).items()
+            }
+        gemv.GEMV_CONFIGS.clear()
+        gemv.GEMV_CONFIGS.update(table)
+        print(f"one-token GEMV configs: {table}")
 
     t0 = time.perf_counter()
     llm = LLM(

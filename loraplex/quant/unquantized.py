@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from loraplex.kernels.gemv import linear
 from loraplex.quant.base import LinearMethod, set_weight_attrs
 
 
@@ -22,7 +22,7 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.register_parameter("weight", weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return linear(x, layer.weight, bias)
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
         return layer.weight

@@ -10,6 +10,7 @@ from torch import nn
 
 from loraplex.kernels.activation import silu_and_mul
 from loraplex.kernels.attention import paged_attention
+from loraplex.kernels.gemv import linear
 from loraplex.kernels.layernorm import fused_add_rms_norm, rms_norm
 from loraplex.kernels.rotary import cos_sin_cache, rotary_write_kv
 from loraplex.platform.models.arch_config import ArchConfig
@@ -202,7 +203,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_sampled, hidden] -> [num_sampled, vocab] in fp32
-        return torch.matmul(hidden, self.lm_head.t()).float()
+        return linear(hidden, self.lm_head, None).float()
 
     # Checkpoint names (after the "model." prefix) that differ from our module paths.
     checkpoint_renames = {
