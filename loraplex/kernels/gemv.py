@@ -21,7 +21,14 @@ class GemvConfig:
 
 #: (out_features, in_features) -> the config `python -m benchmarks.gemv` found fastest on the
 #: H200, for the shapes where it beat cuBLAS; other shapes use F.linear.
-GEMV_CONFIGS: dict[tuple[int, int], GemvConfig] = {}
+GEMV_CONFIGS: dict[tuple[int, int], GemvConfig] = {
+    # Llama-3.1-8B (h200_gemv.json): qkv, o, gate-up, down, lm_head
+    (6144, 4096): GemvConfig(16, 512, 8, 4),
+    (4096, 4096): GemvConfig(8, 512, 4, 2),
+    (28672, 4096): GemvConfig(8, 512, 4, 4),
+    (4096, 14336): GemvConfig(16, 1024, 8, 2),
+    (128256, 4096): GemvConfig(16, 256, 4, 4),
+}
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
