@@ -35,7 +35,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     """x [M, K] @ weight [N, K]^T (+ bias): the tuned Triton GEMV when M == 1 on CUDA."""
     if x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype == weight.dtype:
         config = GEMV_CONFIGS.get((weight.shape[0], weight.shape[1]))
-        if config is not None:
+        if (
+            config is not None
+            and x.stride(1) == 1
+            and weight.stride(1) == 1
+            and (bias is None or bias.is_contiguous())
+        ):
             from loraplex.kernels.triton_gemv import gemv_triton
 
             return gemv_triton(x, weight, bias, config)
