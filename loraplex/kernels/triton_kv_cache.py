@@ -32,14 +32,15 @@ def _write_kv_cache_kernel(
     tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def write_kv_cache_triton(
-    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+def check_kv_write(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [num_tokens] int32/int64, -1 = padding (skipped)
+    slot_mapping: torch.Tensor,
 ) -> None:
-    """Writes K/V into the caches in place; same contract as `write_kv_cache_ref`."""
+    """ValueError unless k/v [num_tokens, num_kv_heads, head_dim] can go into the caches
+    [num_blocks, block_size, num_kv_heads, head_dim] at slot_mapping [num_tokens]."""
     if k.dim() != 3 or k.shape != v.shape:
         raise ValueError(
             f"k and v must both be [num_tokens, num_kv_heads, head_dim]; "
@@ -59,6 +60,17 @@ def write_kv_cache_triton(
         raise ValueError("k, v, the caches and slot_mapping need a contiguous last dimension")
     if len({t.device for t in (k, v, k_cache, v_cache, slot_mapping)}) != 1:
         raise ValueError("k, v, the caches and slot_mapping must be on one device")
+
+
+def write_kv_cache_triton(
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int32/int64, -1 = padding (skipped)
+) -> None:
+    """Writes K/V into the caches in place; same contract as `write_kv_cache_ref`."""
+    check_kv_write(k, v, k_cache, v_cache, slot_mapping)
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return

@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.kernels.triton_kv_cache import check_kv_write
+
 
 @triton.jit
 def _rotate_heads(
@@ -166,30 +168,9 @@ def rotary_write_kv_triton(
     Same contract as `apply_rotary_triton` followed by `write_kv_cache_triton`.
     """
     _check_rotary_inputs(positions, q, k, cache)
-    if v.shape != k.shape or v.stride(2) != 1:
-        raise ValueError(
-            f"v must be shaped like k {tuple(k.shape)} with a contiguous last dimension; "
-            f"got {tuple(v.shape)}"
-        )
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[2:] != k.shape[1:]:
-        raise ValueError(
-            f"caches must be [num_blocks, block_size, {k.shape[1]}, {k.shape[2]}]; "
-            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-        )
-    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
-        raise ValueError("the caches need a contiguous last dimension")
-    if slot_mapping.shape != (k.shape[0],) or slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"slot_mapping must be int32/int64 of shape ({k.shape[0]},); "
-            f"got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
-        )
-    if slot_mapping.stride(0) != 1:
-        raise ValueError("slot_mapping must be contiguous")
-    tensors = (positions, q, k, v, cache, k_cache, v_cache, slot_mapping)
-    if len({t.device for t in tensors}) != 1:
-        raise ValueError(
-            "positions, q, k, v, cache, the KV caches and slot_mapping must be on one device"
-        )
+    check_kv_write(k, v, k_cache, v_cache, slot_mapping)
+    if len({t.device for t in (positions, q, k, cache)}) != 1:
+        raise ValueError("positions, q, k and cache must be on one device")
     q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
     num_tokens, num_heads, head_dim = q.shape
     if num_tokens == 0:

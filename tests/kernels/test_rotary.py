@@ -197,7 +197,7 @@ def test_fused_wrapper_rejects_bad_inputs() -> None:
         names = ("positions", "q", "k", "v", "cache", "k_cache", "v_cache", "slot_mapping")
         rotary_write_kv_triton(*[changes.get(name, arg) for name, arg in zip(names, args)])
 
-    with pytest.raises(ValueError, match="v must be shaped like k"):
+    with pytest.raises(ValueError, match="k and v must both be"):
         call(v=x["v"][:, :1])
     with pytest.raises(ValueError, match="caches"):
         call(k_cache=x["k_cache"][:, :, :1], v_cache=x["v_cache"][:, :, :1])
