@@ -14,7 +14,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.gpu_path import GREEDY, cuda_timed
+from benchmarks.gemv import graph_time, model_shapes
+from benchmarks.gpu_path import GREEDY, bench_llm, cuda_timed
 from benchmarks.record import write_result
 from loraplex import LLM, SamplingParams
 
@@ -118,8 +119,8 @@ def in_situ_steps(llm: LLM, context: int, steps: int) -> dict[str, float]:
 
 
 def gemv_variants(shapes: list[tuple[int, int]]) -> dict[str, float]:
-    """One token through a bf16 weight [n, k]: F.linear (what the model calls) against torch.mv,
-    each timed inside a CUDA graph of 50 calls (no launch overhead)."""
+    """One token through a bf16 weight [n, k]: F.linear (what the model called) against
+    torch.mv and a transposed matmul, each timed inside a CUDA graph (no launch overhead)."""
     out = {}
     for n, k in shapes:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
@@ -131,13 +132,7 @@ def gemv_variants(shapes: list[tuple[int, int]]) -> dict[str, float]:
         }
         line = []
         for name, fn in variants.items():
-            fn()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(50):
-                    fn()
-            graph.replay()
-            seconds = min(cuda_timed(graph.replay) for _ in range(5)) / 50
+            seconds = graph_time(fn)
             out[f"gemv_{n}x{k}_{name}_us"] = seconds * 1e6
             line.append(
                 f"{name} {seconds * 1e6:.1f} us ({w.numel() * 2 / seconds / 1e12:.2f} TB/s)"
@@ -156,14 +151,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("benchmarks.decode_profile needs a CUDA GPU; skipped")
         return 0
-    llm = LLM(
-        args.model,
-        dtype="bfloat16",
-        enable_lora=False,
-        max_model_len=4096,
-        gpu_memory_utilization=0.55,
-        seed=0,
-    )
+    llm = bench_llm(args.model)
     # Leaves the batch-1 graph's input buffers holding a real decode step at ~context tokens.
     prompt = [[1000 + i for i in range(args.context)]]
     llm.generate(prompt, SamplingParams(max_tokens=4, **GREEDY))
@@ -201,13 +189,7 @@ def main() -> int:
     metrics.update({f"lock_step_{k}": v for k, v in lock_step.items()})
     llm.engine.async_scheduling = True
     metrics.update(engine_timeline(llm, args.context, 64))
-    a = llm.engine.runner.arch
-    shapes = [
-        (a.q_size + 2 * a.kv_size, a.hidden_size),
-        (a.hidden_size, a.q_size),
-        (2 * a.intermediate_size, a.hidden_size),
-        (a.hidden_size, a.intermediate_size),
-    ]
+    shapes = model_shapes(args.model)[:4]  # the decoder layer's four projections
     metrics.update(gemv_variants(shapes))
     print(metrics)
     write_result(args.out, "decode_profile", metrics, {}, workload={"model": args.model})

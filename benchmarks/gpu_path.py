@@ -28,6 +28,19 @@ def cuda_timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def bench_llm(model: str, **options) -> LLM:
+    """The engine the GPU benchmarks measure: bf16, no LoRA, 4096-token context, seed 0, and
+    room left on the device for a baseline holding the same weights."""
+    settings = dict(
+        dtype="bfloat16",
+        enable_lora=False,
+        max_model_len=4096,
+        gpu_memory_utilization=0.55,
+        seed=0,
+    )
+    return LLM(model, **{**settings, **options})
+
+
 def random_prompts(rng: random.Random, vocab: int, lengths: list[int]) -> list[list[int]]:
     return [[rng.randrange(100, vocab - 100) for _ in range(n)] for n in lengths]
 
@@ -145,15 +158,7 @@ def main() -> int:
         print(f"one-token GEMV configs: {table}")
 
     t0 = time.perf_counter()
-    llm = LLM(
-        args.model,
-        dtype="bfloat16",
-        enable_lora=False,
-        max_model_len=4096,
-        max_num_batched_tokens=8192,
-        gpu_memory_utilization=0.55,
-        seed=0,
-    )
+    llm = bench_llm(args.model, max_num_batched_tokens=8192)
     print(f"engine ready in {time.perf_counter() - t0:.1f} s; {llm.stats()}")
     runner = llm.engine.runner
     vocab = runner.arch.vocab_size

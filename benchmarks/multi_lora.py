@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu_path import GREEDY, cuda_timed
+from benchmarks.gpu_path import GREEDY, bench_llm, cuda_timed
 from benchmarks.hf_baseline import hf_generate_static, hf_model_from_engine
 from benchmarks.random_adapter import write_random_adapter
 from benchmarks.record import RESULTS, write_result
@@ -52,9 +52,8 @@ def workload(vocab: int, n: int, seed: int = 2) -> tuple[list[list[int]], list[i
 
 def engine(model: str, enable_lora: bool, max_loras: int) -> LLM:
     start = time.perf_counter()
-    llm = LLM(
+    llm = bench_llm(
         model,
-        dtype="bfloat16",
         enable_lora=enable_lora,
         max_loras=max_loras,
         max_cpu_loras=max_loras,
@@ -62,7 +61,6 @@ def engine(model: str, enable_lora: bool, max_loras: int) -> LLM:
         max_model_len=2048,
         max_num_batched_tokens=8192,
         gpu_memory_utilization=0.75,
-        seed=0,
     )
     print(f"engine (lora={enable_lora}) ready in {time.perf_counter() - start:.1f} s")
     return llm

@@ -30,6 +30,7 @@ import torch
 from benchmarks.gpu_path import (
     DECODE_PROMPT_LEN,
     DECODE_STEPS,
+    bench_llm,
     cuda_timed,
     decode_tpot,
     nano_vllm_workload,
@@ -94,9 +95,9 @@ def measure(spec: ModelSpec, num_requests: int, skip_throughput: bool) -> ModelF
     """Start one engine for `spec`, measure it, and free all its GPU memory."""
     print(f"== {spec.name}: {spec.config} ({spec.dtype}, quantization={spec.quantization})")
     start = time.perf_counter()
-    llm = LLM(
-        spec.config, dtype=spec.dtype, quantization=spec.quantization, enable_lora=False,
-        max_model_len=4096, max_num_batched_tokens=8192, gpu_memory_utilization=0.45, seed=0,
+    llm = bench_llm(
+        spec.config, dtype=spec.dtype, quantization=spec.quantization,
+        max_num_batched_tokens=8192, gpu_memory_utilization=0.45,
     )  # fmt: skip
     engine_start = time.perf_counter() - start
     model = llm.engine.runner.model

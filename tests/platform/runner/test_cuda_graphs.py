@@ -12,6 +12,20 @@ pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+def _qwen3_engine(**options) -> LLM:
+    """Qwen3-0.6B's shape with random weights (seed 1), small enough to build twice per test."""
+    return LLM(
+        "configs/models/qwen3-0.6b.json",
+        dtype="bfloat16",
+        enable_lora=False,
+        max_model_len=1024,
+        max_num_seqs=32,
+        gpu_memory_utilization=0.3,
+        seed=1,
+        **options,
+    )
+
+
 @needs_cuda
 def test_graph_decode_equals_eager():
     # NOTE: random weights give near-flat logits, so greedy tokens of the two runs may part at a
@@ -20,16 +34,7 @@ def test_graph_decode_equals_eager():
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
     runs = {}
     for eager in (True, False):
-        llm = LLM(
-            "configs/models/qwen3-0.6b.json",
-            dtype="bfloat16",
-            enable_lora=False,
-            enforce_eager=eager,
-            max_model_len=1024,
-            max_num_seqs=32,
-            gpu_memory_utilization=0.3,
-            seed=1,
-        )
+        llm = _qwen3_engine(enforce_eager=eager)
         assert (llm.engine.runner.graphs is None) == eager
         runs[eager] = [o.outputs[0] for o in llm.generate(prompts, params)]
         del llm
@@ -47,19 +52,6 @@ def test_graph_decode_equals_eager():
     assert compared >= 2 * len(prompts)
 
 
-def _qwen3_engine(async_scheduling: bool) -> LLM:
-    return LLM(
-        "configs/models/qwen3-0.6b.json",
-        dtype="bfloat16",
-        enable_lora=False,
-        max_model_len=1024,
-        max_num_seqs=32,
-        gpu_memory_utilization=0.3,
-        seed=1,
-        async_scheduling=async_scheduling,
-    )
-
-
 @needs_cuda
 def test_async_scheduling_equals_lock_step():
     # Equal lengths: both modes run the very same batches, so greedy tokens agree exactly.
@@ -73,7 +65,7 @@ def test_async_scheduling_equals_lock_step():
     ]
     runs = {}
     for async_scheduling in (False, True):
-        llm = _qwen3_engine(async_scheduling)
+        llm = _qwen3_engine(async_scheduling=async_scheduling)
         assert llm.engine.async_scheduling == async_scheduling
         runs[async_scheduling] = (
             [o.outputs[0] for o in llm.generate(prompts, same)],
