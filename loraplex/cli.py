@@ -65,21 +65,38 @@ def _run_import(args: argparse.Namespace) -> int:
 
 
 def _add_quantize(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("quantize", help="write an AWQ, GPTQ or FP8 checkpoint of a model")
+    p = sub.add_parser(
+        "quantize",
+        help="write an AWQ, GPTQ or FP8 checkpoint of a model",
+        description="Quantize a model round-to-nearest into a new folder. Options left out get "
+        "defaults that fit the model; a failed run leaves no folder.",
+    )
     p.add_argument("--method", required=True, choices=["awq", "gptq", "fp8"])
     p.add_argument("--model", default=None, help="source folder (default: the embedded model)")
-    p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--bits", type=int, default=4, choices=[4, 8], help="AWQ / GPTQ bits")
-    p.add_argument("--group-size", type=int, default=128, help="-1 = one group per column")
+    p.add_argument("--out", required=True, help="output folder (new, or an empty one)")
+    p.add_argument(
+        "--bits", type=int, default=None, choices=[4, 8], help="GPTQ: 4 (default) or 8; AWQ: 4"
+    )
+    p.add_argument(
+        "--group-size",
+        type=int,
+        default=None,
+        help="AWQ / GPTQ inputs per group; -1 = one group per column (default: the largest of "
+        "128, 64, 32 (GPTQ: also 16) that divides every quantized layer's input size)",
+    )
     p.add_argument(
         "--sym",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="GPTQ: symmetric (no zero points); --no-sym writes gptq_v2 zero points",
+        default=None,
+        help="GPTQ: symmetric, no zero points (default); --no-sym writes gptq_v2 zero points. "
+        "AWQ is always asymmetric",
     )
     p.add_argument("--desc-act", action="store_true", help="GPTQ: act-order with g_idx")
     p.add_argument(
-        "--fp8-scheme", default="per_channel", choices=["per_channel", "per_tensor", "block"]
+        "--fp8-scheme",
+        default=None,
+        choices=["per_channel", "per_tensor", "block"],
+        help="FP8: weight scales (default: per_channel)",
     )
 
 
@@ -89,9 +106,8 @@ def _run_quantize(args: argparse.Namespace) -> int:
     from loraplex.platform.models.model_store import resolve_model_path
     from loraplex.quant.quantize import quantize_model
 
-    src = resolve_model_path(args.model)
     out = quantize_model(
-        src,
+        resolve_model_path(args.model),
         Path(args.out),
         args.method,
         bits=args.bits,

@@ -7,13 +7,18 @@ GPTQ asymmetric checkpoints are written as "gptq_v2" (the v1 "zero minus one" ca
 zero point of 0). With desc_act the inputs get a fixed pseudo-random order per input size: real
 GPTQ orders them by the Hessian of the layer input, which q/k/v (and gate/up) share, so merged
 shards share the order too; any shared order exercises the act-order path.
+Options left out get defaults that fit the model (`loraplex.quant.quantize_options`), all
+checked before any work; the folder is built under a temporary name and renamed into place.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +30,9 @@ from tqdm import tqdm
 from loraplex.kernels.fp8_gemm import FP8_DTYPE, FP8_MAX
 from loraplex.quant.fp8 import quantize_weight_per_channel
 from loraplex.quant.packing import AWQ_PACK_ORDER, pack_int32
+from loraplex.quant.quantize_options import PROJECTIONS, QuantizeOptions, resolve_options
+from loraplex.quant.registry import find_quantization_config, get_quantization_config
 
-METHODS = ("awq", "gptq", "fp8")
-FP8_SCHEMES = ("per_channel", "per_tensor", "block")
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FP8_BLOCK = 128
 _MAX_SHARD_BYTES = 4 << 30
 
@@ -139,11 +143,35 @@ def quantization_config(
             "ignore": ["lm_head"]}  # fmt: skip
 
 
-def _source_tensors(src_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _weight_files(src_dir: Path) -> list[Path]:
     files = sorted(src_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {src_dir}")
-    for path in files:
+    return files
+
+
+def _is_projection(name: str) -> bool:
+    module, _, suffix = name.rpartition(".")
+    return suffix == "weight" and module.rsplit(".", 1)[-1] in PROJECTIONS
+
+
+def projection_shapes(src_dir: Path) -> dict[str, tuple[int, int]]:
+    """(N, K) of every projection weight to quantize, keyed by module, read from the file
+    headers only (no tensor is loaded)."""
+    shapes = {}
+    for path in _weight_files(src_dir):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118
+                if _is_projection(name):
+                    shape = tuple(handle.get_slice(name).get_shape())
+                    if len(shape) != 2:
+                        raise ValueError(f"{name}: expected a 2-D weight, got shape {shape}")
+                    shapes[name.rpartition(".")[0]] = (int(shape[0]), int(shape[1]))
+    return shapes
+
+
+def _source_tensors(src_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in _weight_files(src_dir):
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118
                 yield name, handle.get_tensor(name)
@@ -162,47 +190,101 @@ def _write_shards(shards: list[dict[str, torch.Tensor]], out_dir: Path) -> None:
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
+def _check_out_dir(out_dir: Path) -> None:
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ValueError(f"{out_dir} already exists and is not an empty folder; choose another")
+
+
+@contextmanager
+def _build_folder(out_dir: Path) -> Iterator[Path]:
+    """A fresh hidden sibling of `out_dir` to write into, renamed to `out_dir` when the block
+    succeeds. On an error it is removed, with any parent folders made for it, so `out_dir` is
+    either absent (or the empty folder it was) or complete."""
+    made = [p for p in (out_dir.parent, *out_dir.parent.parents) if not p.exists()]  # deepest first
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    build = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    build.mkdir()
+    try:
+        yield build
+        if out_dir.exists():
+            out_dir.rmdir()  # NOTE: checked empty before any work
+        os.rename(build, out_dir)
+    except BaseException:
+        shutil.rmtree(build, ignore_errors=True)
+        for folder in made:
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
+
+
 def quantize_model(
     src_dir: Path,
     out_dir: Path,
     method: str,
     *,
-    bits: int = 4,
-    group_size: int = 128,
+    bits: int | None = None,
+    group_size: int | None = None,
     sym: bool | None = None,
     desc_act: bool = False,
-    fp8_scheme: str = "per_channel",
+    fp8_scheme: str | None = None,
     progress: bool = True,
 ) -> Path:
-    """Quantize the HF-layout model in `src_dir` into `out_dir` (created) and return it.
+    """Quantize the HF-layout model in `src_dir` into the new folder `out_dir` and return it.
 
-    `sym` defaults to True for GPTQ; AWQ is always asymmetric. `bits`, `group_size`, `sym`
-    and `desc_act` apply to AWQ/GPTQ, `fp8_scheme` to FP8."""
+    `bits`, `group_size`, `sym` and `desc_act` apply to AWQ/GPTQ, `fp8_scheme` to FP8; None
+    picks the default that works for this model (see `resolve_options`): 4 bits, the largest
+    group size dividing every quantized input size, AWQ asymmetric, GPTQ symmetric, FP8
+    per-channel. Everything is checked before any work; the folder is written under a temporary
+    name and renamed at the end, so a failed run leaves no folder behind. `out_dir` must not
+    exist, or be an empty folder. Raises ValueError for options or a model it cannot quantize."""
     src_dir, out_dir = Path(src_dir), Path(out_dir)
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if fp8_scheme not in FP8_SCHEMES:
-        raise ValueError(f"fp8_scheme must be one of {FP8_SCHEMES}, got {fp8_scheme!r}")
-    if method == "awq" and (bits != 4 or sym):
-        raise ValueError("AWQ is 4-bit and asymmetric (zero points)")
-    if method != "fp8" and bits not in (4, 8):
-        raise ValueError(f"bits must be 4 or 8, got {bits}")
-    sym = method == "gptq" if sym is None else sym
+    if not (src_dir / "config.json").is_file():
+        raise ValueError(f"{src_dir} is not a model folder (config.json and *.safetensors)")
     hf_config = json.loads((src_dir / "config.json").read_text())
-    if "quantization_config" in hf_config:
+    if find_quantization_config(src_dir, hf_config) is not None:
         raise ValueError(f"{src_dir} is already quantized")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    options = resolve_options(
+        method, projection_shapes(src_dir), bits=bits, group_size=group_size, sym=sym,
+        desc_act=desc_act, fp8_scheme=fp8_scheme,
+    )  # fmt: skip
+    checkpoint_config = quantization_config(
+        options.method, options.bits, options.group_size, options.sym, options.desc_act,
+        options.fp8_scheme,
+    )  # fmt: skip
+    get_quantization_config(None, checkpoint_config)  # the loader accepts what we write
+    _check_out_dir(out_dir)
+    with _build_folder(out_dir) as build:
+        _write_quantized(src_dir, build, options, progress)
+        hf_config["quantization_config"] = checkpoint_config
+        (build / "config.json").write_text(json.dumps(hf_config, indent=2))
+        for path in src_dir.iterdir():
+            is_weights = path.suffix in (".safetensors", ".bin", ".pt") or path.name.endswith(
+                ".index.json"
+            )
+            if path.is_file() and not is_weights and path.name != "config.json":
+                shutil.copy2(path, build / path.name)
+    return out_dir
+
+
+def _write_quantized(
+    src_dir: Path, out_dir: Path, options: QuantizeOptions, progress: bool
+) -> None:
+    """Every projection quantized, every other tensor copied, in shards of at most 4 GiB."""
     shards: list[dict[str, torch.Tensor]] = [{}]
     shard_bytes = 0
     for name, tensor in tqdm(_source_tensors(src_dir), desc="quantize", disable=not progress):
-        module, _, suffix = name.rpartition(".")
-        if suffix == "weight" and module.rsplit(".", 1)[-1] in PROJECTIONS:
-            if method == "awq":
-                parts = quantize_awq(tensor, group_size)
-            elif method == "gptq":
-                parts = quantize_gptq(tensor, bits, group_size, sym, desc_act)
+        if _is_projection(name):
+            if options.method == "awq":
+                parts = quantize_awq(tensor, options.group_size)
+            elif options.method == "gptq":
+                parts = quantize_gptq(
+                    tensor, options.bits, options.group_size, options.sym, options.desc_act
+                )
             else:
-                parts = quantize_fp8(tensor, fp8_scheme)
+                parts = quantize_fp8(tensor, options.fp8_scheme)
+            module = name.rpartition(".")[0]
             tensors = {f"{module}.{key}": value.contiguous() for key, value in parts.items()}
         else:
             tensors = {name: tensor.contiguous()}
@@ -213,14 +295,3 @@ def quantize_model(
         shards[-1].update(tensors)
         shard_bytes += size
     _write_shards(shards, out_dir)
-    hf_config["quantization_config"] = quantization_config(
-        method, bits, group_size, sym, desc_act, fp8_scheme
-    )
-    (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2))
-    for path in src_dir.iterdir():
-        is_weights = path.suffix in (".safetensors", ".bin", ".pt") or path.name.endswith(
-            ".index.json"
-        )
-        if path.is_file() and not is_weights and path.name != "config.json":
-            shutil.copy2(path, out_dir / path.name)
-    return out_dir
