@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
 
 from loraplex import __version__, envs
 from loraplex.platform.api import (
@@ -20,13 +23,23 @@ from loraplex.platform.api.adapter_service import AdapterService
 from loraplex.platform.api.auth import AuthMiddleware
 from loraplex.platform.api.errors import install_error_handlers
 from loraplex.platform.api.metrics import ServerMetrics
+from loraplex.platform.api.protocol import ChatCompletionRequest, CompletionRequest
+from loraplex.platform.api.request_body import body_schemas
 from loraplex.platform.api.state import ModelResolver, ServerSettings, ServerState
 from loraplex.platform.api.tenancy import Tenancy
 from loraplex.platform.api.tenant_models import TenantModelResolver
 from loraplex.platform.engine.async_engine import AsyncEngine
 
+logger = logging.getLogger(__name__)
+
 ROUTERS = (serving_models.router, serving_completion.router, serving_chat.router,
            serving_health.router, serving_adapters.router, serving_admin.router)  # fmt: skip
+# The JSON bodies routes read themselves (`read_json_model`), documented in /openapi.json.
+BODY_MODELS: tuple[type[BaseModel], ...] = (
+    CompletionRequest,
+    ChatCompletionRequest,
+    serving_admin.TenantCreateRequest,
+)
 
 
 def build_app(
@@ -48,6 +61,8 @@ def build_app(
         settings.admin_key or envs.admin_key(),
     )
     engine.add_timing_observer(tenancy.metrics.observe)
+    for warning in tenancy.startup_warnings(settings.host):
+        logger.warning("%s", warning)
     state = ServerState(
         engine=engine,
         settings=settings,
@@ -73,4 +88,19 @@ def build_app(
     for router in ROUTERS:
         app.include_router(router)
     app.add_middleware(AuthMiddleware, tenancy=tenancy)
+    _document_bodies(app)
     return app
+
+
+def _document_bodies(app: FastAPI) -> None:
+    """Add BODY_MODELS' schemas to the OpenAPI document (routes refer to them by name)."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            components.update(body_schemas(BODY_MODELS))
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

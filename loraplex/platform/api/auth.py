@@ -1,24 +1,31 @@
 """Authentication and admission: an ASGI middleware in front of every route.
 
 It maps `Authorization: Bearer <key>` to a `Caller` (401 in OpenAI's shape if the key is missing
-or unknown), keeps `/admin/` for the admin key, and holds each generation request to its
-tenant's caps (429 with Retry-After) for as long as its response — streamed or not — runs.
+or unknown) and keeps `/admin/` for the admin key (403 on a server that has none: the admin API
+is off, so an open server cannot be taken over by whoever creates the first tenant). Generation
+routes `admit` their request against the tenant's caps once they know how many sequences and
+tokens it needs (429 with Retry-After); the middleware releases that reservation when the
+response — streamed or not — ends.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from fastapi import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loraplex.platform.api.errors import APIError
+from loraplex.platform.api.limits import Reservation
 from loraplex.platform.api.tenancy import Caller, Tenancy
 from loraplex.platform.api.tenants import Tenant
 
-PUBLIC_PATHS = frozenset({"/health", "/metrics"})
+PUBLIC_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs"})
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 _CALLER = "loraplex.caller"
+_RESERVATIONS = "loraplex.reservations"
+ADMIN_DISABLED = (
+    "The admin API is disabled: this server has no admin key. Start it with --admin-key "
+    "(or the LORAPLEX_ADMIN_KEY environment variable) to manage tenants."
+)
 
 
 def unauthorized(message: str) -> APIError:
@@ -36,6 +43,33 @@ def tenant_of(request: Request) -> Tenant:
     if caller.tenant is None:
         raise unauthorized("this endpoint takes a tenant's API key, not the admin key")
     return caller.tenant
+
+
+def admit(request: Request, num_seqs: int, num_tokens: int) -> None:
+    """Hold `num_seqs` sequences and `num_tokens` tokens of the calling tenant's caps until the
+    response ends. 429 (with Retry-After) when the caps are busy; 400 when the request alone
+    exceeds a cap, which no wait would fix."""
+    caller = caller_of(request)
+    held: list[Reservation] | None = request.scope.get(_RESERVATIONS)
+    if caller.tenant is None or held is None:
+        return
+    result = _tenancy(request).limiter.try_admit(caller.tenant, num_seqs, num_tokens)
+    if isinstance(result, Reservation):
+        held.append(result)
+        return
+    if result.retry_after_s is None:
+        raise APIError(400, result.message, param=result.param, code="tenant_limit_exceeded")
+    raise APIError(
+        429,
+        result.message,
+        type="rate_limit_error",
+        code="rate_limit_exceeded",
+        headers={"Retry-After": str(result.retry_after_s)},
+    )
+
+
+def _tenancy(request: Request) -> Tenancy:
+    return request.app.state.loraplex.tenancy
 
 
 def require_admin(request: Request) -> Caller:
@@ -56,11 +90,16 @@ class AuthMiddleware:
         if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
             await self.app(scope, receive, send)
             return
+        admin_route = scope["path"].startswith("/admin/")
+        if admin_route and not self.tenancy.tenants.has_admin:
+            error = APIError(403, ADMIN_DISABLED, type="permission_error", code="admin_disabled")
+            await _reply(error, scope, receive, send)
+            return
         caller = self.tenancy.identify(_header(scope, b"authorization"))
         if caller is None:
             await _reply(unauthorized("Missing or unknown API key."), scope, receive, send)
             return
-        if scope["path"].startswith("/admin/") and not caller.is_admin:
+        if admin_route and not caller.is_admin:
             await _reply(
                 unauthorized("this endpoint takes only the admin key"), scope, receive, send
             )
@@ -70,19 +109,14 @@ class AuthMiddleware:
         if not generating or caller.tenant is None:
             await self.app(scope, receive, send)
             return
-        await self._admit(caller.tenant, scope, receive, send)
+        await self._serve_generation(caller.tenant, scope, receive, send)
 
-    async def _admit(self, tenant: Tenant, scope: Scope, receive: Receive, send: Send) -> None:
-        metrics = self.tenancy.metrics
-        refused = self.tenancy.limiter.try_admit(tenant)
-        if refused is not None:
-            metrics.count_request(tenant.name, 429)
-            error = APIError(
-                429, refused.message, type="rate_limit_error", code="rate_limit_exceeded"
-            )
-            headers = {"Retry-After": str(refused.retry_after_s)}
-            await _reply(error, scope, receive, send, headers)
-            return
+    async def _serve_generation(
+        self, tenant: Tenant, scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        """Run a generation route; release what it `admit`ted and count it once it ends."""
+        held: list[Reservation] = []
+        scope[_RESERVATIONS] = held
         status = 500
 
         async def send_status(message: Message) -> None:
@@ -94,8 +128,9 @@ class AuthMiddleware:
         try:
             await self.app(scope, receive, send_status)
         finally:
-            self.tenancy.limiter.release(tenant.name)
-            metrics.count_request(tenant.name, status)
+            for reservation in held:
+                self.tenancy.limiter.release(reservation)
+            self.tenancy.metrics.count_request(tenant.name, status)
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -105,16 +140,8 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-async def _reply(
-    error: APIError,
-    scope: Scope,
-    receive: Receive,
-    send: Send,
-    headers: dict[str, Any] | None = None,
-) -> None:
+async def _reply(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
     response = error.response()
     if error.status == 401:
         response.headers["WWW-Authenticate"] = "Bearer"
-    for key, value in (headers or {}).items():
-        response.headers[key] = value
     await response(scope, receive, send)

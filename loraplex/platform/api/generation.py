@@ -18,6 +18,7 @@ from fastapi import Request
 from loraplex.adapters.request import LoRARequest
 from loraplex.platform.api.errors import (
     APIError,
+    bad_request,
     engine_unavailable,
     from_engine_error,
     request_failed,
@@ -90,10 +91,27 @@ async def submit(
     except ValueError as error:
         abort_all(streams)
         raise from_engine_error(error) from None
+    except RecursionError:  # e.g. a structured-output spec nested too deeply to analyse
+        abort_all(streams)
+        raise bad_request(
+            "The structured-output spec is nested too deeply.", code="invalid_structured_output"
+        ) from None
     except BaseException:
         abort_all(streams)
         raise
     return streams
+
+
+def reservation(
+    max_model_len: int, params: SamplingParams, prompt_lengths: list[int]
+) -> tuple[int, int]:
+    """(sequences, tokens) a request may use: n samples of each prompt, each up to its prompt
+    plus max_tokens (the rest of the context when max_tokens is not set)."""
+    tokens = 0
+    for length in prompt_lengths:
+        budget = params.max_tokens if params.max_tokens is not None else max_model_len - length
+        tokens += length + max(0, budget)
+    return params.n * len(prompt_lengths), params.n * tokens
 
 
 def abort_all(streams: list[RequestStream]) -> None:
@@ -134,6 +152,37 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
                 task.cancel()
     finally:
         abort_all(streams)
+
+
+async def first_output_then_rest(
+    request: Request, streams: list[RequestStream], poll_s: float
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """`merge_streams(streams)` with its first output already awaited.
+
+    A streamed response waits for this before it sends its 200, so that whatever the engine
+    refuses before the first token (a grammar that fails to compile in the background) is
+    answered as a 4xx JSON error, not as an error event inside a 200. Raises APIError."""
+    merged = merge_streams(streams)
+    with abort_on_disconnect(request, streams, poll_s):
+        try:
+            first = await anext(merged)
+        except StopAsyncIteration:
+            return merged
+        except BaseException:
+            await merged.aclose()
+            raise
+    return _prepend(first, merged)
+
+
+async def _prepend(
+    first: tuple[int, RequestOutput], rest: AsyncIterator[tuple[int, RequestOutput]]
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    try:
+        yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()  # type: ignore[attr-defined]
 
 
 @contextmanager

@@ -1,8 +1,11 @@
-"""Per-tenant caps: concurrent requests, and tokens per minute over a sliding window.
+"""Per-tenant caps: concurrent sequences, and tokens per minute over a sliding window.
 
-Tokens are charged as the engine reports them (prompt and generated tokens of each finished
-request); a tenant over its per-minute budget is refused until enough of the last minute's
-tokens age out. The concurrency cap bounds how far a tenant can overshoot in between.
+Both count sequences, not HTTP requests: a request of `p` prompts with `n` samples each runs
+`p * n` sequences, and reserves `p * n * (prompt tokens + max_tokens)` of the minute's budget
+while it runs. Finished requests charge what the engine reports they used (prompt and generated
+tokens); a reservation is dropped when its response ends. A request is admitted only if the
+last minute's charges, the reservations in flight and its own reservation fit the budget, so one
+request can never take more than the budget.
 """
 
 from __future__ import annotations
@@ -19,11 +22,24 @@ WINDOW_S = 60.0
 
 
 @dataclass(frozen=True)
+class Reservation:
+    """What one admitted request holds of its tenant's caps until its response ends."""
+
+    tenant: str
+    num_seqs: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
 class LimitExceeded:
-    """Why a request was refused, and when to try again (seconds, for Retry-After)."""
+    """Why a request was refused, and when to try again (seconds, for Retry-After).
+
+    `retry_after_s` is None when the request exceeds the cap on its own and can never be
+    admitted (answered 400, naming `param`, rather than 429)."""
 
     message: str
-    retry_after_s: int
+    retry_after_s: int | None
+    param: str | None = None
 
 
 class TenantLimiter:
@@ -31,37 +47,62 @@ class TenantLimiter:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._running: dict[str, int] = {}
-        self._tokens: dict[str, deque[tuple[float, int]]] = {}
+        self._running: dict[str, int] = {}  # sequences of admitted requests
+        self._reserved: dict[str, int] = {}  # tokens reserved by admitted requests
+        self._tokens: dict[str, deque[tuple[float, int]]] = {}  # (time, tokens) charged
 
-    def try_admit(self, tenant: Tenant) -> LimitExceeded | None:
-        """Count one more running request of `tenant`, or say why it cannot start now."""
+    def try_admit(
+        self, tenant: Tenant, num_seqs: int = 1, num_tokens: int = 0
+    ) -> Reservation | LimitExceeded:
+        """Reserve `num_seqs` sequences and `num_tokens` tokens for `tenant`, or say why not."""
         now = time.monotonic()
         with self._lock:
             running = self._running.get(tenant.name, 0)
             cap = tenant.max_concurrent_requests
-            if cap is not None and running >= cap:
+            if cap is not None and num_seqs > cap:
                 return LimitExceeded(
-                    f"tenant {tenant.name!r} has {running} requests running, its limit is {cap}",
+                    f"the request runs {num_seqs} sequences (n x prompts), more than tenant "
+                    f"{tenant.name!r} may run at once ({cap}); lower n or send fewer prompts",
+                    None,
+                    "n",
+                )
+            if cap is not None and running + num_seqs > cap:
+                return LimitExceeded(
+                    f"tenant {tenant.name!r} has {running} sequences running, its limit is "
+                    f"{cap}; this request needs {num_seqs}",
                     1,
                 )
             tpm = tenant.tokens_per_minute
+            reserved = self._reserved.get(tenant.name, 0)
             if tpm is not None:
+                if num_tokens > tpm:
+                    return LimitExceeded(
+                        f"the request may use {num_tokens} tokens (prompt plus max_tokens, per "
+                        f"sequence), more than tenant {tenant.name!r}'s budget of {tpm} tokens "
+                        "per minute; lower max_tokens or n, or send fewer prompts",
+                        None,
+                        "max_tokens",
+                    )
                 window = self._window(tenant.name, now)
                 used = sum(n for _, n in window)
-                if used >= tpm:
-                    retry = self._retry_after(window, used - tpm, now)
+                if used + reserved + num_tokens > tpm:
+                    retry = 1 if reserved else self._retry_after(window, used + num_tokens - tpm)
                     return LimitExceeded(
-                        f"tenant {tenant.name!r} used {used} tokens in the last minute, its "
-                        f"limit is {tpm}",
+                        f"tenant {tenant.name!r} used {used} tokens in the last minute and has "
+                        f"{reserved} reserved by running requests; this request may use "
+                        f"{num_tokens}, its limit is {tpm} per minute",
                         retry,
                     )
-            self._running[tenant.name] = running + 1
-        return None
+            self._running[tenant.name] = running + num_seqs
+            self._reserved[tenant.name] = reserved + num_tokens
+        return Reservation(tenant.name, num_seqs, num_tokens)
 
-    def release(self, tenant: str) -> None:
+    def release(self, reservation: Reservation) -> None:
+        """Drop what an admitted request held (its response ended)."""
         with self._lock:
-            self._running[tenant] = max(0, self._running.get(tenant, 0) - 1)
+            name = reservation.tenant
+            self._running[name] = max(0, self._running.get(name, 0) - reservation.num_seqs)
+            self._reserved[name] = max(0, self._reserved.get(name, 0) - reservation.num_tokens)
 
     def charge(self, tenant: str, tokens: int) -> None:
         """Record `tokens` used by `tenant` now."""
@@ -70,6 +111,7 @@ class TenantLimiter:
                 self._tokens.setdefault(tenant, deque()).append((time.monotonic(), tokens))
 
     def running(self, tenant: str) -> int:
+        """Sequences of `tenant`'s admitted requests."""
         with self._lock:
             return self._running.get(tenant, 0)
 
@@ -80,11 +122,12 @@ class TenantLimiter:
         return window
 
     @staticmethod
-    def _retry_after(window: deque[tuple[float, int]], excess: int, now: float) -> int:
-        """Seconds until enough of the window ages out to bring usage under the limit."""
+    def _retry_after(window: deque[tuple[float, int]], excess: int) -> int:
+        """Seconds until at least `excess` of the window's tokens have aged out."""
+        now = time.monotonic()
         freed = 0
         for stamp, tokens in window:
             freed += tokens
-            if freed > excess:
+            if freed >= excess:
                 return max(1, math.ceil(stamp + WINDOW_S - now))
         return int(WINDOW_S)

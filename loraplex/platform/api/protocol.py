@@ -2,18 +2,32 @@
 
 Requests accept OpenAI's fields plus vLLM's sampling extras and ignore unknown fields, as vLLM
 does. Types are strict (a string is not a number), so wrong types answer 400 rather than being
-coerced. Responses are plain dicts built in the serving modules; only requests are modelled here.
+coerced; every number is range-checked here (floats finite, integers within what the engine and
+a 64-bit integer can hold), so the ranges also show in `/openapi.json`. Limits that depend on the
+server (`n`, prompts per request, the vocabulary) are checked in `sampling`. Responses are plain
+dicts built in the serving modules; only requests are modelled here.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+MAX_INT32 = 2**31 - 1
+MAX_INT64 = 2**63 - 1
+MIN_INT64 = -(2**63)
+MAX_LOGPROBS = 20
+
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
+Count = Annotated[int, Field(ge=0, le=MAX_INT32)]
+Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
 
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # NOTE: allow_inf_nan=False: NaN and +-Infinity never reach the engine (400 instead).
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -25,28 +39,28 @@ class SamplingFields(_Body):
     """Sampling fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = 1
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    n: int = Field(1, ge=1, le=MAX_INT32)  # at most the server's --max-n (sampling)
+    max_tokens: Count | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=MIN_INT64, le=MAX_INT64)  # OpenAI: a 64-bit integer
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     # vLLM's extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    min_tokens: Count = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None  # within the vocabulary (sampling)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = None  # each prompt token's logprob and the top-k
+    prompt_logprobs: Logprobs | None = None  # each prompt token's logprob and the top-k
     # Structured output: accepted here, answered by `sampling.structured_outputs_for`.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -68,12 +82,12 @@ class SamplingFields(_Body):
 class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: Count | None = 16
+    logprobs: Logprobs | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_INT32)
 
     @property
     def echo_only(self) -> bool:
@@ -116,9 +130,9 @@ class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Logprobs | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     add_generation_prompt: bool = True

@@ -1,12 +1,15 @@
-"""Reading a JSON request body safely: a size cap, strict UTF-8, JSON, and a pydantic model."""
+"""Reading a JSON request body safely: a size cap, strict UTF-8, JSON (finite numbers only), and
+a pydantic model; and `json_body`, which documents that model as the route's OpenAPI body."""
 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
+from pydantic.json_schema import models_json_schema
 
 from loraplex.platform.api.errors import APIError, bad_request, from_validation_error
 
@@ -52,15 +55,33 @@ def _check_strings(value: Any) -> None:
             _check_strings(item)
 
 
+class _NonFiniteNumber(ValueError):
+    pass
+
+
+def _no_constant(name: str) -> float:
+    raise _NonFiniteNumber(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # e.g. 1e400
+        raise _NonFiniteNumber(f"{text} is out of the range of a 64-bit float")
+    return value
+
+
 def parse_json(raw: bytes) -> dict[str, Any]:
-    """Decode strict UTF-8 JSON whose top level is an object; 400 otherwise."""
+    """Decode strict UTF-8 JSON whose top level is an object; 400 otherwise. NaN, Infinity
+    and numbers that overflow a float are refused (Python's json module would accept them)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
         raise bad_request(f"The request body is not valid UTF-8: {error}") from None
     try:
-        data = json.loads(text)
+        data = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
         _check_strings(data)
+    except _NonFiniteNumber as error:
+        raise bad_request(f"The request body holds a non-finite number: {error}") from None
     except json.JSONDecodeError as error:
         raise bad_request(f"The request body is not valid JSON: {error}") from None
     except RecursionError:
@@ -79,3 +100,23 @@ async def read_json_model(request: Request, model: type[BodyT], limit: int) -> B
         raise from_validation_error(error) from None
     except RecursionError:
         raise bad_request("The request body is nested too deeply.") from None
+
+
+def json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """A route's `openapi_extra` declaring `model` as its required JSON body.
+
+    Routes read their bodies with `read_json_model` (size cap, strict UTF-8, OpenAI-shaped 400s)
+    rather than through FastAPI, so FastAPI cannot see the model; `body_schemas` adds it to the
+    document's components."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def body_schemas(models: tuple[type[BaseModel], ...]) -> dict[str, Any]:
+    """The JSON schemas of `models` and of every model they use, by name, for OpenAPI's
+    `components.schemas`."""
+    _, schemas = models_json_schema(
+        [(model, "validation") for model in models],
+        ref_template="#/components/schemas/{model}",
+    )
+    return schemas.get("$defs", {})

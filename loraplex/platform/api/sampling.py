@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from loraplex.grammar.params import StructuredOutputs
@@ -13,9 +14,24 @@ from loraplex.platform.api.protocol import (
 )
 from loraplex.platform.engine.sampling_params import RequestOutputKind, SamplingParams
 
-MAX_N = 128
-MAX_PROMPT_LOGPROBS = 20
-_MAX_INT32 = 2**31 - 1
+DEFAULT_MAX_N = 16
+DEFAULT_MAX_PROMPTS_PER_REQUEST = 64
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask of this server: samples per prompt, prompts, token ids."""
+
+    vocab_size: int
+    max_n: int = DEFAULT_MAX_N
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "max_n", "max_prompts_per_request"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
 # vLLM's extras, each a shorthand for one kind of `structured_outputs`.
 _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice"}
 _STRUCTURED_KINDS = ("json", "regex", "choice", "json_object")
@@ -97,26 +113,46 @@ def _structured_field(value: dict[str, Any]) -> tuple[str, Any]:
     return kind, value[kind]
 
 
-def _check_common(body: SamplingFields) -> None:
-    if body.n > MAX_N:
-        raise bad_request(f"n must be at most {MAX_N}, got {body.n}", param="n")
-    if body.top_k is not None and body.top_k > _MAX_INT32:
-        raise bad_request(f"top_k must be at most {_MAX_INT32}, got {body.top_k}", param="top_k")
-    if body.logit_bias:
-        raise bad_request("logit_bias is not supported", param="logit_bias")
-    k = body.prompt_logprobs
-    if k is not None and not 0 <= k <= MAX_PROMPT_LOGPROBS:
+def _check_token_ids(ids: list[int], limits: RequestLimits, param: str) -> None:
+    bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
         raise bad_request(
-            f"prompt_logprobs must be in [0, {MAX_PROMPT_LOGPROBS}], got {k}",
-            param="prompt_logprobs",
+            f"{param} holds token id {bad}, outside the vocabulary [0, {limits.vocab_size})",
+            param=param,
         )
 
 
-def _check_completion(body: CompletionRequest) -> None:
+def _check_common(body: SamplingFields, limits: RequestLimits) -> None:
+    if body.n > limits.max_n:
+        raise bad_request(
+            f"n must be at most {limits.max_n} on this server (--max-n), got {body.n}", param="n"
+        )
+    _check_token_ids(body.stop_token_ids or [], limits, "stop_token_ids")
+    if body.logit_bias:
+        keys = [key for key in body.logit_bias if not key.isdigit()]
+        if keys:
+            raise bad_request(
+                f"logit_bias keys must be token ids, got {keys[0]!r}", param="logit_bias"
+            )
+        _check_token_ids([int(key) for key in body.logit_bias], limits, "logit_bias")
+        raise bad_request("logit_bias is not supported", param="logit_bias")
+
+
+def _check_completion(body: CompletionRequest, limits: RequestLimits) -> None:
     if isinstance(body.prompt, list) and (
         not body.prompt or any(isinstance(p, list) and not p for p in body.prompt)
     ):
         raise bad_request("prompt must not be empty", param="prompt")
+    prompts = body.prompts
+    if len(prompts) > limits.max_prompts_per_request:
+        raise bad_request(
+            f"prompt holds {len(prompts)} prompts; this server takes at most "
+            f"{limits.max_prompts_per_request} per request (--max-prompts-per-request)",
+            param="prompt",
+        )
+    for prompt in prompts:
+        if isinstance(prompt, list):
+            _check_token_ids(prompt, limits, "prompt")
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request("best_of is not supported (only best_of == n)", param="best_of")
     if body.suffix:
@@ -174,10 +210,10 @@ def _params(
         raise from_engine_error(error) from None
 
 
-def completion_sampling_params(body: CompletionRequest) -> SamplingParams:
+def completion_sampling_params(body: CompletionRequest, limits: RequestLimits) -> SamplingParams:
     """Streaming-shaped (DELTA) params of a /v1/completions body; APIError (400) if bad."""
-    _check_common(body)
-    _check_completion(body)
+    _check_common(body, limits)
+    _check_completion(body, limits)
     # NOTE: `echo` with `max_tokens: 0` scores a text (lm-evaluation-harness does so), which
     # OpenAI and vLLM accept. The engine samples at least one token, so it runs one, and the
     # completion drops it from text, logprobs and usage (serving_completion). Without echo,
@@ -190,9 +226,9 @@ def completion_sampling_params(body: CompletionRequest) -> SamplingParams:
     return _params(body, max_tokens, body.logprobs, prompt_logprobs)
 
 
-def chat_sampling_params(body: ChatCompletionRequest) -> SamplingParams:
+def chat_sampling_params(body: ChatCompletionRequest, limits: RequestLimits) -> SamplingParams:
     """Streaming-shaped (DELTA) params of a /v1/chat/completions body; APIError (400) if bad."""
-    _check_common(body)
+    _check_common(body, limits)
     _check_chat(body)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return _params(body, body.max_new_tokens, logprobs, body.prompt_logprobs)

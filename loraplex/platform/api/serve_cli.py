@@ -79,11 +79,16 @@ _OPTIONS = (
     _Option("--admin-key", None, "the admin API key, which manages tenants (default: "
             "LORAPLEX_ADMIN_KEY)"),
     _Option("--max-adapter-bytes", 512 * 1024 * 1024, "the largest adapter upload", int),
+    _Option("--max-n", 16, "the most samples per prompt (`n`) one request may ask for; more "
+            "answers 400", int),
+    _Option("--max-prompts-per-request", 64, "the most prompts one /v1/completions request may "
+            "hold; more answers 400", int),
 )  # fmt: skip
 _KEYS = {option.key for option in _OPTIONS}
 # Options the HTTP server itself uses; every other option configures the engine.
 _SERVER_KEYS = {"host", "port", "max_request_body_bytes", "uvicorn_log_level", "data_dir",
-                "tenants", "admin_key", "max_adapter_bytes"}  # fmt: skip
+                "tenants", "admin_key", "max_adapter_bytes", "max_n",
+                "max_prompts_per_request"}  # fmt: skip
 _ENGINE_KEYS = sorted(_KEYS - _SERVER_KEYS)
 
 
@@ -176,6 +181,8 @@ def run_serve(args: argparse.Namespace) -> int:
         tenants_file=values["tenants"],
         admin_key=values["admin_key"],
         max_adapter_bytes=values["max_adapter_bytes"],
+        max_n=values["max_n"],
+        max_prompts_per_request=values["max_prompts_per_request"],
     )
     config = engine_config(values)
     engine = AsyncEngine(config)

@@ -1,34 +1,44 @@
-"""Tenant management, for the admin key only (the auth middleware guards `/admin/`)."""
+"""Tenant management, for the admin key only (the auth middleware guards `/admin/`, and turns
+it off on a server without an admin key)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
 
 from loraplex.platform.api.errors import APIError, bad_request
-from loraplex.platform.api.request_body import parse_json
+from loraplex.platform.api.request_body import json_body, read_json_model
 from loraplex.platform.api.state import ServerState, server_state
-from loraplex.platform.api.tenants import Tenant
+from loraplex.platform.api.tenants import MAX_CAP, MAX_WEIGHT, TENANT_NAME_PATTERN, Tenant
 
 router = APIRouter()
-_FIELDS = ("name", "weight", "max_concurrent_requests", "tokens_per_minute")
+
+
+class TenantCreateRequest(BaseModel):
+    """POST /admin/tenants. Every value is checked here, before anything is stored."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+    name: str = Field(pattern=TENANT_NAME_PATTERN)
+    weight: float = Field(1.0, gt=0.0, le=MAX_WEIGHT)  # share in weighted fair queuing
+    max_concurrent_requests: int | None = Field(None, ge=1, le=MAX_CAP)  # sequences at once
+    tokens_per_minute: int | None = Field(None, ge=1, le=MAX_CAP)  # prompt + max_tokens
 
 
 def _tenant_not_found(name: str) -> APIError:
     return APIError(404, f"The tenant `{name}` does not exist.", type="not_found_error")
 
 
-@router.post("/admin/tenants")
+@router.post("/admin/tenants", openapi_extra=json_body(TenantCreateRequest))
 async def create_tenant(request: Request) -> JSONResponse:
     """`{"name", "weight"?, "max_concurrent_requests"?, "tokens_per_minute"?}` -> the tenant
     and its API key, shown only this once."""
     state = server_state(request)
-    body = parse_json(await request.body())
-    unknown = sorted(set(body) - set(_FIELDS))
-    if unknown:
-        raise bad_request(f"unknown field(s) {unknown}; known: {list(_FIELDS)}")
+    limit = state.settings.max_request_body_bytes
+    body = await read_json_model(request, TenantCreateRequest, limit)
     try:
-        tenant = Tenant(**{k: v for k, v in body.items() if v is not None})
+        tenant = Tenant(**body.model_dump())
         key = state.tenancy.tenants.create(tenant)
     except (TypeError, ValueError) as error:
         status = 409 if "already exists" in str(error) else 400

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from loraplex.platform.api.auth import tenant_of
+from loraplex.platform.api.auth import admit, tenant_of
 from loraplex.platform.api.errors import bad_request
 from loraplex.platform.api.generation import (
     SSE_DONE,
@@ -21,18 +21,20 @@ from loraplex.platform.api.generation import (
     abort_on_disconnect,
     collect,
     error_event,
-    merge_streams,
+    first_output_then_rest,
     new_id,
     now_s,
+    reservation,
     sse,
     submit,
 )
 from loraplex.platform.api.logprobs import chat_logprobs, vllm_prompt_logprobs
 from loraplex.platform.api.protocol import ChatCompletionRequest
-from loraplex.platform.api.request_body import read_json_model
+from loraplex.platform.api.request_body import json_body, read_json_model
 from loraplex.platform.api.sampling import chat_sampling_params
 from loraplex.platform.api.state import ServerState, server_state
 from loraplex.platform.engine.async_engine import RequestStream
+from loraplex.platform.engine.outputs import RequestOutput
 from loraplex.platform.models.tokenizer import Tokenizer
 
 router = APIRouter()
@@ -52,21 +54,24 @@ def render_chat_prompt(tokenizer: Tokenizer, body: ChatCompletionRequest) -> Pro
     return Prompt(text, tokenizer.encode(text, add_special_tokens=False))
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
 async def create_chat_completion(request: Request) -> Response:
     state = server_state(request)
     limit = state.settings.max_request_body_bytes
     body = await read_json_model(request, ChatCompletionRequest, limit)
     tenant = tenant_of(request).name
     served = state.models.resolve_model(body.model, tenant)
-    params = chat_sampling_params(body)
+    params = chat_sampling_params(body, state.request_limits)
     prompt = await asyncio.to_thread(render_chat_prompt, state.engine.tokenizer, body)
+    admit(request, *reservation(state.engine.max_model_len, params, [len(prompt.token_ids)]))
     request_id = new_id("chatcmpl")
     streams = await submit(
         state.engine, [prompt], params, request_id, tenant, lora_request=served.lora_request
     )
     if body.stream:
-        events = _chat_events(request, state, body, streams, request_id, served.name)
+        poll_s = state.settings.disconnect_poll_s
+        outputs = await first_output_then_rest(request, streams, poll_s)
+        events = _chat_events(request, state, body, streams, outputs, request_id, served.name)
         return StreamingResponse(
             events, media_type="text/event-stream", background=BackgroundTask(abort_all, streams)
         )
@@ -118,6 +123,7 @@ async def _chat_events(
     state: ServerState,
     body: ChatCompletionRequest,
     streams: list[RequestStream],
+    outputs: AsyncIterator[tuple[int, RequestOutput]],
     request_id: str,
     model_name: str,
 ) -> AsyncIterator[str]:
@@ -136,7 +142,7 @@ async def _chat_events(
             for i in range(body.n):
                 role = {"index": i, "delta": {"role": "assistant", "content": ""}}
                 yield sse({**head, "choices": [{**role, "logprobs": None, "finish_reason": None}]})
-            async for _, output in merge_streams(streams):
+            async for _, output in outputs:
                 usage.add(0, output)
                 for delta in output.outputs:
                     if not (delta.text or delta.logprobs or delta.finish_reason):

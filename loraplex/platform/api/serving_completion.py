@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from loraplex.platform.api.auth import tenant_of
+from loraplex.platform.api.auth import admit, tenant_of
 from loraplex.platform.api.generation import (
     SSE_DONE,
     Choice,
@@ -21,9 +21,10 @@ from loraplex.platform.api.generation import (
     abort_on_disconnect,
     collect,
     error_event,
-    merge_streams,
+    first_output_then_rest,
     new_id,
     now_s,
+    reservation,
     sse,
     submit,
 )
@@ -34,7 +35,7 @@ from loraplex.platform.api.logprobs import (
     vllm_prompt_logprobs,
 )
 from loraplex.platform.api.protocol import CompletionRequest
-from loraplex.platform.api.request_body import read_json_model
+from loraplex.platform.api.request_body import json_body, read_json_model
 from loraplex.platform.api.sampling import completion_sampling_params
 from loraplex.platform.api.state import ServerState, server_state
 from loraplex.platform.engine.async_engine import RequestStream
@@ -58,22 +59,29 @@ def _from_ids(tokenizer: Tokenizer, ids: list[int]) -> Prompt:
     return Prompt(tokenizer.decode(known), ids, from_client_ids=True)
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=json_body(CompletionRequest))
 async def create_completion(request: Request) -> Response:
     state = server_state(request)
     limit = state.settings.max_request_body_bytes
     body = await read_json_model(request, CompletionRequest, limit)
     tenant = tenant_of(request).name
     served = state.models.resolve_model(body.model, tenant)
-    params = completion_sampling_params(body)
+    params = completion_sampling_params(body, state.request_limits)
     tokenizer = state.engine.tokenizer
     prompts = await asyncio.to_thread(tokenize_prompts, tokenizer, body.prompts)
+    admit(
+        request,
+        *reservation(state.engine.max_model_len, params, [len(p.token_ids) for p in prompts]),
+    )
     request_id = new_id("cmpl")
     streams = await submit(
         state.engine, prompts, params, request_id, tenant, lora_request=served.lora_request
     )
     if body.stream:
-        events = _completion_events(request, state, body, prompts, streams, request_id, served.name)
+        poll_s = state.settings.disconnect_poll_s
+        outputs = await first_output_then_rest(request, streams, poll_s)
+        events = _completion_events(request, state, body, prompts, streams, outputs, request_id,
+                                    served.name)  # fmt: skip
         return StreamingResponse(
             events, media_type="text/event-stream", background=BackgroundTask(abort_all, streams)
         )
@@ -167,6 +175,7 @@ async def _completion_events(
     body: CompletionRequest,
     prompts: list[Prompt],
     streams: list[RequestStream],
+    outputs: AsyncIterator[tuple[int, RequestOutput]],
     request_id: str,
     model_name: str,
 ) -> AsyncIterator[str]:
@@ -184,7 +193,7 @@ async def _completion_events(
     started: set[int] = set()  # prompts whose first output has arrived
     try:
         with abort_on_disconnect(request, streams, state.settings.disconnect_poll_s):
-            async for prompt_index, output in merge_streams(streams):
+            async for prompt_index, output in outputs:
                 if body.echo_only:
                     output = without_generated(output)
                 usage.add(prompt_index, output)

@@ -9,6 +9,11 @@ from fastapi import Request
 from loraplex.adapters.request import LoRARequest
 from loraplex.platform.api.errors import model_not_found
 from loraplex.platform.api.metrics import ServerMetrics
+from loraplex.platform.api.sampling import (
+    DEFAULT_MAX_N,
+    DEFAULT_MAX_PROMPTS_PER_REQUEST,
+    RequestLimits,
+)
 from loraplex.platform.api.tenancy import Tenancy
 from loraplex.platform.api.tenants import OPEN_TENANT
 from loraplex.platform.engine.async_engine import AsyncEngine
@@ -29,6 +34,8 @@ class ServerSettings:
     tenants_file: str | None = None  # a YAML file of static tenants
     admin_key: str | None = None  # None: LORAPLEX_ADMIN_KEY, if set
     max_adapter_bytes: int = DEFAULT_MAX_ADAPTER_BYTES  # per adapter upload
+    max_n: int = DEFAULT_MAX_N  # samples per prompt (`n`) of one request
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST  # prompts of one completion
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -41,6 +48,9 @@ class ServerSettings:
             raise ValueError(f"disconnect_poll_s must be positive, got {self.disconnect_poll_s}")
         if self.max_adapter_bytes < 1024:
             raise ValueError(f"max_adapter_bytes must be >= 1024, got {self.max_adapter_bytes}")
+        for name in ("max_n", "max_prompts_per_request"):
+            if not 1 <= getattr(self, name) <= 2**31 - 1:
+                raise ValueError(f"{name} must be in [1, 2**31 - 1], got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -77,6 +87,15 @@ class ServerState:
     models: ModelResolver
     metrics: ServerMetrics
     tenancy: Tenancy
+
+    @property
+    def request_limits(self) -> RequestLimits:
+        """What one request may ask of this server (`--max-n`, `--max-prompts-per-request`)."""
+        return RequestLimits(
+            vocab_size=self.engine.tokenizer.vocab_size,
+            max_n=self.settings.max_n,
+            max_prompts_per_request=self.settings.max_prompts_per_request,
+        )
 
 
 def server_state(request: Request) -> ServerState:

@@ -9,7 +9,7 @@ from pathlib import Path
 from loraplex.adapters.registry import AdapterRegistry
 from loraplex.platform.api.limits import TenantLimiter
 from loraplex.platform.api.tenant_metrics import TenantMetrics
-from loraplex.platform.api.tenants import OPEN_TENANT, Tenant, TenantStore
+from loraplex.platform.api.tenants import OPEN_TENANT, TENANTS_DB, Tenant, TenantStore
 
 BEARER = "bearer "
 
@@ -51,6 +51,29 @@ class Tenancy:
             return Caller(None, is_admin=True)
         tenant = self.tenants.authenticate(key)
         return None if tenant is None else Caller(tenant, is_admin=False)
+
+    def startup_warnings(self, host: str) -> list[str]:
+        """What an operator must hear at start: tenants in the data folder with no admin key to
+        manage them (every caller now needs a tenant's key), or an open server on a
+        non-loopback address."""
+        warnings = []
+        stored = self.tenants.num_stored
+        if stored and not self.tenants.has_admin:
+            db = self.data_dir / TENANTS_DB
+            warnings.append(
+                f"The data folder {self.data_dir} holds {stored} tenant(s) and this server has no "
+                "admin key: every request needs a tenant's API key (others get 401) and the admin "
+                "API is off (403). Start with --admin-key (or LORAPLEX_ADMIN_KEY) to manage "
+                f"tenants; to serve openly again, start with another --data-dir or move {db} "
+                "away."
+            )
+        if self.tenants.is_open and host not in ("127.0.0.1", "localhost", "::1"):
+            warnings.append(
+                f"This server is open (no admin key, no tenants) and listens on {host}: anyone "
+                "who reaches it can generate and manage adapters. Start with --admin-key (or "
+                "LORAPLEX_ADMIN_KEY) and create tenants to require API keys."
+            )
+        return warnings
 
     def all_tenants(self) -> list[Tenant]:
         """Every configured tenant (the open server's one tenant when none is)."""

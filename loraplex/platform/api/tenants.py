@@ -9,6 +9,7 @@ open: every caller is the one tenant `default`.
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 import secrets
 import sqlite3
@@ -19,7 +20,13 @@ from pathlib import Path
 from typing import Any
 
 OPEN_TENANT = "default"
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+TENANT_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+# NOTE: what SQLite and the scheduler can hold, with room to spare: a weight is a finite float
+# (a share relative to other tenants'), a cap a 32-bit count.
+MAX_WEIGHT = 1e6
+MAX_CAP = 2**31 - 1
+_NAME = re.compile(TENANT_NAME_PATTERN)
+TENANTS_DB = "tenants.sqlite"  # in the data folder
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 _SCHEMA = """
@@ -44,7 +51,7 @@ def new_key() -> str:
 
 
 def check_tenant_name(name: Any) -> str:
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ValueError(
             f"tenant name must be 1-64 letters, digits, '_', '.' or '-' (not first), got {name!r}"
         )
@@ -63,12 +70,26 @@ class Tenant:
 
     def __post_init__(self) -> None:
         check_tenant_name(self.name)
-        if not self.weight > 0:
-            raise ValueError(f"tenant {self.name}: weight must be positive, got {self.weight}")
+        weight = self.weight
+        if (
+            isinstance(weight, bool)
+            or not isinstance(weight, (int, float))
+            or not math.isfinite(weight)
+            or not 0 < weight <= MAX_WEIGHT
+        ):
+            raise ValueError(
+                f"tenant {self.name}: weight must be a finite number in (0, {MAX_WEIGHT:g}], "
+                f"got {weight!r}"
+            )
         for field in ("max_concurrent_requests", "tokens_per_minute"):
             value = getattr(self, field)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"tenant {self.name}: {field} must be >= 1, got {value!r}")
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CAP
+            ):
+                raise ValueError(
+                    f"tenant {self.name}: {field} must be an integer in [1, {MAX_CAP}], "
+                    f"got {value!r}"
+                )
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -121,7 +142,7 @@ class TenantStore:
         self._admin_hash = hash_key(admin_key) if admin_key else None
         self._lock = threading.Lock()
         self._db = sqlite3.connect(
-            Path(data_dir) / "tenants.sqlite", check_same_thread=False, isolation_level=None
+            Path(data_dir) / TENANTS_DB, check_same_thread=False, isolation_level=None
         )
         self._db.execute(_SCHEMA)
 
@@ -133,6 +154,11 @@ class TenantStore:
     def is_open(self) -> bool:
         """No admin key and no tenant: every caller is the tenant `default`."""
         return not self.has_admin and not self._static and not self._count()
+
+    @property
+    def num_stored(self) -> int:
+        """Tenants in the data folder's table (created through the admin API)."""
+        return self._count()
 
     def is_admin_key(self, key: str) -> bool:
         return self._admin_hash is not None and secrets.compare_digest(

@@ -40,7 +40,7 @@ CASES = [
     ("empty messages", CHAT, _json({"messages": []}), 400, "messages", None),
     ("empty prompt", C, _json({"prompt": ""}), 400, None, None),
     ("empty prompt list", C, _json({"prompt": []}), 400, "prompt", None),
-    ("token id out of range", C, _json({"prompt": [10**9]}), 400, None, None),
+    ("token id out of range", C, _json({"prompt": [10**9]}), 400, "prompt", None),
     ("negative max_tokens", C, _json({"prompt": "a", "max_tokens": -1}), 400, "max_tokens",
      None),
     ("zero max_completion_tokens", CHAT, _json({"messages": USER, "max_completion_tokens": 0}),
