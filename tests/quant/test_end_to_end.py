@@ -11,9 +11,9 @@ from loraplex import LLM, SamplingParams
 from loraplex.quant.quantize import quantize_model
 
 PROMPT = "The capital of France is Paris. The capital of Germany is"
-FORMATS = {  # SmolLM2's hidden size 576 takes groups of 64, not 128
-    "awq": {"method": "awq", "group_size": 64},
-    "gptq-act-order": {"method": "gptq", "group_size": 64, "desc_act": True},
+FORMATS = {  # AWQ and GPTQ by default: 4-bit, groups of 64 (128 does not divide SmolLM2's 576)
+    "awq": {"method": "awq"},
+    "gptq-act-order": {"method": "gptq", "desc_act": True},
     "gptq-8bit": {"method": "gptq", "bits": 8, "group_size": -1},
     "fp8-channel": {"method": "fp8", "fp8_scheme": "per_channel"},
 }
