@@ -1,8 +1,9 @@
-"""Rotary position embedding (neox / rotate-half layout), with Llama 3 frequency scaling."""
+"""Rotary position embedding (neox / rotate-half layout): plain, linear, Llama 3 and YaRN."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -10,8 +11,62 @@ import torch
 from loraplex.kernels.kv_cache import write_kv_cache_ref
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2], scaled as `rope_scaling` says (None, llama3, linear)."""
+def _required(scaling: Mapping[str, Any], key: str) -> Any:
+    if scaling.get(key) is None:
+        raise ValueError(f"rope scaling {scaling.get('rope_type')!r} needs {key!r}")
+    return scaling[key]
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: Mapping[str, Any]) -> torch.Tensor:
+    """Llama 3.1: long wavelengths divided by `factor`, short ones kept, a blend between."""
+    factor = float(_required(scaling, "factor"))
+    low = float(_required(scaling, "low_freq_factor"))
+    high = float(_required(scaling, "high_freq_factor"))
+    old_len = float(_required(scaling, "original_max_position_embeddings"))
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    smooth = (old_len / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return torch.where(mid, blended, scaled)
+
+
+def _yarn_inv_freq(
+    inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: Mapping[str, Any]
+) -> torch.Tensor:
+    """YaRN: dimensions that turn fewer than `beta_slow` times over the original context are
+    interpolated (divided by `factor`), those turning more than `beta_fast` times are kept, with
+    a linear ramp between."""
+    factor = float(_required(scaling, "factor"))
+    old_len = float(_required(scaling, "original_max_position_embeddings"))
+    beta_fast = float(_required(scaling, "beta_fast"))
+    beta_slow = float(_required(scaling, "beta_slow"))
+
+    def correction_dim(rotations: float) -> float:
+        # the dimension whose wavelength fits `rotations` times into the original context
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if _required(scaling, "truncate"):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (original frequency), 0: interpolate
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] (fp32) for RoPE with base `theta`.
+
+    `scaling` is None (plain RoPE) or a dict whose `rope_type` is linear (`factor`), llama3
+    (`factor`, `low_freq_factor`, `high_freq_factor`, `original_max_position_embeddings`) or
+    yarn (`factor`, `original_max_position_embeddings`, `beta_fast`, `beta_slow`, `truncate`,
+    `attention_factor`), every value given: config.json is resolved by
+    `loraplex.platform.models.rope_config`, not here.
+    """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if not scaling:
         return inv_freq.float()
@@ -19,29 +74,26 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     if kind in (None, "default"):
         return inv_freq.float()
     if kind == "linear":
-        return (inv_freq / float(scaling["factor"])).float()
+        return (inv_freq / float(_required(scaling, "factor"))).float()
     if kind == "llama3":
-        factor = float(scaling["factor"])
-        low = float(scaling.get("low_freq_factor", 1.0))
-        high = float(scaling.get("high_freq_factor", 4.0))
-        old_len = float(scaling["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv_freq
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        smooth = (old_len / wavelen - low) / (high - low)
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
-        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-        return torch.where(mid, blended, scaled).float()
-    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+        return _llama3_inv_freq(inv_freq, scaling).float()
+    if kind == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling).float()
+    raise ValueError(f"unsupported rope_type {kind!r} (supported: default, linear, llama3, yarn)")
 
 
 def cos_sin_cache(
-    head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None
+    head_dim: int, max_positions: int, theta: float, scaling: Mapping[str, Any] | None
 ) -> torch.Tensor:
-    """[max_positions, head_dim] in fp32: cos in the first half, sin in the second."""
+    """[max_positions, head_dim] in fp32: cos in the first half, sin in the second.
+
+    Both are multiplied by yarn's `attention_factor` when `scaling` has one (1 otherwise).
+    """
     inv_freq = rope_inv_freq(head_dim, theta, scaling)
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    attention_factor = float((scaling or {}).get("attention_factor") or 1.0)
+    return cache * attention_factor if attention_factor != 1.0 else cache
 
 
 def apply_rotary_ref(

@@ -75,8 +75,12 @@ def get_quantization_config(
         )
     cls = _REGISTRY.get(name)
     if cls is None:
+        field = (
+            "quantization_config.quant_method" if checkpoint_config is not None else "quantization"
+        )
         raise ValueError(
-            f"unsupported quantization method {name!r}; supported: {sorted(_REGISTRY)}"
+            f"{field}={name!r} is not supported (unsupported quantization method); "
+            f"supported: {sorted(_REGISTRY)}"
         )
     return cls.from_config(checkpoint_config if checkpoint_config is not None else {})
 

@@ -1,5 +1,6 @@
 """The Llama family: Llama 2/3 (llama3 rope scaling), Mistral, Qwen2 (qkv bias), Qwen3 (qk norm),
-SmolLM2; tied or separate embeddings. Attention runs over the paged KV cache."""
+SmolLM2; tied or separate embeddings. Attention runs over the paged KV cache. What a config may
+ask for (RoPE variants, biases, sliding window) is decided by `ArchConfig`."""
 
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(
             cfg.q_size,
             [cfg.hidden_size],
+            bias=cfg.o_proj_bias,
             quant_config=quant,
             prefix=f"{prefix}.o_proj",
             params_dtype=dtype,
@@ -182,7 +184,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer(
             "rope_cache",
             cos_sin_cache(
-                cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+                cfg.head_dim, cfg.max_position_embeddings, cfg.rope.theta, cfg.rope.scaling()
             ),
             persistent=False,
         )
