@@ -1,163 +1,143 @@
-"""Sampler: penalties, grammar masks, temperature / top-k / top-p / min-p, seeded sampling,
-and top-k logprobs, for a batch of rows that each carry their own parameters."""
+"""Sampler: one step of sampling for the whole batch, on the logits' device.
+
+Stages, in vLLM's order: the raw logprobs (log_softmax of the model's logits, before any
+processing: what `logprobs` returns), penalties, min_tokens bans, the grammar bitmask, then
+greedy rows take the argmax and sampled rows draw from softmax(logits / T) truncated by top-k,
+top-p and min-p. Every stage is a batched tensor op over all rows: no per-row Python, no host
+tensors, no read of the device (the host flags of SamplingMetadata decide which stages run).
+Noise is counter-based (Philox keyed by each row's seed, counted by its step and the token), so
+a seeded request draws the same tokens whatever shares its batch.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-_MASK = float("-inf")
-_SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, step) pairs over the generator's seed space
+from loraplex.grammar.bitmask import apply_token_bitmask_
+from loraplex.kernels.sampling import draw, truncation_thresholds
+from loraplex.platform.runner.sampling_metadata import (
+    LogprobsTensors,
+    SamplerOutput,
+    SamplingMetadata,
+)
+
+_NEG_INF = float("-inf")
 
 
-@dataclass
-class SamplingRow:
-    """One row of the batch: the request's parameters and the token history penalties need."""
+def apply_penalties(
+    logits: torch.Tensor,  # [n, vocab] fp32
+    metadata: SamplingMetadata,
+) -> torch.Tensor:
+    """Repetition, then frequency and presence penalties, as OpenAI and vLLM define them.
+    -> a new [n, vocab] tensor
 
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    repetition_penalty: float
-    presence_penalty: float
-    frequency_penalty: float
-    seed: int | None
-    step: int  # how many tokens this request has sampled so far
-    logprobs: int | None
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    banned_token_ids: tuple[int, ...]  # EOS / stop ids while below min_tokens
+    repetition_penalty r divides a positive logit of a token seen in the prompt or the output
+    by r and multiplies a non-positive one by r; presence_penalty is subtracted once from a
+    token that occurs in the output; frequency_penalty is subtracted once per occurrence.
+    """
+    counts = metadata.output_counts  # [n, vocab] int32
+    if counts is None:
+        raise ValueError("penalties need SamplingMetadata.output_counts")
+    occurs = counts > 0  # [n, vocab]
+    if metadata.prompt_mask is not None:
+        rep = metadata.repetition_penalty[:, None]  # [n, 1]
+        seen = occurs | metadata.prompt_mask
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    freq = metadata.frequency_penalty[:, None]  # [n, 1]
+    presence = metadata.presence_penalty[:, None]
+    return logits - freq * counts - presence * occurs
 
 
-@dataclass(frozen=True)
-class SamplerOutput:
-    token_ids: list[int]
-    # per row: [(token_id, logprob, rank)] with the sampled token first, or None
-    logprobs: list[list[tuple[int, float, int]] | None]
-    device_token_ids: torch.Tensor  # [num_rows] int64, the same tokens on the logits' device
+def apply_min_tokens_(
+    logits: torch.Tensor,  # [n, vocab] fp32, modified in place
+    banned_token_ids: torch.Tensor,  # [n, k] int64, -1 padded
+    steps: torch.Tensor,  # [n] int64
+    min_tokens: torch.Tensor,  # [n] int64
+) -> None:
+    """-inf at each row's banned ids (EOS, stop ids) while it has sampled < min_tokens."""
+    active = (steps < min_tokens)[:, None] & (banned_token_ids >= 0)  # [n, k]
+    # NOTE: a min-reduction, so that padding (pointed at token 0, +inf) can never undo a ban
+    # of token 0 whatever order the scatter writes in.
+    values = torch.where(active, _NEG_INF, float("inf"))  # [n, k]
+    logits.scatter_reduce_(1, banned_token_ids.clamp(min=0), values, reduce="amin")
+
+
+def compute_logprobs(
+    raw: torch.Tensor,  # [n, vocab] fp32 log_softmax of the raw logits
+    token_ids: torch.Tensor,  # [n] int64
+    k: int,
+) -> LogprobsTensors:
+    """The sampled token's logprob and rank (1 = most likely), and the top-k, on the device."""
+    chosen = raw.gather(1, token_ids[:, None])  # [n, 1]
+    ranks = (raw > chosen).sum(dim=-1) + 1  # [n]
+    top_logprobs, top_ids = raw.topk(k, dim=-1)  # [n, k]
+    return LogprobsTensors(chosen.squeeze(1), ranks, top_ids, top_logprobs)
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
-        self._generator = torch.Generator(device="cpu").manual_seed(seed)
+    """Samples one token per row from logits that each row's SamplingMetadata columns shape.
+
+    Call: `sampler(logits, metadata, bitmask)` -> SamplerOutput, everything on the logits'
+    device; the caller reads tokens (and logprobs) back when it needs them. The logits are
+    not modified.
+    """
 
     def __call__(
         self,
-        logits: torch.Tensor,  # [num_rows, vocab] fp32
-        rows: list[SamplingRow],
-        bitmask: torch.Tensor | None = None,  # [num_rows, ceil(vocab / 32)] int32, or None
+        logits: torch.Tensor,  # [n, vocab] fp32
+        metadata: SamplingMetadata,
+        bitmask: torch.Tensor | None = None,  # [n, ceil(vocab / 32)] int32, or None
     ) -> SamplerOutput:
-        want_logprobs = any(r.logprobs is not None for r in rows)
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        logits = logits.clone()
-        self._apply_penalties(logits, rows)
-        for i, row in enumerate(rows):
-            if row.banned_token_ids:
-                logits[i, list(row.banned_token_ids)] = _MASK
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [n, vocab], got {tuple(logits.shape)}")
+        logits = logits.float()
+        raw = None
+        if metadata.max_num_logprobs is not None:
+            raw = torch.log_softmax(logits, dim=-1)  # [n, vocab]
+        logits = self.process_logits(logits, metadata, bitmask)
+        token_ids = self.sample(logits, metadata)
+        logprobs = None
+        if raw is not None:
+            logprobs = compute_logprobs(raw, token_ids, metadata.max_num_logprobs or 0)
+        return SamplerOutput(token_ids, logprobs)
+
+    @staticmethod
+    def process_logits(
+        logits: torch.Tensor,  # [n, vocab] fp32
+        metadata: SamplingMetadata,
+        bitmask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Penalties, min_tokens bans and the grammar mask. -> [n, vocab] (the input itself
+        when no stage runs, else a new tensor)"""
+        owned = False
+        if metadata.any_penalties:
+            logits, owned = apply_penalties(logits, metadata), True
+        if metadata.banned_token_ids is not None:
+            logits = logits if owned else logits.clone()
+            owned = True
+            apply_min_tokens_(
+                logits, metadata.banned_token_ids, metadata.steps, metadata.min_tokens
+            )
         if bitmask is not None:
-            from loraplex.grammar.bitmask import apply_token_bitmask_
-
+            logits = logits if owned else logits.clone()
             apply_token_bitmask_(logits, bitmask)
-        token_ids = self._sample(logits, rows)
-        return SamplerOutput(
-            token_ids.tolist(), self._logprobs(raw_logprobs, token_ids, rows), token_ids
-        )
+        return logits
 
     @staticmethod
-    def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-        vocab = logits.shape[1]
-        for i, row in enumerate(rows):
-            if row.repetition_penalty != 1.0:
-                seen = torch.tensor(
-                    row.prompt_token_ids + row.output_token_ids,
-                    dtype=torch.long,
-                    device=logits.device,
-                ).unique()
-                values = logits[i, seen]
-                logits[i, seen] = torch.where(
-                    values > 0, values / row.repetition_penalty, values * row.repetition_penalty
-                )
-            if (row.presence_penalty or row.frequency_penalty) and row.output_token_ids:
-                out = torch.tensor(row.output_token_ids, dtype=torch.long, device=logits.device)
-                counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
-                logits[i] -= row.frequency_penalty * counts
-                logits[i] -= row.presence_penalty * (counts > 0).to(logits.dtype)
-
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        num_rows, vocab = logits.shape
-        device = logits.device
-        greedy = torch.tensor([r.temperature < 1e-5 for r in rows], device=device)
-        out = logits.argmax(dim=-1)
-        if bool(greedy.all()):
-            return out
-        temps = torch.tensor([max(r.temperature, 1e-5) for r in rows], device=device)
-        logits = logits / temps[:, None]
-        if any(r.top_k > 0 or r.top_p < 1.0 for r in rows):
-            logits = _top_k_top_p(logits, rows)
-        probs = torch.softmax(logits, dim=-1)
-        if any(r.min_p > 0.0 for r in rows):
-            min_p = torch.tensor([r.min_p for r in rows], device=device)
-            keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-            probs = torch.where(keep, probs, torch.zeros_like(probs))
-        # Exponential-race sampling: argmax(p / q), q ~ Exp(1), draws from p exactly. Each
-        # seeded row draws its noise from (seed, step) alone, so its text does not depend on
-        # what else shares the batch.
-        noise = torch.empty(num_rows, vocab)
-        for i, row in enumerate(rows):
-            if row.seed is not None:
-                gen = torch.Generator().manual_seed((row.seed * _SEED_MIX + row.step) % 2**63)
-                noise[i].exponential_(generator=gen)
-            else:
-                noise[i].exponential_(generator=self._generator)
-        sampled = (probs / noise.to(device)).argmax(dim=-1)
-        return torch.where(greedy, out, sampled)
-
-    @staticmethod
-    def _logprobs(
-        raw: torch.Tensor | None, token_ids: torch.Tensor, rows: list[SamplingRow]
-    ) -> list[list[tuple[int, float, int]] | None]:
-        if raw is None:
-            return [None] * len(rows)
-        result: list[list[tuple[int, float, int]] | None] = []
-        chosen = raw.gather(1, token_ids[:, None]).squeeze(1)
-        ranks = (raw > chosen[:, None]).sum(dim=-1) + 1
-        max_k = max(r.logprobs or 0 for r in rows)
-        top_vals, top_ids = raw.topk(max_k, dim=-1) if max_k else (None, None)
-        for i, row in enumerate(rows):
-            if row.logprobs is None:
-                result.append(None)
-                continue
-            entry = [(int(token_ids[i]), float(chosen[i]), int(ranks[i]))]
-            if row.logprobs and top_vals is not None and top_ids is not None:
-                entry += [
-                    (int(t), float(v), r + 1)
-                    for r, (t, v) in enumerate(
-                        zip(
-                            top_ids[i, : row.logprobs].tolist(),
-                            top_vals[i, : row.logprobs].tolist(),
-                        )
-                    )
-                ]
-            result.append(entry)
-        return result
-
-
-def _top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Mask everything outside each row's top-k and top-p nucleus (at least one token kept)."""
-    vocab = logits.shape[1]
-    device = logits.device
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=device)[None, :]
-    top_k = torch.tensor([r.top_k if r.top_k > 0 else vocab for r in rows], device=device)
-    mask = ranks >= top_k[:, None]
-    sorted_logits = sorted_logits.masked_fill(mask, _MASK)
-    top_p = torch.tensor([r.top_p for r in rows], device=device)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
-    mask = (before > top_p[:, None]) & (ranks > 0)
-    sorted_logits = sorted_logits.masked_fill(mask, _MASK)
-    return torch.full_like(logits, _MASK).scatter(1, order, sorted_logits)
+    def sample(
+        logits: torch.Tensor,  # [n, vocab] fp32, processed
+        metadata: SamplingMetadata,
+    ) -> torch.Tensor:
+        """Greedy rows: argmax; the others: temperature, top-k, top-p, min-p, then the seeded
+        draw. -> [n] int64"""
+        if metadata.all_greedy:
+            return logits.argmax(dim=-1)
+        thresholds = None
+        if metadata.any_top_k_top_p or metadata.any_min_p:
+            thresholds = truncation_thresholds(
+                logits, metadata.temperature, metadata.top_k, metadata.top_p, metadata.min_p
+            )
+        return draw(logits, metadata.temperature, thresholds, metadata.seeds, metadata.steps)
 
 
 def score_tokens(

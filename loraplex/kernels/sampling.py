@@ -1,0 +1,118 @@
+"""The sampler's two row-wise kernels, in plain torch: truncation thresholds (top-k, top-p,
+min-p as one logit threshold per row) and the seeded draw (Gumbel-max over the kept tokens).
+`triton_sampling` computes the same functions on the GPU; `draw` and `truncation_thresholds`
+pick the Triton path on CUDA.
+
+Truncation keeps, in each row, the tokens whose logit is >= the row's threshold:
+- top-k: the k-th largest logit (ties at it are kept);
+- top-p (after top-k, on softmax(logits / T) renormalised over the top-k): the lowest logit v
+  whose strictly-higher tokens hold less than top_p of the mass, i.e. the smallest set of
+  most likely tokens whose mass reaches top_p (ties at its edge are kept);
+- min-p: tokens with p >= min_p * p_max, i.e. logit >= max + T * log(min_p).
+The draw is argmax(logit / T + Gumbel(seed, step, token)) over the kept tokens, which samples
+softmax(logit / T) renormalised over them exactly; a row whose temperature is below
+GREEDY_TEMPERATURE takes the argmax of its logits (the first one on ties, as torch.argmax).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from loraplex.kernels.philox import gumbel_ref, philox_uniform_ref
+
+GREEDY_TEMPERATURE = 1e-5  # a row below it is greedy
+_NEG_INF = float("-inf")
+
+
+def _check_rows(logits: torch.Tensor, **columns: torch.Tensor) -> None:
+    if logits.dim() != 2 or logits.dtype != torch.float32:
+        raise ValueError(f"logits must be [n, vocab] fp32, got {logits.dtype} {logits.shape}")
+    for name, col in columns.items():
+        if col.shape != (logits.shape[0],) or col.device != logits.device:
+            raise ValueError(f"{name} must be [{logits.shape[0]}] on {logits.device}")
+
+
+def _safe_temperature(temperature: torch.Tensor) -> torch.Tensor:
+    """Greedy rows count as T = 1 where a temperature scales logits (their draw ignores it)."""
+    return torch.where(temperature < GREEDY_TEMPERATURE, 1.0, temperature.float())
+
+
+def truncation_thresholds_ref(
+    logits: torch.Tensor,  # [n, vocab] fp32
+    temperature: torch.Tensor,  # [n] fp32
+    top_k: torch.Tensor,  # [n] int; 0 or >= vocab: off
+    top_p: torch.Tensor,  # [n] fp32; >= 1: off
+    min_p: torch.Tensor,  # [n] fp32; 0: off
+) -> torch.Tensor:
+    """Each row's logit threshold for top-k, then top-p, then min-p (-inf: keep all). -> [n]"""
+    n, vocab = logits.shape
+    t = _safe_temperature(temperature)  # [n]
+    row_max = logits.max(dim=-1).values  # [n]
+    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
+    sorted_l = logits.sort(dim=-1, descending=True).values  # [n, vocab]
+    k = top_k.long()
+    kth = sorted_l.gather(1, (k.clamp(1, vocab) - 1)[:, None]).squeeze(1)  # [n]
+    tau_k = torch.where((k > 0) & (k < vocab), kth, _NEG_INF)
+    # Top-p on unnormalised masses: keep sorted position r iff the mass before it < p * Z.
+    e = torch.exp((sorted_l - row_max[:, None]) / t[:, None])  # [n, vocab]
+    e = e.masked_fill(sorted_l < tau_k[:, None], 0.0)
+    cum = e.cumsum(dim=-1)  # [n, vocab]
+    before = F.pad(cum[:, :-1], (1, 0))  # mass of the positions before each one
+    z = cum[:, -1]  # [n]
+    num_kept = (before < (top_p * z)[:, None]).sum(dim=-1).clamp(min=1)  # [n]
+    tau_p = sorted_l.gather(1, (num_kept - 1)[:, None]).squeeze(1)
+    tau_p = torch.where(top_p < 1.0, tau_p, _NEG_INF)
+    log_min_p = torch.log(min_p.clamp(min=1e-30))
+    tau_m = torch.where(min_p > 0.0, row_max + t * log_min_p, _NEG_INF)
+    return torch.maximum(torch.maximum(tau_k, tau_p), tau_m)
+
+
+def draw_ref(
+    logits: torch.Tensor,  # [n, vocab] fp32
+    temperature: torch.Tensor,  # [n] fp32
+    thresholds: torch.Tensor | None,  # [n] fp32, or None: keep every token
+    seeds: torch.Tensor,  # [n] int64
+    steps: torch.Tensor,  # [n] int64
+) -> torch.Tensor:
+    """argmax(logit / T + Gumbel) over each row's kept tokens; argmax for greedy rows. -> [n]"""
+    n, vocab = logits.shape
+    greedy = temperature < GREEDY_TEMPERATURE  # [n]
+    inv_t = 1.0 / _safe_temperature(temperature)  # [n]
+    gumbel = gumbel_ref(philox_uniform_ref(seeds, steps, vocab))  # [n, vocab]
+    scores = logits * inv_t[:, None] + gumbel
+    if thresholds is not None:
+        scores = scores.masked_fill(logits < thresholds[:, None], _NEG_INF)
+    scores = torch.where(greedy[:, None], logits, scores)
+    return scores.argmax(dim=-1)
+
+
+def truncation_thresholds(
+    logits: torch.Tensor,  # [n, vocab] fp32
+    temperature: torch.Tensor,  # [n] fp32
+    top_k: torch.Tensor,  # [n] int32
+    top_p: torch.Tensor,  # [n] fp32
+    min_p: torch.Tensor,  # [n] fp32
+) -> torch.Tensor:
+    """`truncation_thresholds_ref` (Triton on CUDA). -> [n] fp32"""
+    _check_rows(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    return truncation_thresholds_ref(logits, temperature, top_k, top_p, min_p)
+
+
+def draw(
+    logits: torch.Tensor,  # [n, vocab] fp32
+    temperature: torch.Tensor,  # [n] fp32
+    thresholds: torch.Tensor | None,  # [n] fp32
+    seeds: torch.Tensor,  # [n] int64
+    steps: torch.Tensor,  # [n] int64
+) -> torch.Tensor:
+    """`draw_ref`: the Triton kernel on CUDA (no noise tensor in memory), torch elsewhere.
+    -> [n] int64 token ids"""
+    _check_rows(logits, temperature=temperature, seeds=seeds, steps=steps)
+    if thresholds is not None:
+        _check_rows(logits, thresholds=thresholds)
+    if logits.is_cuda:
+        from loraplex.kernels.triton_sampling import draw_triton
+
+        return draw_triton(logits, temperature, thresholds, seeds, steps)
+    return draw_ref(logits, temperature, thresholds, seeds, steps)
