@@ -7,7 +7,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test lint format bench clean
+.PHONY: setup serve test fuzz lint format bench clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,11 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The API fuzz suite at length: FUZZ_EXAMPLES examples per operation (`make test` runs 15).
+FUZZ_EXAMPLES ?= 300
+fuzz: $(STAMP)
+	LORAPLEX_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q tests/platform/api/test_fuzz.py $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -13,6 +13,7 @@ import httpx
 import torch
 
 from loraplex.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from loraplex.grammar.config import GrammarConfig
 
 ADMIN_KEY = "sk-admin-test"
 MODULES = ["q_proj", "v_proj", "down_proj"]
@@ -36,7 +37,11 @@ class TenantServer:
 
 
 def start_server(
-    model_dir: Path, data_dir: Path, max_num_seqs: int = 8, **settings
+    model_dir: Path,
+    data_dir: Path,
+    max_num_seqs: int = 8,
+    grammar: GrammarConfig | None = None,
+    **settings,
 ) -> TenantServer:
     import uvicorn
 
@@ -51,6 +56,7 @@ def start_server(
         model=ModelConfig(model=str(model_dir), dtype="float32", max_model_len=512, device="cpu"),
         cache=CacheConfig(num_kv_blocks=512),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
+        grammar=grammar or GrammarConfig(),
     )
     engine = AsyncEngine(config)
     settings.setdefault("admin_key", ADMIN_KEY)
