@@ -82,6 +82,13 @@ class SchedulerConfig:
     # Schedule step N+1 while the device still runs step N (its sampled tokens stay on the
     # device and feed step N+1), so the CPU's step work overlaps the GPU's. None: on for CUDA.
     async_scheduling: bool | None = None
+    # vLLM's name: the most prompt tokens one request may prefill in a step while other requests
+    # run or wait (its chunked prefill then shares the step, and the same number of tokens is
+    # kept for admitting waiting requests). None: a quarter of max_num_batched_tokens; 0: no cap.
+    long_prefill_token_threshold: int | None = None
+    # Abort a request that made no progress (no prefill chunk, no token, not admitted) for this
+    # many seconds, freeing its blocks; 0 disables the watchdog.
+    request_stall_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -90,6 +97,23 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
+        threshold = self.long_prefill_token_threshold
+        if threshold is not None and threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {threshold}")
+        if not self.request_stall_timeout_s >= 0:
+            raise ValueError(
+                f"request_stall_timeout_s must be >= 0, got {self.request_stall_timeout_s}"
+            )
+
+    @property
+    def prefill_chunk_cap(self) -> int:
+        """Prompt tokens one request may take per step under contention (0: no cap)."""
+        if not self.enable_chunked_prefill:
+            return 0
+        threshold = self.long_prefill_token_threshold
+        if threshold is None:
+            return max(1, self.max_num_batched_tokens // 4)
+        return min(threshold, self.max_num_batched_tokens)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,13 @@ chunked prefill (a long prompt takes several steps), prefix-cache skipping (cach
 as computed), and prefill mixed with decode in one step. Running requests go first; when the
 KV pool runs dry the most recently admitted running request is preempted and recomputed later.
 
+Chunked prefill shares the step (`SchedulerConfig.long_prefill_token_threshold`): while other
+requests run or wait, one request's prompt chunk takes at most `cap` tokens, leaves one token
+for each running request after it, and leaves `min(cap, budget // 2)` tokens for admitting
+waiting requests. So a long prompt never holds the whole budget while others wait: the head of
+the waiting queue gets its first chunk in the next step that has a free sequence slot and KV
+blocks for it, and decoding requests keep getting a token each step.
+
 A step's tokens count as computed when it is scheduled, and a step that reaches a request's
 end leaves one token pending until its output comes back. So with async scheduling the next
 step can be scheduled while the device still runs this one: the pending token is its input
@@ -89,6 +96,19 @@ class Scheduler:
                 self.waiting.remove(request)
             self._free(request, status)
 
+    def finish_all_requests(self, status: RequestStatus) -> list[str]:
+        """End every request, wherever a step that raised midway left it; returns their ids.
+
+        Their blocks and adapter slots are freed and the runner is told to forget them (in the
+        next `SchedulerOutput.finished_req_ids`), so nothing stays running or allocated."""
+        ids = list(self.requests)
+        for request in list(self.requests.values()):
+            self._free(request, status)
+        self.running.clear()  # NOTE: may hold requests a failed update had already freed
+        while len(self.waiting):
+            self.waiting.pop(charge=False)
+        return ids
+
     def _free(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.kv.free(request)
@@ -121,12 +141,19 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted = False
+        cap = self.config.prefill_chunk_cap
+        if len(self.running) + len(self.waiting) <= 1:
+            cap = 0  # alone: a prompt may take the whole budget
+        reserve = min(cap, budget // 2) if len(self.waiting) else 0
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = self._num_new_tokens(request, budget)
-            if n == 0:
+            if n > 1 and cap:
+                # A prompt chunk: leave a token for each later running request and the reserve.
+                n = min(n, cap, budget - (len(self.running) - i - 1) - reserve)
+            if n <= 0:
                 i += 1
                 continue
             while True:
@@ -174,6 +201,8 @@ class Scheduler:
             else:
                 num_hit = 0
             n = self._num_new_tokens(request, budget, extra_computed=num_hit)
+            if cap:
+                n = min(n, cap)
             if n == 0:
                 break
             new_block_ids = self.kv.allocate_slots(request, n, computed_blocks)
