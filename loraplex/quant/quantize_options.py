@@ -70,7 +70,7 @@ def resolve_options(
     if not shapes:
         raise ValueError(f"the model has no {'/'.join(PROJECTIONS)} weights to quantize")
     if method == "fp8":
-        _refuse_foreign(method, {"bits=4 (--bits 4)": bits not in (None, 8),
+        _refuse_foreign(method, {f"bits={bits} (--bits {bits})": bits not in (None, 8),
                                  "group_size (--group-size)": group_size is not None,
                                  "sym=False (--no-sym)": sym is False,
                                  "desc_act (--desc-act)": desc_act})  # fmt: skip
@@ -96,9 +96,14 @@ def resolve_options(
         raise ValueError(f"group_size must be positive or -1 (the whole input), got {group_size}")
     if group_size is None:
         group_size = default_group_size(method, input_sizes)
+        why = (
+            "the largest of %s that divides"
+            if group_size > 0
+            else "one group per input: none of %s divides"
+        )
         logger.info(
-            "%s group size %d: the largest of %s that divides every quantized input size %s",
-            method.upper(), group_size, GROUP_SIZE_CANDIDATES[method], sorted(input_sizes),
+            "%s group size %d (%s every quantized input size %s)", method.upper(), group_size,
+            why % (GROUP_SIZE_CANDIDATES[method],), sorted(input_sizes),
         )  # fmt: skip
     pack = pack_factor(bits)
     for module, (n, k) in shapes.items():

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from loraplex.cli import build_parser, main
 from loraplex.quant import quantize
 from loraplex.quant.quantize import quantize_model, rtn_quantize
+from loraplex.quant.quantize_options import default_group_size
 
 # Like SmolLM2-135M (hidden 576 = 9 x 64, intermediate 1536): 128 does not divide the hidden size.
 ODD = {"hidden": 192, "inter": 384}
@@ -119,7 +120,7 @@ def test_cli_defaults_fit_a_hidden_size_128_does_not_divide(
     caplog.set_level(logging.INFO, logger="loraplex.quant.quantize_options")
     out = tmp_path / "out"
     assert main(["quantize", "--method", method, "--model", str(odd_dir), "--out", str(out)]) == 0
-    assert "group size 64" in caplog.text
+    assert "group size 64 (the largest of" in caplog.text
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     assert (config["bits"], config["group_size"]) == (4, 64)
     assert config.get("sym", False) == sym
@@ -167,6 +168,17 @@ def test_crash_while_writing_leaves_no_folder(
     quantize_model(odd_dir, empty, "awq", progress=False)  # an empty folder may be the output
     assert _leftovers(tmp_path) == ["empty", "odd"]
     assert _leftovers(empty) == ["config.json", "model.safetensors", "tokenizer.json"]
+
+
+@pytest.mark.parametrize(
+    ("method", "input_sizes", "expected"),
+    [("awq", {576, 1536}, 64), ("gptq", {576, 1536}, 64), ("awq", {4096, 11008}, 128),
+     ("gptq", {48, 96}, 16), ("awq", {48, 96}, -1), ("gptq", {40}, -1)],
+)  # fmt: skip
+def test_default_group_size_is_the_largest_that_divides_every_input(
+    method: str, input_sizes: set[int], expected: int
+) -> None:
+    assert default_group_size(method, input_sizes) == expected
 
 
 def test_cli_arguments() -> None:
