@@ -23,6 +23,7 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from loraplex.platform.models.arch_config import ArchConfig
 from loraplex.platform.models.gguf_tokenizer import build_tokenizer, gguf_field, tokenizer_info
 from loraplex.platform.models.model_store import TEMP_PREFIX
 
@@ -67,6 +68,7 @@ class LlamaHParams:
     rms_norm_eps: float
     max_position_embeddings: int
     vocab_size: int
+    rope_scaling: dict[str, Any] | None = None  # transformers' rope_scaling keys, or None
 
     @property
     def head_dim(self) -> int:
@@ -94,9 +96,11 @@ def read_hparams(reader: GGUFReader) -> LlamaHParams:
     vocab_size = gguf_field(reader, "llama.vocab_size")
     if vocab_size is None:
         vocab_size = len(gguf_field(reader, "tokenizer.ggml.tokens"))
+    hidden = int(get("embedding_length"))
+    _check_supported(reader, hidden // num_heads)
     return LlamaHParams(
         num_layers=int(get("block_count")),
-        hidden_size=int(get("embedding_length")),
+        hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
         num_heads=num_heads,
         num_kv_heads=int(gguf_field(reader, "llama.attention.head_count_kv", num_heads)),
@@ -104,6 +108,37 @@ def read_hparams(reader: GGUFReader) -> LlamaHParams:
         rms_norm_eps=_from_float32(get("attention.layer_norm_rms_epsilon")),
         max_position_embeddings=int(get("context_length")),
         vocab_size=int(vocab_size),
+        rope_scaling=_rope_scaling(reader),
+    )
+
+
+def _check_supported(reader: GGUFReader, head_dim: int) -> None:
+    """Refuse metadata that changes the numbers in ways the import does not carry over."""
+    for key in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
+        value = gguf_field(reader, f"llama.{key}")
+        if value is not None and int(value) != head_dim:
+            raise ValueError(
+                f"GGUF llama.{key}={int(value)} differs from embedding_length / head_count = "
+                f"{head_dim}; partial rotary and other head sizes are not supported"
+            )
+    experts = gguf_field(reader, "llama.expert_count")
+    if experts:
+        raise ValueError(
+            f"GGUF llama.expert_count={int(experts)}: mixture of experts is not supported"
+        )
+
+
+def _rope_scaling(reader: GGUFReader) -> dict[str, Any] | None:
+    """llama.cpp's rope scaling metadata as transformers' `rope_scaling`; only none and linear."""
+    kind = gguf_field(reader, "llama.rope.scaling.type")
+    factor = gguf_field(reader, "llama.rope.scaling.factor")
+    if kind in (None, "none") and factor in (None, 0.0, 1.0):
+        return None
+    if kind == "linear" and factor:
+        return {"rope_type": "linear", "factor": _from_float32(factor)}
+    raise ValueError(
+        f"GGUF llama.rope.scaling.type={kind!r} (factor {factor!r}) is not supported; "
+        "supported: none, linear"
     )
 
 
@@ -156,6 +191,13 @@ def _load_state_dict(
 
 
 def _config(hparams: LlamaHParams, reader: GGUFReader, dtype: str, tied: bool) -> dict[str, Any]:
+    """config.json for the imported folder, readable by transformers 4.x and 5.x alike.
+
+    NOTE: RoPE and dtype are written in both layouts (4.x: `rope_theta`, `rope_scaling`,
+    `torch_dtype`; 5.x: `rope_parameters`, `dtype`), with the same values, so neither version
+    of transformers falls back to a default.
+    """
+
     def token_id(key: str) -> int | None:
         value = gguf_field(reader, f"tokenizer.ggml.{key}_token_id")
         return None if value is None else int(value)
@@ -172,7 +214,12 @@ def _config(hparams: LlamaHParams, reader: GGUFReader, dtype: str, tied: bool) -
         "hidden_act": "silu",
         "rms_norm_eps": hparams.rms_norm_eps,
         "rope_theta": hparams.rope_theta,
-        "rope_scaling": None,
+        "rope_scaling": hparams.rope_scaling,
+        "rope_parameters": {
+            "rope_type": "default",
+            **(hparams.rope_scaling or {}),
+            "rope_theta": hparams.rope_theta,
+        },
         "attention_bias": False,
         "mlp_bias": False,
         "max_position_embeddings": hparams.max_position_embeddings,
@@ -182,7 +229,27 @@ def _config(hparams: LlamaHParams, reader: GGUFReader, dtype: str, tied: bool) -
         "eos_token_id": token_id("eos"),
         "pad_token_id": token_id("padding"),
         "torch_dtype": dtype,
+        "dtype": dtype,
     }
+
+
+def check_config(config: dict[str, Any], hparams: LlamaHParams) -> ArchConfig:
+    """The ArchConfig loraplex reads back from `config`; ValueError unless it is what the GGUF
+    file says (so a written folder never loads with a defaulted value)."""
+    arch = ArchConfig.from_dict(config)
+    read = (
+        arch.num_layers, arch.hidden_size, arch.intermediate_size, arch.num_heads,
+        arch.num_kv_heads, arch.head_dim, arch.rope.theta, arch.rope.scaling(),
+        arch.rms_norm_eps, arch.max_position_embeddings, arch.vocab_size,
+    )  # fmt: skip
+    wanted = (
+        hparams.num_layers, hparams.hidden_size, hparams.intermediate_size, hparams.num_heads,
+        hparams.num_kv_heads, hparams.head_dim, hparams.rope_theta, hparams.rope_scaling,
+        hparams.rms_norm_eps, hparams.max_position_embeddings, hparams.vocab_size,
+    )  # fmt: skip
+    if read != wanted:
+        raise ValueError(f"imported config.json reads back as {read}, not {wanted}")
+    return arch
 
 
 def _write_json(path: Path, value: dict[str, Any]) -> None:
@@ -191,12 +258,13 @@ def _write_json(path: Path, value: dict[str, Any]) -> None:
 
 def _write_folder(reader: GGUFReader, folder: Path, dtype: str, progress: bool) -> None:
     hparams = read_hparams(reader)
+    tied = all(tensor.name != "output.weight" for tensor in reader.tensors)
+    config = _config(hparams, reader, dtype, tied)
+    check_config(config, hparams)
     state_dict = _load_state_dict(reader, hparams, _DTYPES[dtype], progress)
-    tied = "lm_head.weight" not in state_dict
     save_file(state_dict, str(folder / "model.safetensors"), metadata={"format": "pt"})
     del state_dict
 
-    config = _config(hparams, reader, dtype, tied)
     _write_json(folder / "config.json", config)
     generation = {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
     _write_json(folder / "generation_config.json", generation)

