@@ -31,15 +31,13 @@ UNIFORM_OFFSET = 2.0**-24
 
 
 def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """High and low 32 bits of a * b for a 32-bit constant a and b holding uint32 values in
-    int64, without overflowing int64: a is split into 16-bit halves."""
-    a_hi, a_lo = a >> 16, a & 0xFFFF
-    p_lo = b * a_lo  # < 2**48
-    p_hi = b * a_hi  # < 2**48; the product is p_hi * 2**16 + p_lo
-    mid = ((p_hi & 0xFFFF) << 16) + p_lo  # < 2**49
-    lo = mid & _M32
-    hi = ((p_hi >> 16) + (mid >> 32)) & _M32
-    return hi, lo
+    """High and low 32 bits of a * b, for a 32-bit constant a and b holding uint32 values in
+    int64. NOTE: the product can pass 2**63; int64 multiplication wraps modulo 2**64 (two's
+    complement) on CPU and CUDA, so its 64 bits are exact, and the masks drop the sign
+    extension of the shift (the Random123 known answers in tests/kernels/test_philox.py
+    check it)."""
+    product = b * a
+    return (product >> 32) & _M32, product & _M32
 
 
 def philox4x32_ref(

@@ -23,6 +23,8 @@ KNOWN_ANSWERS = [
     ),
 ]
 
+# The Triton kernels run compiled on a GPU, else in the interpreter (tests/kernels/conftest.py).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EXTREME_SEEDS = [0, 1, -1, 2**63 - 1, -(2**63), 0x1234_5678_9ABC_DEF0]
 EXTREME_STEPS = [0, 1, 2**32 - 1, 2**32, 2**40 + 3, 7]
 
@@ -37,8 +39,8 @@ def test_reference_matches_random123_known_answers(counter, key, expected) -> No
 def test_triton_uniforms_equal_reference_bit_for_bit(n: int, vocab: int) -> None:
     from loraplex.kernels.triton_philox import philox_uniform_triton
 
-    seeds = torch.tensor(EXTREME_SEEDS[:n], dtype=torch.int64)
-    steps = torch.tensor(EXTREME_STEPS[:n], dtype=torch.int64)
+    seeds = torch.tensor(EXTREME_SEEDS[:n], dtype=torch.int64, device=DEVICE)
+    steps = torch.tensor(EXTREME_STEPS[:n], dtype=torch.int64, device=DEVICE)
     ref = philox_uniform_ref(seeds, steps, vocab)
     out = philox_uniform_triton(seeds, steps, vocab)
     assert torch.equal(out.view(torch.int32), ref.view(torch.int32))
@@ -56,13 +58,15 @@ def test_noise_depends_on_seed_step_and_token_only() -> None:
     from loraplex.kernels.triton_philox import philox_uniform_triton
 
     seed, step, vocab = 987654321, 5, 300
-    alone = philox_uniform_triton(torch.tensor([seed]), torch.tensor([step]), vocab)
+    alone = philox_uniform_triton(
+        torch.tensor([seed], device=DEVICE), torch.tensor([step], device=DEVICE), vocab
+    ).cpu()
     gen = torch.Generator().manual_seed(0)
     for n, row in [(2, 1), (7, 0), (7, 6)]:
         seeds = torch.randint(-(2**62), 2**62, (n,), generator=gen)
         steps = torch.randint(0, 100, (n,), generator=gen)
         seeds[row], steps[row] = seed, step
-        batch = philox_uniform_triton(seeds, steps, vocab)
+        batch = philox_uniform_triton(seeds.to(DEVICE), steps.to(DEVICE), vocab).cpu()
         assert torch.equal(batch[row], alone[0])
     # Another step, seed or token gives other noise.
     other_step = philox_uniform_ref(torch.tensor([seed]), torch.tensor([step + 1]), vocab)

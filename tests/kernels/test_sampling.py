@@ -11,6 +11,8 @@ import torch
 from loraplex.kernels.sampling import draw_ref, truncation_thresholds_ref
 
 INF = float("inf")
+# The Triton kernels run compiled on a GPU, else in the interpreter (tests/kernels/conftest.py).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _rows(n: int, vocab: int, seed: int):
@@ -24,7 +26,8 @@ def _rows(n: int, vocab: int, seed: int):
     top_k = torch.randint(0, 40, (n,), generator=gen, dtype=torch.int32)
     top_p = torch.rand(n, generator=gen) * 0.9 + 0.1
     min_p = torch.rand(n, generator=gen) * 0.2
-    return logits, temperature, seeds, steps, top_k, top_p, min_p
+    columns = (logits, temperature, seeds, steps, top_k, top_p, min_p)
+    return tuple(c.to(DEVICE) for c in columns)
 
 
 @pytest.mark.parametrize("n,vocab,chunks", [(1, 1, 1), (5, 1000, 1), (4, 3001, 2), (3, 4099, 4)])
@@ -49,9 +52,9 @@ def test_greedy_draw_breaks_ties_like_argmax() -> None:
     logits[0, [7, 1500, 2400]] = 5.0
     logits[1] = -INF  # fully masked row: token 0, as torch.argmax
     logits[2, [2047, 2048]] = 1.0  # a tie across two programs
-    temperature = torch.zeros(3)
-    zeros = torch.zeros(3, dtype=torch.int64)
-    out = draw_triton(logits, temperature, None, zeros, zeros, num_chunks=2)
+    temperature = torch.zeros(3, device=DEVICE)
+    zeros = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    out = draw_triton(logits.to(DEVICE), temperature, None, zeros, zeros, num_chunks=2)
     assert out.tolist() == logits.argmax(dim=-1).tolist() == [7, 0, 2047]
 
 

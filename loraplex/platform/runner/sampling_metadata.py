@@ -8,6 +8,7 @@ device: they are kept on the host by the InputBatch as requests come and go.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -61,3 +62,75 @@ class LogprobsTensors:
 class SamplerOutput:
     token_ids: torch.Tensor  # [n] int64 on the logits' device
     logprobs: LogprobsTensors | None
+
+
+def build_sampling_metadata(
+    n: int,
+    vocab: int,
+    device: torch.device | str = "cpu",
+    *,
+    temperature: float | Sequence[float] | torch.Tensor = 1.0,
+    top_k: int | Sequence[int] | torch.Tensor = 0,
+    top_p: float | Sequence[float] | torch.Tensor = 1.0,
+    min_p: float | Sequence[float] | torch.Tensor = 0.0,
+    repetition_penalty: float | Sequence[float] | torch.Tensor = 1.0,
+    presence_penalty: float | Sequence[float] | torch.Tensor = 0.0,
+    frequency_penalty: float | Sequence[float] | torch.Tensor = 0.0,
+    seeds: int | Sequence[int] | torch.Tensor | None = None,
+    steps: int | Sequence[int] | torch.Tensor | None = None,
+    output_counts: torch.Tensor | None = None,
+    prompt_mask: torch.Tensor | None = None,
+    banned_token_ids: torch.Tensor | None = None,
+    min_tokens: int | Sequence[int] | torch.Tensor = 0,
+    logprobs: int | Sequence[int] | torch.Tensor | None = None,
+) -> SamplingMetadata:
+    """SamplingMetadata from host values (scalars apply to every row), with the host flags
+    derived from them: for tests and benchmarks (the InputBatch builds it in serving).
+
+    Default seeds and steps differ per row; penalties get zero counts / an empty prompt mask
+    unless given; `logprobs` -1 in a row: none for it."""
+
+    def col(value, dtype: torch.dtype) -> torch.Tensor:
+        if isinstance(value, torch.Tensor):
+            return value.to("cpu", dtype)
+        if isinstance(value, (int, float)):
+            return torch.full((n,), value, dtype=dtype)
+        return torch.tensor(list(value), dtype=dtype)
+
+    t = col(temperature, torch.float32)
+    k, p, mp = col(top_k, torch.int32), col(top_p, torch.float32), col(min_p, torch.float32)
+    rep = col(repetition_penalty, torch.float32)
+    pres, freq = col(presence_penalty, torch.float32), col(frequency_penalty, torch.float32)
+    sampled = t >= 1e-5
+    any_penalties = bool(((rep != 1) | (pres != 0) | (freq != 0)).any())
+    if any_penalties and output_counts is None:
+        output_counts = torch.zeros(n, vocab, dtype=torch.int32)
+    if bool((rep != 1).any()) and prompt_mask is None:
+        prompt_mask = torch.zeros(n, vocab, dtype=torch.bool)
+    num_logprobs = col(-1 if logprobs is None else logprobs, torch.int32)
+    dev = torch.device(device)
+
+    def on(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x.to(dev)
+
+    return SamplingMetadata(
+        temperature=t.to(dev),
+        top_k=k.to(dev),
+        top_p=p.to(dev),
+        min_p=mp.to(dev),
+        repetition_penalty=rep.to(dev),
+        presence_penalty=pres.to(dev),
+        frequency_penalty=freq.to(dev),
+        seeds=col(torch.arange(n) * 7919 + 11 if seeds is None else seeds, torch.int64).to(dev),
+        steps=col(torch.arange(n) % 97 if steps is None else steps, torch.int64).to(dev),
+        output_counts=on(output_counts),
+        prompt_mask=on(prompt_mask),
+        banned_token_ids=on(banned_token_ids),
+        min_tokens=col(min_tokens, torch.int64).to(dev),
+        all_greedy=not bool(sampled.any()),
+        any_top_k_top_p=bool((sampled & ((k > 0) | (p < 1))).any()),
+        any_min_p=bool((sampled & (mp > 0)).any()),
+        any_penalties=any_penalties,
+        max_num_logprobs=None if logprobs is None else int(num_logprobs.max()),
+        num_logprobs=None if logprobs is None else num_logprobs.to(dev),
+    )

@@ -11,7 +11,7 @@ import torch
 
 from loraplex.grammar.bitmask import allocate_token_bitmask
 from loraplex.platform.runner.sampler import Sampler, apply_penalties
-from loraplex.platform.runner.sampling_metadata import SamplingMetadata
+from loraplex.platform.runner.sampling_metadata import build_sampling_metadata
 
 INF = float("inf")
 LN2 = math.log(2.0)
@@ -20,74 +20,10 @@ LOGITS12 = torch.tensor([2.0, 1.5, 1.1, 0.9, 0.3, 0.0, -0.2, -0.7, -1.0, -1.6, -
 NUM_DRAWS = 20_000
 
 
-def make_metadata(
-    n: int,
-    vocab: int,
-    *,
-    temperature=1.0,
-    top_k=0,
-    top_p=1.0,
-    min_p=0.0,
-    repetition_penalty=1.0,
-    presence_penalty=0.0,
-    frequency_penalty=0.0,
-    seeds=None,
-    steps=None,
-    output_counts=None,
-    prompt_mask=None,
-    banned_token_ids=None,
-    min_tokens=0,
-    logprobs=None,
-) -> SamplingMetadata:
-    """Metadata as the InputBatch would build it; scalars apply to every row."""
-
-    def col(value, dtype) -> torch.Tensor:
-        if isinstance(value, torch.Tensor):
-            return value.to(dtype)
-        return (
-            torch.full((n,), value, dtype=dtype)
-            if not isinstance(value, list)
-            else (torch.tensor(value, dtype=dtype))
-        )
-
-    t = col(temperature, torch.float32)
-    k, p, mp = col(top_k, torch.int32), col(top_p, torch.float32), col(min_p, torch.float32)
-    rep = col(repetition_penalty, torch.float32)
-    pres, freq = col(presence_penalty, torch.float32), col(frequency_penalty, torch.float32)
-    sampled = t >= 1e-5
-    any_penalties = bool(((rep != 1) | (pres != 0) | (freq != 0)).any())
-    if any_penalties and output_counts is None:
-        output_counts = torch.zeros(n, vocab, dtype=torch.int32)
-    if bool((rep != 1).any()) and prompt_mask is None:
-        prompt_mask = torch.zeros(n, vocab, dtype=torch.bool)
-    num_logprobs = col(-1 if logprobs is None else logprobs, torch.int32)
-    return SamplingMetadata(
-        temperature=t,
-        top_k=k,
-        top_p=p,
-        min_p=mp,
-        repetition_penalty=rep,
-        presence_penalty=pres,
-        frequency_penalty=freq,
-        seeds=col(torch.arange(n) * 7919 + 11 if seeds is None else seeds, torch.int64),
-        steps=col(torch.arange(n) % 97 if steps is None else steps, torch.int64),
-        output_counts=output_counts,
-        prompt_mask=prompt_mask,
-        banned_token_ids=banned_token_ids,
-        min_tokens=col(min_tokens, torch.int64),
-        all_greedy=not bool(sampled.any()),
-        any_top_k_top_p=bool((sampled & ((k > 0) | (p < 1))).any()),
-        any_min_p=bool((sampled & (mp > 0)).any()),
-        any_penalties=any_penalties,
-        max_num_logprobs=None if logprobs is None else int(num_logprobs.max()),
-        num_logprobs=None if logprobs is None else num_logprobs,
-    )
-
-
 def draw_counts(row: torch.Tensor, **params) -> torch.Tensor:
     """How often each token is drawn in NUM_DRAWS rows of `row`, distinct seeds and steps."""
     logits = row.repeat(NUM_DRAWS, 1)
-    meta = make_metadata(NUM_DRAWS, row.numel(), **params)
+    meta = build_sampling_metadata(NUM_DRAWS, row.numel(), **params)
     tokens = Sampler()(logits, meta).token_ids
     return torch.bincount(tokens, minlength=row.numel()).double()
 
@@ -186,7 +122,7 @@ def test_penalties_as_openai_and_vllm_define_them() -> None:
     logits = torch.tensor([[2.0, -1.0, 0.5, -0.5, 3.0, 0.0], [1.0, 1.0, -2.0, 4.0, -3.0, 2.0]])
     counts = torch.tensor([[0, 2, 1, 0, 0, 3], [1, 0, 0, 0, 5, 0]], dtype=torch.int32)
     prompt = torch.tensor([[1, 0, 0, 1, 0, 0], [0, 0, 1, 0, 0, 0]], dtype=torch.bool)
-    meta = make_metadata(
+    meta = build_sampling_metadata(
         2, 6, repetition_penalty=[2.0, 1.0], presence_penalty=[0.5, 0.25],
         frequency_penalty=[0.1, 1.0], output_counts=counts, prompt_mask=prompt,
     )  # fmt: skip
@@ -207,7 +143,9 @@ def test_penalties_as_openai_and_vllm_define_them() -> None:
 def test_sampler_applies_penalties_before_drawing() -> None:
     logits = torch.tensor([[5.0, 4.0, 0.0]]).repeat(2, 1)
     counts = torch.tensor([[3, 0, 0], [0, 0, 0]], dtype=torch.int32)
-    meta = make_metadata(2, 3, temperature=0.0, frequency_penalty=1.0, output_counts=counts)
+    meta = build_sampling_metadata(
+        2, 3, temperature=0.0, frequency_penalty=1.0, output_counts=counts
+    )
     before = logits.clone()
     assert Sampler()(logits, meta).token_ids.tolist() == [1, 0]
     assert torch.equal(logits, before)  # the caller's logits are left alone
@@ -217,14 +155,14 @@ def test_min_tokens_bans_stop_ids_until_enough_tokens() -> None:
     logits = torch.tensor([[0.0, 9.0, 1.0, 8.0]]).repeat(4, 1)
     logits[3] = torch.tensor([9.0, 1.0, 0.0, 0.0])
     banned = torch.tensor([[1, 3], [1, -1], [1, 3], [1, -1]])  # -1 pads; token 0 not banned
-    meta = make_metadata(
+    meta = build_sampling_metadata(
         4, 4, temperature=[0.0, 0.0, 0.0, 0.0], steps=[2, 2, 5, 0], min_tokens=[5, 5, 5, 3],
         banned_token_ids=banned,
     )  # fmt: skip
     # below min_tokens: 1 and 3 banned (-> 2), only 1 banned (-> 3); at min_tokens: free (1)
     assert Sampler()(logits, meta).token_ids.tolist() == [2, 3, 1, 0]
     # sampled rows never draw a banned id
-    meta = make_metadata(
+    meta = build_sampling_metadata(
         500, 4, temperature=2.0, steps=torch.arange(500) % 5, min_tokens=5,
         banned_token_ids=banned[:1].repeat(500, 1),
     )  # fmt: skip
@@ -241,7 +179,9 @@ def test_grammar_bitmask_restricts_greedy_and_sampled_rows() -> None:
     for t in allowed:
         mask[:, t // 32] |= torch.tensor(1 << (t % 32), dtype=torch.int64).to(torch.int32)
     temperature = [0.0] * 100 + [1.0] * 200
-    out = Sampler()(logits, make_metadata(300, vocab, temperature=temperature), mask).token_ids
+    out = Sampler()(
+        logits, build_sampling_metadata(300, vocab, temperature=temperature), mask
+    ).token_ids
     assert set(out.tolist()) == set(allowed)
     best = logits[:100, allowed].argmax(dim=-1)
     assert out[:100].tolist() == [allowed[i] for i in best.tolist()]
@@ -251,7 +191,7 @@ def test_greedy_rows_in_a_sampled_batch_take_the_argmax() -> None:
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(64, 1000, generator=gen) * 4
     temperature = [0.0 if i % 3 == 0 else 1.0 for i in range(64)]
-    meta = make_metadata(64, 1000, temperature=temperature, top_p=0.9, min_p=0.01)
+    meta = build_sampling_metadata(64, 1000, temperature=temperature, top_p=0.9, min_p=0.01)
     out = Sampler()(logits, meta).token_ids
     greedy = torch.tensor(temperature) == 0
     assert torch.equal(out[greedy], logits[greedy].argmax(dim=-1))
@@ -261,7 +201,7 @@ def test_greedy_rows_in_a_sampled_batch_take_the_argmax() -> None:
 def test_logprobs_are_of_the_raw_logits() -> None:
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(8, 50, generator=gen)
-    meta = make_metadata(
+    meta = build_sampling_metadata(
         8, 50, temperature=[0.0, 1.0] * 4, logprobs=[0, 3, 5, -1, 1, 2, 0, 5],
         frequency_penalty=2.0, output_counts=torch.randint(0, 3, (8, 50), generator=gen).int(),
     )  # fmt: skip
@@ -277,7 +217,7 @@ def test_logprobs_are_of_the_raw_logits() -> None:
     values, ids = raw.topk(5, dim=-1)
     assert torch.equal(lp.top_ids, ids)
     torch.testing.assert_close(lp.top_logprobs, values)
-    none = Sampler()(logits, make_metadata(8, 50))
+    none = Sampler()(logits, build_sampling_metadata(8, 50))
     assert none.logprobs is None
 
 
@@ -288,7 +228,7 @@ def test_seeded_row_draws_the_same_token_in_any_batch() -> None:
     params = dict(temperature=0.8, top_p=0.95, top_k=0, min_p=0.0, seeds=123456789)
 
     def alone(step: int) -> int:
-        meta = make_metadata(1, vocab, **params, steps=step)
+        meta = build_sampling_metadata(1, vocab, **params, steps=step)
         return int(Sampler()(row[None], meta).token_ids[0])
 
     tokens = [alone(step) for step in range(12)]
@@ -307,5 +247,40 @@ def test_seeded_row_draws_the_same_token_in_any_batch() -> None:
         for name in columns:
             columns[name][position] = params.get(name, 5)
         columns["steps"][position] = 5
-        meta = make_metadata(64, vocab, **columns)
+        meta = build_sampling_metadata(64, vocab, **columns)
         assert int(Sampler()(logits, meta).token_ids[position]) == tokens[5]
+
+
+GPU_MIXES = [
+    dict(temperature=0.0),
+    dict(temperature=1.0),
+    dict(temperature=0.7, top_p=0.9),
+    dict(temperature=0.7, top_k=50),
+    dict(temperature=[0.0, 0.7] * 4, top_k=5, top_p=0.8, min_p=0.05),
+    dict(min_p=0.05),
+    dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5),
+    dict(logprobs=5),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mix", GPU_MIXES)
+def test_cuda_sampler_matches_cpu_and_never_synchronises(mix) -> None:
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(8, 3000, generator=gen) * 3
+    counts = torch.randint(0, 3, (8, 3000), generator=gen, dtype=torch.int32)
+    state = {}
+    if "repetition_penalty" in mix:
+        state = dict(output_counts=counts, prompt_mask=counts == 1)
+    cpu = Sampler()(logits, build_sampling_metadata(8, 3000, **mix, **state))
+    meta = build_sampling_metadata(8, 3000, "cuda", **mix, **state)
+    gpu_logits = logits.cuda()
+    Sampler()(gpu_logits, meta)  # compile the kernels first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = Sampler()(gpu_logits, meta)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.token_ids.cpu().tolist() == cpu.token_ids.tolist()

@@ -1,0 +1,126 @@
+"""The Sampler alone: time per call for each sampling mix users send, beside a plain argmax
+(what a greedy batch costs), at one row and at a full batch of a 128k vocabulary.
+
+    python -m benchmarks.sampler                      # CUDA: [1, 128256] and [256, 128256]
+    python -m benchmarks.sampler --cpu --vocab 4096   # CPU smoke run (small vocabulary)
+
+Each figure is the time per call over `--iters` back-to-back calls between two CUDA events, so
+launch overheads that leave the GPU idle count too. Logits are N(0, --logit-std) per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from benchmarks.record import write_result
+from loraplex.platform.runner.sampler import Sampler
+from loraplex.platform.runner.sampling_metadata import SamplingMetadata, build_sampling_metadata
+
+#: name -> SamplingParams-like values every row gets (the mixes the issue measures)
+MIXES: dict[str, dict[str, Any]] = {
+    "greedy": dict(temperature=0.0),
+    "t1.0": dict(temperature=1.0),
+    "t0.7_top_p0.9": dict(temperature=0.7, top_p=0.9),
+    "t0.7_seed": dict(temperature=0.7, seeds=1234),
+    "t0.7_top_k50": dict(temperature=0.7, top_k=50),
+    "min_p0.05": dict(min_p=0.05),
+    "repetition1.1": dict(repetition_penalty=1.1),
+    "presence0.5_frequency0.5": dict(presence_penalty=0.5, frequency_penalty=0.5),
+    "logprobs5": dict(logprobs=5),
+}
+
+
+def penalty_state(n: int, vocab: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Output counts (~256 generated tokens per row) and a prompt mask (~1024 prompt tokens)."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    counts = torch.zeros(n, vocab, dtype=torch.int32, device=device)
+    out = torch.randint(0, vocab, (n, 256), generator=gen, device=device)
+    counts.scatter_add_(1, out, torch.ones_like(out, dtype=torch.int32))
+    prompt = torch.zeros(n, vocab, dtype=torch.bool, device=device)
+    prompt.scatter_(1, torch.randint(0, vocab, (n, 1024), generator=gen, device=device), True)
+    return {"output_counts": counts, "prompt_mask": prompt}
+
+
+def metadata(
+    mix: dict[str, Any], n: int, vocab: int, device: torch.device, state: dict[str, torch.Tensor]
+) -> SamplingMetadata:
+    extra = {}
+    if "repetition_penalty" in mix or "presence_penalty" in mix:
+        extra = state
+    return build_sampling_metadata(n, vocab, device, **mix, **extra)
+
+
+def time_per_call(fn: Callable[[], object], iters: int, device: torch.device) -> float:
+    """Milliseconds per call of fn over `iters` back-to-back calls (after warm-up)."""
+    for _ in range(3):
+        fn()
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - start) * 1e3 / iters
+    torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / iters
+
+
+def run(
+    rows: list[int], vocab: int, iters: int, logit_std: float, device: torch.device
+) -> tuple[dict[str, float], dict[str, float]]:
+    sampler = Sampler()
+    metrics: dict[str, float] = {}
+    baseline: dict[str, float] = {}
+    for n in rows:
+        gen = torch.Generator(device=device).manual_seed(n)
+        logits = torch.randn(n, vocab, generator=gen, device=device) * logit_std
+        state = penalty_state(n, vocab, device)
+        argmax_ms = time_per_call(lambda x=logits: x.argmax(dim=-1), iters, device)
+        baseline[f"argmax_ms_n{n}"] = round(argmax_ms, 4)
+        print(f"[{n}, {vocab}] argmax: {argmax_ms:.4f} ms")
+        for name, mix in MIXES.items():
+            meta = metadata(mix, n, vocab, device, state)
+            ms = time_per_call(lambda x=logits, m=meta: sampler(x, m), iters, device)
+            metrics[f"{name}_ms_n{n}"] = round(ms, 4)
+            metrics[f"{name}_extra_ms_n{n}"] = round(ms - argmax_ms, 4)
+            print(f"[{n}, {vocab}] {name:>26}: {ms:.4f} ms ({ms - argmax_ms:+.4f} vs argmax)")
+    return metrics, baseline
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rows", default="1,256", help="batch sizes, comma separated")
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--logit-std", type=float, default=2.0)
+    parser.add_argument("--cpu", action="store_true", help="run on the CPU (smoke test)")
+    parser.add_argument("--out", default=None, help="results file (default: per device)")
+    args = parser.parse_args()
+    if args.cpu:
+        device = torch.device("cpu")
+    elif torch.cuda.is_available():
+        device = torch.device("cuda")
+    else:
+        print("benchmarks.sampler needs a CUDA GPU (or --cpu with a small --vocab); skipped")
+        return 0
+    rows = [int(r) for r in args.rows.split(",")]
+    metrics, baseline = run(rows, args.vocab, args.iters, args.logit_std, device)
+    out = args.out or ("h200_sampler.json" if device.type == "cuda" else "cpu_sampler.json")
+    write_result(
+        out, "sampler", metrics, baseline,
+        rows=rows, vocab=args.vocab, iters=args.iters, logit_std=args.logit_std,
+    )  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
