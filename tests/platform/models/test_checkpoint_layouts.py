@@ -14,6 +14,8 @@ import torch
 
 from loraplex import LLM, SamplingParams
 from loraplex.platform.models.arch_config import ArchConfig
+from loraplex.platform.models.linear import Linear
+from loraplex.quant.quantize import quantize_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -109,10 +111,14 @@ def _as_4x_layout(config: dict) -> dict:
     return old
 
 
-def _greedy(model: str | Path) -> list[list[int]]:
-    llm = LLM(str(model), dtype="float32", device="cpu", num_kv_blocks=32, enable_lora=False)
+def _greedy(model: str | Path | LLM) -> list[list[int]]:
+    llm = model if isinstance(model, LLM) else _llm(model)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     return [out.outputs[0].token_ids for out in llm.generate(PROMPTS, params)]
+
+
+def _llm(model: str | Path) -> LLM:
+    return LLM(str(model), dtype="float32", device="cpu", num_kv_blocks=32, enable_lora=False)
 
 
 def _hf_greedy(model: transformers.PreTrainedModel) -> list[list[int]]:
@@ -147,3 +153,49 @@ def test_both_layouts_give_transformers_greedy_tokens(name: str, tmp_path: Path)
     expected = _hf_greedy(hf)
     assert _greedy(new_dir) == expected, name
     assert _greedy(old_dir) == expected, name
+
+
+@torch.no_grad()
+def _dequantized_transformers_model(model: torch.nn.Module, config: dict):
+    """transformers' model of `config` (its quantization dropped) holding the weights that
+    our quantized `model` dequantizes to."""
+    dense_config = {k: v for k, v in config.items() if k != "quantization_config"}
+    hf = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**dense_config)
+    ).eval()
+    renames = {v: k for k, v in model.checkpoint_renames.items()}
+    state: dict[str, torch.Tensor] = {}
+    for path, module in model.named_modules():
+        if isinstance(module, Linear):
+            weight = module.method.dequantized_weight(module).float()  # [N, K], shards stacked
+            offsets, base = module.shard_offsets(), path.rpartition(".")[0]
+            for i, shard in enumerate(module.shard_names):
+                state[f"model.{base}.{shard}.weight"] = weight[offsets[i] : offsets[i + 1]]
+        elif not any(isinstance(parent, Linear) for parent in _parents(model, path)):
+            for name, param in module.named_parameters(recurse=False):
+                full = f"{path}.{name}" if path else name
+                state[renames.get(full, f"model.{full}")] = param
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    return hf
+
+
+def _parents(model: torch.nn.Module, path: str) -> list[torch.nn.Module]:
+    parts = path.split(".") if path else []
+    return [model.get_submodule(".".join(parts[:i])) for i in range(1, len(parts))]
+
+
+@pytest.mark.parametrize("options", [{"method": "awq"}, {"method": "gptq", "desc_act": True}])
+def test_quantized_5x_checkpoint_equals_its_dequantized_reference(
+    options: dict, tmp_path: Path
+) -> None:
+    dense = tmp_path / "dense"
+    _save_transformers_model("llama3", dense)
+    out = quantize_model(dense, tmp_path / "q", progress=False, group_size=32, **options)
+    config = json.loads((out / "config.json").read_text())
+    dense_config = json.loads((dense / "config.json").read_text())
+    assert config["rope_parameters"] == dense_config["rope_parameters"]  # carried as written
+    assert ArchConfig.from_path(out).rope == ArchConfig.from_path(dense).rope
+    llm = _llm(out)
+    reference = _dequantized_transformers_model(llm.engine.runner.model, config)
+    assert _greedy(llm) == _hf_greedy(reference)
