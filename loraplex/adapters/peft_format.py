@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,19 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
+
+from loraplex.adapters.errors import AdapterValidationError
+from loraplex.adapters.peft_config import PeftLoRAConfig, parse_peft_config
+
+__all__ = [
+    "CONFIG_FILE",
+    "WEIGHTS_FILE",
+    "AdapterValidationError",
+    "BaseModelSpec",
+    "LoRAModuleWeights",
+    "LoRAWeights",
+    "load_peft_adapter",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -37,26 +49,9 @@ SUPPORTED_MODULES = {
     "down_proj": "mlp",
 }
 
-#: adapter_config.json options that change the computation in ways we do not implement.
-_UNSUPPORTED_OPTIONS = {
-    "use_dora": "DoRA (use_dora)",
-    "lora_bias": "LoRA bias terms (lora_bias)",
-    "modules_to_save": "fully trained extra modules (modules_to_save)",
-    "layer_replication": "layer replication",
-    "fan_in_fan_out": "fan_in_fan_out weights",
-    "trainable_token_indices": "trained token embeddings (trainable_token_indices)",
-    "target_parameters": "LoRA on raw parameters (target_parameters)",
-    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
-    "use_qalora": "QA-LoRA (use_qalora)",
-}
-
 _KEY = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
 )
-
-
-class AdapterValidationError(ValueError):
-    """An adapter that cannot be served; the message names the file, tensor or module."""
 
 
 @dataclass(frozen=True)
@@ -151,10 +146,14 @@ class LoRAWeights:
         return LoRAWeights(self.path, self.digest, modules)
 
 
-def load_peft_adapter(path: str | Path, spec: BaseModelSpec, max_rank: int) -> LoRAWeights:
+def load_peft_adapter(
+    path: str | Path, spec: BaseModelSpec, max_rank: int, dtype: torch.dtype = torch.float32
+) -> LoRAWeights:
     """Load and validate a PEFT LoRA folder; tensors come back fp32 on CPU.
 
-    Raises `AdapterValidationError` for anything that cannot be served exactly.
+    `dtype` is the dtype the adapter will be served in: its weights and every module's scaling
+    must be finite there. Raises `AdapterValidationError` for anything that cannot be served
+    exactly, naming the field, tensor or module.
     """
     folder = Path(path)
     if not folder.is_dir():
@@ -169,56 +168,38 @@ def load_peft_adapter(path: str | Path, spec: BaseModelSpec, max_rank: int) -> L
     digest = hashlib.sha256(config_bytes)
     digest.update(weights_bytes)
     tensors = _parse_tensors(folder, weights_bytes)
-    modules = _build_modules(folder, config, tensors, spec, max_rank)
+    modules = _build_modules(folder, config, tensors, spec, max_rank, dtype)
     return LoRAWeights(str(folder), digest.hexdigest(), modules)
 
 
-def _read_config(folder: Path) -> tuple[dict[str, Any], bytes]:
+def _read_config(folder: Path) -> tuple[PeftLoRAConfig, bytes]:
     config_path = folder / CONFIG_FILE
     if not config_path.is_file():
         raise AdapterValidationError(f"{folder}: missing {CONFIG_FILE}")
     raw = config_path.read_bytes()
     try:
         config = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise AdapterValidationError(f"{config_path}: not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise AdapterValidationError(f"{config_path}: expected a JSON object")
-    if str(config.get("peft_type", "")).upper() != "LORA":
-        raise AdapterValidationError(
-            f"{config_path}: peft_type {config.get('peft_type')!r} is not LORA"
-        )
-    for field in ("r", "lora_alpha"):
-        if not isinstance(config.get(field), (int, float)) or config[field] <= 0:
-            raise AdapterValidationError(
-                f"{config_path}: {field} must be a positive number, got {config.get(field)!r}"
-            )
-    return config, raw
+    return parse_peft_config(config, str(config_path)), raw
 
 
-def _check_options(folder: Path, config: dict[str, Any], spec: BaseModelSpec) -> None:
+def _check_options(folder: Path, config: PeftLoRAConfig, spec: BaseModelSpec) -> None:
     where = folder / CONFIG_FILE
-    for option, what in _UNSUPPORTED_OPTIONS.items():
-        if config.get(option):
-            raise AdapterValidationError(f"{where}: {what} is not supported")
-    if config.get("bias", "none") != "none":
-        raise AdapterValidationError(
-            f"{where}: bias={config['bias']!r} is not supported (only 'none')"
-        )
-    targets = config.get("target_modules")
-    if isinstance(targets, list):
+    targets = config.target_modules
+    if isinstance(targets, tuple):
         unsupported = sorted(set(targets) - set(SUPPORTED_MODULES))
         if unsupported:
             raise AdapterValidationError(
                 f"{where}: target modules {unsupported} are not supported; LoRA applies only "
                 f"to {sorted(SUPPORTED_MODULES)}"
             )
-    base_class = (config.get("auto_mapping") or {}).get("base_model_class")
+    base_class = config.base_model_class
     if base_class and base_class != spec.architecture:
         raise AdapterValidationError(
             f"{where}: adapter was trained on {base_class}, the base model is {spec.architecture}"
         )
-    trained_on = config.get("base_model_name_or_path")
+    trained_on = config.base_model_name_or_path
     if trained_on and spec.name_or_path and trained_on != spec.name_or_path:
         logger.warning(
             "%s: trained on %s, serving on %s (shapes match)", folder, trained_on, spec.name_or_path
@@ -248,23 +229,13 @@ def _parse_tensors(folder: Path, data: bytes) -> dict[str, torch.Tensor]:
         ) from None
 
 
-def _pattern_value(patterns: dict[str, Any], module_path: str, default: float) -> float:
-    """PEFT's rank_pattern / alpha_pattern lookup: the first key matching the module path."""
-    for key, value in patterns.items():
-        try:
-            if re.match(rf"(.*\.)?({key})$", module_path):
-                return value
-        except re.error as e:
-            raise AdapterValidationError(f"pattern {key!r} is not a valid regex: {e}") from None
-    return default
-
-
 def _build_modules(
     folder: Path,
-    config: dict[str, Any],
+    config: PeftLoRAConfig,
     tensors: dict[str, torch.Tensor],
     spec: BaseModelSpec,
     max_rank: int,
+    dtype: torch.dtype,
 ) -> dict[tuple[int, str], LoRAModuleWeights]:
     weights_path = folder / WEIGHTS_FILE
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
@@ -294,15 +265,20 @@ def _build_modules(
     if not pairs:
         raise AdapterValidationError(f"{weights_path}: no LoRA weights found")
 
-    rank_pattern = config.get("rank_pattern") or {}
-    alpha_pattern = config.get("alpha_pattern") or {}
+    limit = torch.finfo(dtype).max  # the largest magnitude the serving dtype holds
+    dtype_name = str(dtype).removeprefix("torch.")
     modules = {}
     for (layer, module), pair in sorted(pairs.items()):
         name = f"model.layers.{layer}.{SUPPORTED_MODULES[module]}.{module}"
         if set(pair) != {"A", "B"}:
             missing = "lora_B" if "A" in pair else "lora_A"
             raise AdapterValidationError(f"{weights_path}: {name} has no {missing} weight")
-        a, b = pair["A"].float(), pair["B"].float()
+        if not config.targets(name):
+            raise AdapterValidationError(
+                f"{weights_path}: {name} has LoRA weights, but {CONFIG_FILE}'s target_modules / "
+                "exclude_modules do not select it"
+            )
+        a, b = pair["A"].float(), pair["B"].float()  # [rank, in], [out, rank]
         in_features, out_features = spec.module_shape(module)
         rank = a.shape[0] if a.dim() == 2 else -1
         if (
@@ -316,10 +292,11 @@ def _build_modules(
                 f"{tuple(b.shape)}, expected ({rank}, {in_features}) and "
                 f"({out_features}, {rank}) for the base model"
             )
-        expected_rank = _pattern_value(rank_pattern, name, config["r"])
+        expected_rank, rank_field = config.rank_of(name)
         if rank != expected_rank:
             raise AdapterValidationError(
-                f"{weights_path}: {name} has rank {rank}, {CONFIG_FILE} says {expected_rank}"
+                f"{weights_path}: {name} has rank {rank}, {CONFIG_FILE} says {expected_rank} "
+                f"({rank_field})"
             )
         if rank > max_rank:
             raise AdapterValidationError(
@@ -330,9 +307,16 @@ def _build_modules(
                 raise AdapterValidationError(
                     f"{weights_path}: {name}.{label} holds NaN or infinite values"
                 )
-        alpha = _pattern_value(alpha_pattern, name, config["lora_alpha"])
-        denominator = math.sqrt(rank) if config.get("use_rslora") else rank
-        modules[(layer, module)] = LoRAModuleWeights(
-            a.contiguous(), b.contiguous(), alpha / denominator
-        )
+            if tensor.numel() and float(tensor.abs().max()) > limit:
+                raise AdapterValidationError(
+                    f"{weights_path}: {name}.{label} holds values over {limit:.4g}, the largest "
+                    f"{dtype_name} can hold"
+                )
+        scaling, alpha_field = config.scaling_of(name, rank)
+        if not scaling <= limit:
+            raise AdapterValidationError(
+                f"{config.where}: {alpha_field} gives {name} a scaling of {scaling:.4g}, over "
+                f"{limit:.4g}, the largest {dtype_name} (the serving dtype) can hold"
+            )
+        modules[(layer, module)] = LoRAModuleWeights(a.contiguous(), b.contiguous(), scaling)
     return modules
