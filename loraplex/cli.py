@@ -103,11 +103,15 @@ def _add_quantize(sub: argparse._SubParsersAction) -> None:
 def _run_quantize(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from loraplex.platform.models.arch_config import ArchConfig
     from loraplex.platform.models.model_store import resolve_model_path
     from loraplex.quant.quantize import quantize_model
 
+    src = resolve_model_path(args.model)
+    if src.is_dir():  # a config we would refuse to serve is refused before any work
+        ArchConfig.from_path(src)
     out = quantize_model(
-        resolve_model_path(args.model),
+        src,
         Path(args.out),
         args.method,
         bits=args.bits,

@@ -147,3 +147,16 @@ def test_dtype_from_either_layout() -> None:
     assert ArchConfig.from_dict({**BASE, "dtype": "bfloat16"}).torch_dtype == "bfloat16"
     old = {k: v for k, v in BASE.items() if k != "dtype"} | {"torch_dtype": "float16"}
     assert ArchConfig.from_dict(old).torch_dtype == "float16"
+
+
+def test_quantize_refuses_before_writing_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from loraplex.cli import main
+
+    folder = _folder(tmp_path, {"mlp_bias": True})
+    out = tmp_path / "awq"
+    argv = ["quantize", "--method", "awq", "--model", str(folder), "--out", str(out)]
+    assert main(argv) == 2
+    assert "loraplex quantize: error: config.json mlp_bias=True" in capsys.readouterr().err
+    assert not out.exists()
