@@ -4,21 +4,27 @@ It ties together the registry of known adapters (name -> folder), their validati
 cache and GPU slot pool, and the model's LoRA layers. The scheduler asks `can_schedule` and
 `acquire_for_request` / `release_for_request`; the runner calls `set_batch` before each forward;
 prefix caching hashes blocks with `adapter_key`.
+
+A registered adapter that fails to load later (its files changed or vanished, or it no longer
+passes validation) fails alone: the manager marks it failed, never raises from `prefetch` or
+`can_schedule`, refuses new requests on it, and hands the engine `take_failures()` so that the
+requests already queued on it end with the error; no other adapter's requests notice.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
 
+from loraplex.adapters.errors import AdapterLoadError, AdapterValidationError, without_path
 from loraplex.adapters.lora_layer import LoRAModelState
 from loraplex.adapters.peft_format import (
     CONFIG_FILE,
     WEIGHTS_FILE,
-    AdapterValidationError,
     BaseModelSpec,
     LoRAWeights,
     load_peft_adapter,
@@ -26,6 +32,8 @@ from loraplex.adapters.peft_format import (
 from loraplex.adapters.request import LoRARequest
 from loraplex.adapters.slot_pool import LoRASlotPool
 from loraplex.config import LoRAConfig
+
+logger = logging.getLogger(__name__)
 
 #: slot value of a token that runs the base model only
 BASE_SLOT = -1
@@ -79,6 +87,8 @@ class LoRAManager:
         self._entries: dict[str, _Entry] = {}
         self._paths: dict[str, str] = {}  # key -> folder, for reloads after CPU eviction
         self._held: dict[str, str] = {}  # request id -> key
+        self._failed: dict[str, str] = {}  # key -> why it failed to load (tenant-safe text)
+        self._new_failures: dict[str, str] = {}  # failed since the last `take_failures`
         self.pool = LoRASlotPool(
             config.max_loras, config.max_cpu_loras, model_state, self._reload, self._device
         )
@@ -91,6 +101,7 @@ class LoRAManager:
         Raises `AdapterValidationError` if the adapter cannot be served."""
         weights = self._load(request.lora_path)
         key = "lora-" + weights.digest[:32]
+        self._failed.pop(key, None)  # validated afresh: a new chance
         old = self._entries.get(request.lora_name)
         self._entries[request.lora_name] = _Entry(
             request.lora_path, key, _fingerprint(request.lora_path)
@@ -108,6 +119,8 @@ class LoRAManager:
             return False
         if not self._key_in_use(entry.key):
             self.pool.forget(entry.key)
+            if not any(e.key == entry.key for e in self._entries.values()):
+                self._failed.pop(entry.key, None)
         return True
 
     def list_adapters(self) -> dict[str, str]:
@@ -117,7 +130,8 @@ class LoRAManager:
     def adapter_key(self, request: LoRARequest | None) -> str | None:
         """The identity of the adapter's weights (a content hash), None for the base model.
 
-        Registers the adapter on first sight, and again when its folder or files changed."""
+        Registers the adapter on first sight, and again when its folder or files changed.
+        Raises `AdapterValidationError` (`AdapterLoadError` for one that failed to load)."""
         if request is None:
             return None
         entry = self._entries.get(request.lora_name)
@@ -127,16 +141,36 @@ class LoRAManager:
             or entry.fingerprint != _fingerprint(request.lora_path)
         ):
             return self.add_adapter(request)
+        failure = self._failed.get(entry.key)
+        if failure is not None:
+            raise AdapterLoadError(failure)
         return entry.key
 
     # -- scheduling ---------------------------------------------------------------------------
 
     def can_schedule(self, key: str | None) -> bool:
-        """Whether a request with this adapter can get a slot now."""
-        return key is None or self.pool.can_allocate(key)
+        """Whether a request with this adapter can get a slot now.
+
+        An adapter not on the device is read into the host cache here (from disk if it was
+        evicted), so that `acquire_for_request` finds it; one that fails to load is marked
+        failed (see `take_failures`) and is never schedulable."""
+        if key is None:
+            return True
+        if key in self._failed or not self.pool.can_allocate(key):
+            return False
+        if self.pool.slot_of(key) is None:
+            try:
+                self.pool.load_host(key)
+            except Exception as error:
+                self._fail(key, error)
+                return False
+        return True
 
     def acquire_for_request(self, request_id: str, key: str | None) -> int:
-        """Pin the adapter's slot for a request (idempotent); returns the slot, -1 for base."""
+        """Pin the adapter's slot for a request (idempotent); returns the slot, -1 for base.
+
+        Ask `can_schedule` first: it leaves the weights in the host cache, so what is left here
+        is the copy into the slot. A copy that fails marks the adapter failed and raises."""
         if key is None:
             return BASE_SLOT
         held = self._held.get(request_id)
@@ -144,7 +178,11 @@ class LoRAManager:
             if held != key:
                 raise ValueError(f"request {request_id} already holds adapter {held}")
             return self.pool.slot_of(key)  # type: ignore[return-value]
-        slot = self.pool.acquire(key)
+        try:
+            slot = self.pool.acquire(key)
+        except Exception as error:
+            self._fail(key, error)
+            raise
         self._held[request_id] = key
         return slot
 
@@ -160,8 +198,18 @@ class LoRAManager:
 
     def prefetch(self, key: str | None) -> None:
         """Warm the caches for a waiting request's adapter without evicting a resident one."""
-        if key is not None:
+        if key is None or key in self._failed:
+            return
+        try:
             self.pool.prefetch(key)
+        except Exception as error:
+            self._fail(key, error)
+
+    def take_failures(self) -> dict[str, str]:
+        """Adapters (key -> reason) that failed to load since the last call; the engine ends
+        the requests queued on them with the reason. Requests added later are refused."""
+        failures, self._new_failures = self._new_failures, {}
+        return failures
 
     def is_ready(self, key: str | None) -> bool:
         """Whether the adapter's weights are on the device already (never blocks)."""
@@ -193,8 +241,24 @@ class LoRAManager:
     def _key_in_use(self, key: str) -> bool:
         return key in self._held.values()
 
+    def validate(self, path: str | os.PathLike[str]) -> LoRAWeights:
+        """Load and validate a PEFT folder for this model: its spec, `max_lora_rank` and the
+        serving dtype (fp32 tensors come back). Reads no manager state: any thread may call it.
+
+        Raises `AdapterValidationError` naming the field, tensor or module at fault."""
+        return load_peft_adapter(path, self.spec, self.config.max_lora_rank, self._dtype)
+
+    def _fail(self, key: str, error: Exception) -> None:
+        path = self._paths.get(key, "")
+        reason = without_path(str(error), path) if path else str(error)
+        message = f"the adapter failed to load: {reason}"
+        logger.warning("adapter %s (%s) failed to load: %s", key, path, error)
+        self._failed[key] = message
+        self._new_failures[key] = message
+        self.pool.forget(key)
+
     def _load(self, path: str) -> LoRAWeights:
-        weights = load_peft_adapter(path, self.spec, self.config.max_lora_rank)
+        weights = self.validate(path)
         return weights.to(self._dtype, pin_memory=self._device.type == "cuda")
 
     def _reload(self, key: Hashable) -> LoRAWeights:

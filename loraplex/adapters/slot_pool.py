@@ -138,6 +138,11 @@ class LoRASlotPool:
             self._load(key, slot)
             self._idle[slot] = None
 
+    def load_host(self, key: Hashable) -> None:
+        """Make sure the adapter's weights are in the host cache (read through the loader on a
+        miss; the loader's errors propagate). Touches no slot."""
+        self._host_weights(key)
+
     def wait_ready(self) -> None:
         """Order the current stream after the pending loads of pinned slots (no host wait)."""
         for s in self._slots:

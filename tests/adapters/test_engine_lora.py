@@ -4,6 +4,9 @@ and broken adapters are refused while the engine keeps serving."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 from engine_lora_helpers import (
     ADAPTER_SPECS,
@@ -14,11 +17,13 @@ from engine_lora_helpers import (
     nan_weights,
     pickle_only,
     rank_over,
+    rot_in_place,
     truncated,
     wrong_shape,
 )
 
 from loraplex import LLM, LoRARequest, RequestOutputKind, SamplingParams
+from loraplex.adapters.errors import AdapterLoadError
 from loraplex.adapters.peft_format import AdapterValidationError
 
 pytestmark = pytest.mark.slow
@@ -179,3 +184,34 @@ def test_engine_serves_normally_after_a_refused_adapter(llm, peft, tmp_path):
     assert tokens(outputs[0]) == peft.greedy(None, outputs[0].prompt_token_ids)
     assert tokens(outputs[1]) == peft.greedy("r8-all", outputs[1].prompt_token_ids)
     assert_idle(llm)
+
+
+def test_an_adapter_failing_to_load_ends_only_its_own_requests(llm, peft, tmp_path):
+    engine = llm.engine
+    rotten = LoRARequest("rots", str(_copy_of(peft, "r8-all", tmp_path)))
+    key = engine.lora_manager.adapter_key(rotten)  # registered and validated while sound
+    engine.lora_manager.pool.forget(key)  # evicted from the caches...
+    rot_in_place(Path(rotten.lora_path))  # ...and the files rot, unseen by the fingerprint
+    good = {"base": None, "r4-qv": lora(peft, "r4-qv")}
+    for name, request in good.items():
+        engine.add_request(name, PROMPTS[None if request is None else name], GREEDY,
+                           lora_request=request)  # fmt: skip
+    engine.add_request("rotten", PROMPTS[None], SamplingParams(max_tokens=4, n=2),
+                       lora_request=rotten)  # fmt: skip
+    outputs = {o.request_id: o for o in engine.generate_blocking(deadline_s=300)}
+    failed = outputs["rotten"]
+    assert failed.error is not None and "failed to load" in failed.error and "NaN" in failed.error
+    assert [c.finish_reason for c in failed.outputs] == ["error", "error"]
+    for name, request in good.items():
+        assert outputs[name].error is None
+        assert tokens(outputs[name]) == peft.greedy(
+            None if request is None else name, outputs[name].prompt_token_ids
+        )
+    assert_idle(llm)
+    with pytest.raises(AdapterLoadError, match="failed to load"):
+        engine.add_request("again", PROMPTS[None], GREEDY, lora_request=rotten)
+    assert_idle(llm)
+
+
+def _copy_of(peft: PeftReference, name: str, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(peft.paths[name], tmp_path / name))

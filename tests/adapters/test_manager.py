@@ -7,6 +7,7 @@ import torch
 from lora_fixtures import HF_CONFIG, make_peft_adapter, tiny_llama
 from test_lora_layer import TinyProjections, peft_delta
 
+from loraplex.adapters.errors import AdapterLoadError
 from loraplex.adapters.lora_layer import attach_lora_layers
 from loraplex.adapters.manager import LoRAManager
 from loraplex.adapters.peft_format import AdapterValidationError, BaseModelSpec
@@ -83,6 +84,41 @@ def test_removed_adapter_is_dropped_once_idle(manager_and_model, tmp_path):
     assert manager.stats().gpu_resident == 1  # still serving r1
     manager.release_for_request("r1")
     assert manager.stats().registered == 0 and manager.stats().gpu_resident == 0
+
+
+def _failing_loads(manager: LoRAManager, key: str) -> None:
+    """Drop `key` from the caches and make its next read from disk fail."""
+    manager.pool.forget(key)
+    loader = manager.pool._loader
+
+    def load(k):
+        if k == key:
+            raise OSError(f"{manager._paths[k]}/adapter_model.safetensors: I/O error")
+        return loader(k)
+
+    manager.pool._loader = load
+
+
+@pytest.mark.parametrize("where", ["prefetch", "can_schedule"])
+def test_an_adapter_that_fails_to_load_fails_alone(manager_and_model, tmp_path, where):
+    manager, _ = manager_and_model
+    folders = [make_peft_adapter(tmp_path / n, seed=s) for n, s in (("a", 1), ("b", 2))]
+    key_a, key_b = (manager.adapter_key(LoRARequest(f.name, str(f))) for f in folders)
+    _failing_loads(manager, key_a)
+    if where == "prefetch":
+        manager.prefetch(key_a)  # never raises: the failure is recorded
+    assert not manager.can_schedule(key_a)
+    failures = manager.take_failures()
+    assert list(failures) == [key_a] and manager.take_failures() == {}
+    assert "failed to load" in failures[key_a] and "I/O error" in failures[key_a]
+    assert str(tmp_path) not in failures[key_a]  # no server path in what a tenant sees
+    with pytest.raises(AdapterLoadError, match="failed to load"):
+        manager.adapter_key(LoRARequest("a", str(folders[0])))
+    assert manager.can_schedule(key_b) and manager.acquire_for_request("r1", key_b) >= 0
+
+    manager.pool._loader = manager._reload  # the disk recovers; registering again clears it
+    assert manager.add_adapter(LoRARequest("a", str(folders[0]))) == key_a
+    assert manager.can_schedule(key_a) and manager.adapter_key(LoRARequest("a", str(folders[0])))
 
 
 @pytest.mark.gpu

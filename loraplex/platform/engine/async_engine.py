@@ -22,6 +22,7 @@ from loraplex.adapters.request import LoRARequest
 from loraplex.config import EngineConfig
 from loraplex.platform.engine.engine import Engine, EngineStats
 from loraplex.platform.engine.outputs import RequestOutput
+from loraplex.platform.engine.request import RequestStatus
 from loraplex.platform.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -302,8 +303,8 @@ class AsyncEngine:
                     try:
                         self._step()
                     except Exception as exc:
-                        logger.exception("an engine step failed; aborting the requests in flight")
-                        self._abort_live(exc)
+                        logger.exception("an engine step failed; ending the requests it held")
+                        self._recover(exc)
                 self._snapshot = self._take_snapshot()
         except BaseException as exc:
             logger.exception("the engine thread failed")
@@ -408,12 +409,28 @@ class AsyncEngine:
             except Exception:
                 logger.exception("a timing observer failed")
 
-    def _abort_live(self, error: Exception) -> None:
-        """Abort every request in flight and hand each the error that stopped it."""
-        for request_id, live in list(self._live.items()):
-            del self._live[request_id]
-            self.engine.abort_request(request_id)
-            self._deliver(live.command, error)
+    def _recover(self, error: Exception) -> None:
+        """After a step raised: end every request the engine holds, through the scheduler (its
+        blocks and adapter slot freed, the runner told to forget it) and the output processor,
+        and hand each waiting caller the error. The engine then serves new requests as before.
+
+        NOTE: a step can raise midway through scheduling or updating, so which requests it
+        touched is unknown: all of them end, including any no caller is waiting for."""
+        engine = self.engine
+        parents = {
+            engine.output_processor.parent_of(req_id) for req_id in engine.scheduler.requests
+        }
+        parents.update(self._live)
+        parents.discard(None)
+        engine.scheduler.finish_all_requests(RequestStatus.FINISHED_ABORTED)
+        for request_id in parents:
+            try:
+                engine.abort_request(request_id)
+            except Exception:
+                logger.exception("ending request %s after a failed step failed", request_id)
+            live = self._live.pop(request_id, None)
+            if live is not None:
+                self._deliver(live.command, error)
 
     def _fail_all(self, error: BaseException) -> None:
         """Fail every request in flight and every queued add (the thread is ending)."""

@@ -7,6 +7,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from loraplex.adapters.errors import AdapterLoadError
 from loraplex.adapters.manager import LoRAStats
 from loraplex.adapters.request import LoRARequest
 from loraplex.config import EngineConfig
@@ -173,12 +174,24 @@ class Engine:
             )
         return params.max_tokens
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def abort_request(
+        self, request_id: str, error: Exception | None = None
+    ) -> RequestOutput | None:
+        """End a request (freeing its blocks and adapter slot); returns its final output.
+
+        With `error`, the request failed rather than being aborted: it finishes with reason
+        "error" and the final output carries the error (`error`, `failure`)."""
         core_ids = self.output_processor.core_ids(request_id)
         for core_id in core_ids:
             self.structured.forget(core_id)
-        self.scheduler.finish_requests(core_ids, RequestStatus.FINISHED_ABORTED)
-        return self.output_processor.abort(request_id)
+        if error is None:
+            self.scheduler.finish_requests(core_ids, RequestStatus.FINISHED_ABORTED)
+            return self.output_processor.abort(request_id)
+        self.scheduler.finish_requests(core_ids, RequestStatus.FINISHED_ERROR)
+        out = self.output_processor.abort(request_id, "error")
+        if out is not None:
+            out.error, out.failure = str(error), error
+        return out
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
@@ -192,7 +205,7 @@ class Engine:
         tokens are read, and this returns step N's outputs while the device runs step N+1.
         While any request samples from its own token history (penalties, a grammar), steps
         run in lock step."""
-        failed = self._poll_grammars()
+        failed = self._poll_grammars() + self._poll_adapters()
         if not self.async_scheduling or self.scheduler.num_lock_step:
             outputs = self._finish_in_flight()
             so = self.scheduler.schedule()
@@ -235,6 +248,25 @@ class Engine:
             out = self.abort_request(parent_id)
             if out is not None:
                 out.error = str(error)
+                outputs.append(out)
+        return outputs
+
+    def _poll_adapters(self) -> list[RequestOutput]:
+        """End, with the reason, the requests on adapters that failed to load since the last
+        step; every other request carries on."""
+        failures = self.lora_manager.take_failures() if self.lora_manager is not None else {}
+        if not failures:
+            return []
+        reasons: dict[str, str] = {}  # parent request id -> why
+        for request in self.scheduler.requests.values():
+            reason = failures.get(request.adapter_key)  # type: ignore[arg-type]
+            parent_id = self.output_processor.parent_of(request.request_id)
+            if reason is not None and parent_id is not None:
+                reasons.setdefault(parent_id, reason)
+        outputs = []
+        for parent_id, reason in reasons.items():
+            out = self.abort_request(parent_id, error=AdapterLoadError(reason))
+            if out is not None:
                 outputs.append(out)
         return outputs
 

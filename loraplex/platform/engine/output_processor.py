@@ -138,14 +138,15 @@ class OutputProcessor:
                 results.append(result)
         return results, stopped
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Mark a request's unfinished samples aborted; returns its final output."""
+    def abort(self, request_id: str, finish_reason: str = "abort") -> RequestOutput | None:
+        """End a request's unfinished samples with `finish_reason` ("abort", or "error" for a
+        request that failed); returns its final output."""
         parent = self._parents.get(request_id)
         if parent is None:
             return None
         for sample in parent.samples.values():
             if sample.finish_reason is None:
-                sample.finish_reason = "abort"
+                sample.finish_reason = finish_reason
         return self._make_output(parent)
 
     def _decode_logprobs(self, entries: list[tuple[int, float, int]]) -> dict[int, Logprob]:
