@@ -101,15 +101,16 @@ def _add_quantize(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_quantize(args: argparse.Namespace) -> int:
+    import json
     from pathlib import Path
 
-    from loraplex.platform.models.arch_config import ArchConfig
+    from loraplex.platform.models.arch_config import check_supported_config
     from loraplex.platform.models.model_store import resolve_model_path
     from loraplex.quant.quantize import quantize_model
 
     src = resolve_model_path(args.model)
     if src.is_dir():  # a config we would refuse to serve is refused before any work
-        ArchConfig.from_path(src)
+        check_supported_config(json.loads((src / "config.json").read_text()))
     out = quantize_model(
         src,
         Path(args.out),

@@ -119,16 +119,8 @@ class ArchConfig:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ArchConfig:
         """Parse and check a config.json dict; ValueError names what is missing or refused."""
-        archs = cfg.get("architectures") or []
-        if not archs:
-            raise ValueError("config.json has no 'architectures' entry")
-        arch = archs[0]
-        family = _FAMILIES.get(arch)
-        if family is None:
-            raise ValueError(
-                f"config.json architectures={archs!r}: unsupported architecture {arch!r}; "
-                f"supported: {sorted(_FAMILIES)}"
-            )
+        family = _family(cfg)
+        arch = cfg["architectures"][0]
         check_supported_fields(cfg)
         num_heads = _int(cfg, "num_attention_heads")
         hidden = _int(cfg, "hidden_size")
@@ -202,6 +194,27 @@ def _int(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"config.json {key}={value!r} must be a positive integer")
     return value
+
+
+def _family(cfg: dict[str, Any]) -> _Family:
+    archs = cfg.get("architectures") or []
+    if not archs:
+        raise ValueError("config.json has no 'architectures' entry")
+    family = _FAMILIES.get(archs[0])
+    if family is None:
+        raise ValueError(
+            f"config.json architectures={archs!r}: unsupported architecture {archs[0]!r}; "
+            f"supported: {sorted(_FAMILIES)}"
+        )
+    return family
+
+
+def check_supported_config(cfg: dict[str, Any]) -> None:
+    """The refusals that need no sizes (architecture, numerics fields, RoPE), for tools that
+    handle a checkpoint without building it (`loraplex quantize`); `from_dict` applies them too."""
+    _family(cfg)
+    check_supported_fields(cfg)
+    parse_rope_config(cfg)
 
 
 def check_supported_fields(cfg: dict[str, Any]) -> None:
