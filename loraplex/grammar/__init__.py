@@ -8,7 +8,7 @@ How an engine uses it:
 
     vocab = build_vocabulary(tokenizer, stop_token_ids)      # once; EOS first
     compiler = GrammarCompiler(vocab, GrammarConfig())       # once; shutdown() at exit
-    future = compiler.submit(params.structured_outputs)      # on add; GrammarError -> 400
+    future = compiler.submit(params.structured_outputs)      # on add; SchemaTooLargeError -> 400
     if future.done():                                        # each step, until ready
         matcher = GrammarMatcher(future.result())            # GrammarError -> fail request
     bitmask = allocate_token_bitmask(max_rows, vocab_size)   # once; rows = -1 (allow all)
@@ -28,6 +28,7 @@ from loraplex.grammar.errors import (
     GrammarError,
     GrammarMemoryError,
     GrammarTimeoutError,
+    SchemaTooLargeError,
     UnsupportedSchemaError,
 )
 from loraplex.grammar.params import StructuredOutputs
@@ -61,6 +62,7 @@ __all__ = [
     "GrammarMemoryError",
     "GrammarTimeoutError",
     "GrammarVocabulary",
+    "SchemaTooLargeError",
     "StructuredOutputs",
     "UnsupportedSchemaError",
     "allocate_token_bitmask",

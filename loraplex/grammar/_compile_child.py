@@ -1,17 +1,22 @@
-"""The compile child process: `python -I _compile_child.py MEMORY_MIB`.
+"""The compile child process: `python -I _compile_child.py MEMORY_MIB PACKAGE_PARENT`.
 
-Runs as a plain script (nothing of loraplex is imported, so no torch), under an address-space
-limit. Reads length-prefixed pickled frames on stdin: first the outlines-core `Vocabulary`, then
-one job dict per compile. Answers each job with `("ok", Index binary)` or `(kind, message)` where
-kind is "error" or "memory". outlines-core aborts the process when an allocation fails; the
-parent reads that as running out of memory.
+Runs as a plain script under an address-space limit. Of loraplex it imports only the schema
+analysis (`loraplex.grammar`, never the engine or torch), found under PACKAGE_PARENT. Reads
+length-prefixed pickled frames on stdin: first the outlines-core `Vocabulary`, then one job dict
+per compile. A "json" job's schema is analysed here (`analyse_schema`: validation, refusals,
+rewriting), so a costly schema spends this process's time and memory, not the engine's. Answers
+each job with `("ok", Index binary)`, `("unsupported", (feature, detail))`, `("invalid",
+message)`, or `(kind, message)` where kind is "error" or "memory". outlines-core aborts the
+process when an allocation fails; the parent reads that as running out of memory.
 """
 
+import json
 import os
 import pickle
 import resource
 import struct
 import sys
+import types
 
 from outlines_core import Index
 from outlines_core.json_schema import build_regex_from_schema
@@ -40,20 +45,38 @@ def _write_frame(stream, payload: object) -> None:
     stream.flush()
 
 
-def _regex(job: dict) -> str:
+def _import_analysis(package_parent: str):
+    """`analyse_schema` and the grammar errors, without running `loraplex/__init__`.
+
+    NOTE: the root package imports the engine (and with it torch); a bare module standing in for
+    it, whose path is the package folder, lets `loraplex.grammar` load alone."""
+    package = types.ModuleType("loraplex")
+    package.__path__ = [os.path.join(package_parent, "loraplex")]
+    sys.modules["loraplex"] = package
+    from loraplex.grammar import errors
+    from loraplex.grammar.schema_analysis import analyse_schema
+
+    return analyse_schema, errors
+
+
+def _regex(job: dict, analyse_schema) -> str:
     """The job's regex, followed by the end marker (see `GrammarVocabulary`)."""
     if job["kind"] == "regex":
         regex = job["source"]
     else:
+        analysed = analyse_schema(json.loads(job["source"]))
         regex = build_regex_from_schema(
-            job["source"], job["whitespace_pattern"], max_recursion_depth=job["max_recursion_depth"]
+            json.dumps(analysed.schema, sort_keys=True),
+            job["whitespace_pattern"],
+            max_recursion_depth=job["max_recursion_depth"],
         )
-        for placeholder, replacement in job["substitutions"]:
+        for placeholder, replacement in sorted(analysed.substitutions.items()):
             regex = regex.replace(placeholder, replacement)
     return f"(?:{regex})\\x{{{ord(job['end_marker']):X}}}"
 
 
 def main() -> None:
+    analyse_schema, errors = _import_analysis(sys.argv[2])
     limit = int(sys.argv[1]) * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     requests = sys.stdin.buffer
@@ -64,10 +87,14 @@ def main() -> None:
     while (frame := _read_frame(requests)) is not None:
         job = pickle.loads(frame)
         try:
-            index = Index(_regex(job), vocabulary)
+            index = Index(_regex(job, analyse_schema), vocabulary)
             # NOTE: an Index pickles as `Index.from_binary(data)`; sending `data` alone lets
             # the parent and the disk cache load it without unpickling.
             _write_frame(replies, ("ok", index.__reduce__()[1][0]))
+        except errors.UnsupportedSchemaError as error:
+            _write_frame(replies, ("unsupported", (error.feature, error.detail)))
+        except errors.GrammarError as error:
+            _write_frame(replies, ("invalid", str(error)))
         except MemoryError as error:
             _write_frame(replies, ("memory", str(error)))
         except Exception as error:

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 from loraplex.grammar.config import GrammarConfig
 from loraplex.grammar.params import StructuredOutputs
-from loraplex.grammar.schema_analysis import analyse_schema
 
 # Escaped in choices: every character the Rust regex syntax treats as special.
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~")
@@ -24,14 +23,14 @@ _JSON_OBJECT_DEPTH = 2
 class CompileRequest:
     """What to compile: a regex, or a JSON schema to turn into one.
 
-    kind: "regex" or "json". source: the regex, or the schema's JSON text.
-    substitutions: (placeholder, regex) pairs replaced in the schema's regex.
+    kind: "regex" or "json". source: the regex, or the schema's JSON text (keys sorted).
+    A "json" job is analysed (`analyse_schema`) in the compile child, under its time and memory
+    limits, not by whoever builds the job.
     whitespace_pattern / max_recursion_depth: passed to outlines-core for "json".
     """
 
     kind: str
     source: str
-    substitutions: tuple[tuple[str, str], ...] = ()
     whitespace_pattern: str = r"[ ]?"
     max_recursion_depth: int = 3
 
@@ -41,7 +40,6 @@ class CompileRequest:
             [
                 self.kind,
                 self.source,
-                self.substitutions,
                 self.whitespace_pattern,
                 self.max_recursion_depth,
                 fingerprint,
@@ -68,19 +66,18 @@ def json_object_regex(whitespace: str, depth: int = _JSON_OBJECT_DEPTH) -> str:
 
 
 def build_compile_request(outputs: StructuredOutputs, config: GrammarConfig) -> CompileRequest:
-    """Analyse `outputs` into a compile job. Raises `GrammarError` subclasses (400s) for specs
-    that cannot be honoured; cheap, so the API can call it before admitting the request."""
+    """The compile job of `outputs`: cheap, with no schema analysis (the compile child runs it).
+
+    A JSON schema must have passed `check_schema_limits` first."""
     if outputs.kind == "regex":
         return CompileRequest(kind="regex", source=outputs.regex)
     if outputs.kind == "choice":
         return CompileRequest(kind="regex", source="|".join(map(escape_regex, outputs.choice)))
     if outputs.kind == "json_object":
         return CompileRequest(kind="regex", source=json_object_regex(config.whitespace_pattern))
-    analysed = analyse_schema(outputs.json)
     return CompileRequest(
         kind="json",
-        source=json.dumps(analysed.schema, sort_keys=True),
-        substitutions=tuple(sorted(analysed.substitutions.items())),
+        source=json.dumps(outputs.json, sort_keys=True),
         whitespace_pattern=config.whitespace_pattern,
         max_recursion_depth=config.max_recursion_depth,
     )

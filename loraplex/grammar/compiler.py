@@ -13,6 +13,7 @@ from loraplex.grammar.compiled import CompiledGrammar
 from loraplex.grammar.config import GrammarConfig
 from loraplex.grammar.errors import GrammarError
 from loraplex.grammar.params import StructuredOutputs
+from loraplex.grammar.schema_limits import check_schema_limits
 from loraplex.grammar.vocabulary import GrammarVocabulary
 from loraplex.grammar.worker import CompileWorker, load_index
 
@@ -28,9 +29,11 @@ class GrammarCompiler:
     """Turns `StructuredOutputs` into `CompiledGrammar`s off the engine loop.
 
     `submit` returns a `Future` at once; the engine polls `future.done()` each step and keeps
-    decoding other requests meanwhile. Compiles run in child processes (`num_workers` at once)
-    under the configured time and memory limits. Equal specs share one compile: in flight, in
-    memory, and on disk across restarts. A failed future raises a `GrammarError` (a 400).
+    decoding other requests meanwhile. On the caller's thread `submit` only checks a schema's
+    size limits (bounded work); its analysis and the compile run in child processes
+    (`num_workers` at once) under the configured time and memory limits. Equal specs share one
+    compile: in flight, in memory, and on disk across restarts. A failed future raises a
+    `GrammarError` (a 400).
     """
 
     def __init__(self, vocabulary: GrammarVocabulary, config: GrammarConfig | None = None) -> None:
@@ -57,13 +60,15 @@ class GrammarCompiler:
         self.num_compiles = 0
 
     def check(self, outputs: StructuredOutputs) -> CompileRequest:
-        """Analyse `outputs` without compiling; raises `GrammarError` for what cannot be
-        honoured. Cheap enough for the API to call before admitting a request."""
+        """The compile job of `outputs`; raises `SchemaTooLargeError` for a schema over the
+        size limits. Bounded work: the schema's analysis runs in the compile child."""
         return self._analyse(outputs)[0]
 
     def _analyse(self, outputs: StructuredOutputs) -> tuple[CompileRequest, str]:
-        """The compile job and cache key of `outputs`, remembered by the spec's own key so a
-        repeated spec skips schema analysis too."""
+        """The compile job and cache key of `outputs`, remembered by the spec's own key."""
+        if outputs.kind == "json":
+            # NOTE: first, before anything recursive (the spec's key is `json.dumps`) reads it.
+            check_schema_limits(outputs.json, self.config)
         spec_key = outputs.key()
         with self._lock:
             known = self._requests.get(spec_key)
@@ -81,7 +86,9 @@ class GrammarCompiler:
     def submit(self, outputs: StructuredOutputs) -> Future[CompiledGrammar]:
         """A future of the compiled grammar for `outputs`; done at once when cached.
 
-        Raises `GrammarError` right away when the spec is refused by analysis.
+        Raises `SchemaTooLargeError` right away for a schema over the size limits; every other
+        refusal (`UnsupportedSchemaError`, an invalid schema or regex, a time or memory limit)
+        comes from the future.
         """
         request, key = self._analyse(outputs)
         with self._lock:

@@ -20,6 +20,11 @@ class GrammarConfig:
     whitespace_pattern: the regex for whitespace between JSON tokens. A tight one keeps small
         models from looping on whitespace.
     max_recursion_depth: how deep recursive `$ref`s unfold.
+    max_schema_depth / max_schema_nodes / max_schema_bytes: the largest JSON schema accepted:
+        nesting of its objects and arrays, JSON values in it (objects, arrays, strings, numbers,
+        booleans, nulls; keys not counted), and its size as compact JSON text (UTF-8). Checked
+        on submission, in time proportional to the limits, before any analysis; a schema over
+        one is refused with `SchemaTooLargeError` (a 400) naming it.
     """
 
     compile_timeout_s: float = 30.0
@@ -30,8 +35,14 @@ class GrammarConfig:
     cache_dir: Path | None = None
     whitespace_pattern: str = r"[ ]?"
     max_recursion_depth: int = 3
+    max_schema_depth: int = 64
+    max_schema_nodes: int = 10_000
+    max_schema_bytes: int = 512 * 1024
 
     def __post_init__(self) -> None:
+        for name in ("max_schema_depth", "max_schema_nodes", "max_schema_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.compile_timeout_s <= 0:
             raise ValueError(f"compile_timeout_s must be positive, got {self.compile_timeout_s}")
         if self.compile_memory_mib < 256:

@@ -16,6 +16,7 @@ class UnsupportedSchemaError(GrammarError):
 
     def __init__(self, feature: str, detail: str = "") -> None:
         self.feature = feature
+        self.detail = detail
         message = f"unsupported JSON schema feature: {feature}"
         super().__init__(f"{message} ({detail})" if detail else message)
 
@@ -30,3 +31,12 @@ class GrammarTimeoutError(GrammarError):
 
 class GrammarMemoryError(GrammarError):
     """Compiling needed more memory than `GrammarConfig.compile_memory_mib`."""
+
+
+class SchemaTooLargeError(GrammarError):
+    """The JSON schema is over one of `GrammarConfig`'s size limits; `limit` names it
+    (e.g. "max_schema_depth"). Checked before anything else looks at the schema."""
+
+    def __init__(self, limit: str, message: str) -> None:
+        self.limit = limit
+        super().__init__(message)

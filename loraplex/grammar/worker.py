@@ -16,10 +16,17 @@ from pathlib import Path
 from outlines_core import Index
 
 from loraplex.grammar.compile_request import CompileRequest
-from loraplex.grammar.errors import GrammarCompileError, GrammarMemoryError, GrammarTimeoutError
+from loraplex.grammar.errors import (
+    GrammarCompileError,
+    GrammarMemoryError,
+    GrammarTimeoutError,
+    UnsupportedSchemaError,
+)
 from loraplex.grammar.vocabulary import GrammarVocabulary
 
 _CHILD = Path(__file__).with_name("_compile_child.py")
+# The folder holding the `loraplex` package, where the child finds the schema analysis.
+_PACKAGE_PARENT = Path(__file__).resolve().parents[2]
 _HEADER = struct.Struct("<Q")
 # Deaths that mean the child ran out of memory: Rust aborts on a failed allocation, the kernel's
 # OOM killer sends SIGKILL.
@@ -45,7 +52,8 @@ class CompileWorker:
     def compile(self, request: CompileRequest) -> bytes:
         """The binary form of the outlines-core `Index` for `request` (see `load_index`).
 
-        Raises `GrammarTimeoutError`, `GrammarMemoryError` or `GrammarCompileError`.
+        Raises `GrammarTimeoutError`, `GrammarMemoryError`, `GrammarCompileError`, or
+        `UnsupportedSchemaError` when the schema's analysis refuses it.
         """
         process = self._ensure_started()
         deadline = time.monotonic() + self.timeout_s
@@ -71,6 +79,10 @@ class CompileWorker:
             raise GrammarMemoryError(
                 f"grammar compilation exceeded the {self.memory_mib} MiB memory limit"
             )
+        if status == "unsupported":
+            raise UnsupportedSchemaError(*payload)
+        if status == "invalid":
+            raise GrammarCompileError(payload)
         raise GrammarCompileError(f"grammar compilation failed: {payload}")
 
     def close(self) -> int | None:
@@ -90,10 +102,10 @@ class CompileWorker:
         if self._process is not None and self._process.poll() is None:
             return self._process
         self.close()
-        # NOTE: -I keeps the script's folder off sys.path and ignores PYTHON* variables, so
-        # the child imports outlines-core alone, never torch through loraplex/__init__.
+        # NOTE: -I keeps the script's folder off sys.path and ignores PYTHON* variables; the
+        # child imports outlines-core and loraplex.grammar's analysis, never torch.
         self._process = subprocess.Popen(
-            [sys.executable, "-I", str(_CHILD), str(self.memory_mib)],
+            [sys.executable, "-I", str(_CHILD), str(self.memory_mib), str(_PACKAGE_PARENT)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,

@@ -68,10 +68,14 @@ def test_invalid_regex_is_a_compile_error(fresh) -> None:
         fresh.compile(StructuredOutputs(regex="(unclosed"), timeout=30)
 
 
-def test_unsupported_schema_is_refused_before_compiling(fresh) -> None:
-    with pytest.raises(UnsupportedSchemaError, match="multipleOf"):
-        fresh.submit(StructuredOutputs(json={"type": "integer", "multipleOf": 3}))
+def test_unsupported_schema_is_refused_by_the_analysis_in_the_child(fresh) -> None:
+    future = fresh.submit(StructuredOutputs(json={"type": "integer", "multipleOf": 3}))
+    with pytest.raises(UnsupportedSchemaError, match="multipleOf") as caught:
+        future.result(timeout=30)
+    assert caught.value.feature == "multipleOf"
     assert fresh.num_compiles == 0
+    with pytest.raises(GrammarCompileError, match="invalid JSON schema"):
+        fresh.compile(StructuredOutputs(json={"type": "object", "required": 3}), timeout=30)
 
 
 def test_disk_cache_survives_a_restart(vocabulary, tmp_path) -> None:

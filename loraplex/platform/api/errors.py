@@ -20,7 +20,7 @@ from loraplex.grammar.errors import (
     GrammarTimeoutError,
     UnsupportedSchemaError,
 )
-from loraplex.platform.engine.async_engine import EngineDeadError
+from loraplex.platform.engine.async_engine import EngineDeadError, RequestStalledError
 from loraplex.platform.engine.engine import PromptTooLongError
 
 logger = logging.getLogger(__name__)
@@ -122,9 +122,14 @@ def _grammar_code(error: GrammarError) -> str:
     return "invalid_structured_output"
 
 
-def request_failed(message: str) -> APIError:
-    """A request the engine ended early (`RequestOutput.error`): its grammar failed to
-    compile, over a time or memory limit or refused by the compiler. The client's fault: 400."""
+def request_failed(message: str, cause: Exception | None = None) -> APIError:
+    """A request the engine ended early (`RequestOutput.error`, raised as `cause`): its grammar
+    failed to compile, over a time or memory limit or refused by the compiler (the client's
+    fault: 400), or the watchdog ended it for making no progress (503)."""
+    if isinstance(cause, RequestStalledError):
+        return APIError(503, message, type="service_unavailable", code="request_stalled")
+    if isinstance(cause, GrammarError):
+        return from_engine_error(cause)
     return bad_request(message, code="invalid_structured_output")
 
 

@@ -122,7 +122,7 @@ def abort_all(streams: list[RequestStream]) -> None:
 def _checked(output: RequestOutput) -> RequestOutput:
     """`output`, or APIError (400) if the engine ended its request early, e.g. a failed grammar."""
     if output.error is not None:
-        raise request_failed(output.error)
+        raise request_failed(output.error, output.failure)
     return output
 
 

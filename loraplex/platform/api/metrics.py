@@ -99,6 +99,8 @@ _ENGINE_SERIES: tuple[tuple[str, str, str, Callable[[EngineSnapshot], float]], .
      lambda s: s.prompt_tokens_total),
     ("counter", "loraplex:generation_tokens_total", "Tokens generated.",
      lambda s: s.generation_tokens_total),
+    ("counter", "loraplex:requests_watchdog_aborted_total", "Requests the watchdog ended for "
+     "making no progress for request_stall_timeout_s.", lambda s: s.watchdog_aborted_total),
 )  # fmt: skip
 
 

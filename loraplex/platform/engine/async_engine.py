@@ -32,6 +32,11 @@ class EngineDeadError(RuntimeError):
     """The engine thread has stopped; no request can be served."""
 
 
+class RequestStalledError(RuntimeError):
+    """The watchdog ended a request that made no progress for `request_stall_timeout_s`; it is
+    the `failure` of the request's final output (finish reason "error")."""
+
+
 @dataclass(frozen=True)
 class EngineSnapshot:
     """What the engine thread last published: gauges and token counters for /metrics."""
@@ -39,6 +44,7 @@ class EngineSnapshot:
     stats: EngineStats
     prompt_tokens_total: int
     generation_tokens_total: int
+    watchdog_aborted_total: int = 0  # requests the watchdog ended (no progress)
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,9 @@ class _Live:
     first_output: float | None = None
     last_output: float | None = None
     gaps: list[float] = field(default_factory=list)
+    # The watchdog's view: what the request's progress looked like, and since when.
+    progress: tuple[tuple[int, int], ...] = ()
+    progress_since: float = field(default_factory=time.monotonic)
 
 
 _STOP = object()
@@ -144,6 +153,9 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}  # engine thread only
         self._observers: list[TimingObserver] = []
+        self._stall_timeout_s = config.scheduler.request_stall_timeout_s
+        self._next_watchdog = 0.0
+        self.num_watchdog_aborted = 0
         self._snapshot = self._take_snapshot()
         self._thread: threading.Thread | None = None
         self._request_counter = 0
@@ -305,6 +317,7 @@ class AsyncEngine:
                     except Exception as exc:
                         logger.exception("an engine step failed; ending the requests it held")
                         self._recover(exc)
+                self._watchdog()
                 self._snapshot = self._take_snapshot()
         except BaseException as exc:
             logger.exception("the engine thread failed")
@@ -432,6 +445,46 @@ class AsyncEngine:
             if live is not None:
                 self._deliver(live.command, error)
 
+    def _watchdog(self) -> None:
+        """End requests that made no progress for `request_stall_timeout_s` (checked at most
+        about once a second), freeing their blocks and adapter slots.
+
+        Progress is any change of a request's computed or output token counts: a prefill chunk
+        or a token. Waiting for a grammar, for an adapter, or in the queue behind a full server
+        is no progress, so a request not admitted within the timeout ends too (by then its
+        client has long given up). A step that never returns is beyond its reach."""
+        timeout = self._stall_timeout_s
+        now = time.monotonic()
+        if not timeout or not self._live or now < self._next_watchdog:
+            return
+        self._next_watchdog = now + min(1.0, timeout / 4)
+        requests = self.engine.scheduler.requests
+        for request_id, live in list(self._live.items()):
+            core = (requests.get(i) for i in self.engine.output_processor.core_ids(request_id))
+            progress = tuple((r.num_computed_tokens, r.num_output_tokens) for r in core if r)
+            if progress != live.progress:
+                live.progress, live.progress_since = progress, now
+            elif now - live.progress_since >= timeout:
+                self._stalled(request_id, live, now)
+
+    def _stalled(self, request_id: str, live: _Live, now: float) -> None:
+        message = (
+            f"the request made no progress for {self._stall_timeout_s:g} s "
+            "(request_stall_timeout_s) and was aborted"
+        )
+        logger.warning("watchdog: request %s made no progress; aborting it", request_id)
+        del self._live[request_id]
+        self.num_watchdog_aborted += 1
+        final = self.engine.abort_request(request_id)
+        if final is None:
+            return
+        for sample in final.outputs:
+            if sample.finish_reason == "abort":
+                sample.finish_reason = "error"
+        final.error, final.failure = message, RequestStalledError(message)
+        self._observe(live, final, now)
+        self._deliver(live.command, final)
+
     def _fail_all(self, error: BaseException) -> None:
         """Fail every request in flight and every queued add (the thread is ending)."""
         for live in self._live.values():
@@ -460,4 +513,5 @@ class AsyncEngine:
             self.engine.stats(),
             self.engine.prompt_tokens_total,
             self.engine.generation_tokens_total,
+            self.num_watchdog_aborted,
         )

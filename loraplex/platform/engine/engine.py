@@ -248,6 +248,7 @@ class Engine:
             out = self.abort_request(parent_id)
             if out is not None:
                 out.error = str(error)
+                out.failure = error
                 outputs.append(out)
         return outputs
 

@@ -166,5 +166,7 @@ class LLM:
             bar.close()
         failed = [results[i] for i in ids if results[i].error is not None]
         if failed:
+            if isinstance(failed[0].failure, ValueError):  # e.g. the schema's GrammarError
+                raise failed[0].failure
             raise ValueError(f"request {failed[0].request_id} failed: {failed[0].error}")
         return [results[i] for i in ids]

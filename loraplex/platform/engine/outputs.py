@@ -44,4 +44,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None  # why the request was ended early, e.g. its grammar failed
+    failure: Exception | None = None  # the exception behind `error`, when one was raised
     prompt_logprobs: PromptLogprobs | None = None  # with SamplingParams.prompt_logprobs
