@@ -28,6 +28,10 @@ ADMIN_DISABLED = (
 )
 
 
+def admin_disabled() -> APIError:
+    return APIError(403, ADMIN_DISABLED, type="permission_error", code="admin_disabled")
+
+
 def unauthorized(message: str) -> APIError:
     return APIError(401, message, type="authentication_error", code="invalid_api_key")
 
@@ -73,6 +77,10 @@ def _tenancy(request: Request) -> Tenancy:
 
 
 def require_admin(request: Request) -> Caller:
+    """The admin caller; 403 on a server without an admin key (its admin API is off, open or
+    not), 401 for any other key."""
+    if not _tenancy(request).tenants.has_admin:
+        raise admin_disabled()
     caller = caller_of(request)
     if not caller.is_admin:
         raise unauthorized("this endpoint takes only the admin key")
@@ -92,8 +100,7 @@ class AuthMiddleware:
             return
         admin_route = scope["path"].startswith("/admin/")
         if admin_route and not self.tenancy.tenants.has_admin:
-            error = APIError(403, ADMIN_DISABLED, type="permission_error", code="admin_disabled")
-            await _reply(error, scope, receive, send)
+            await _reply(admin_disabled(), scope, receive, send)
             return
         caller = self.tenancy.identify(_header(scope, b"authorization"))
         if caller is None:

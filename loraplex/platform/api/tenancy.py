@@ -16,7 +16,8 @@ BEARER = "bearer "
 
 @dataclass(frozen=True)
 class Caller:
-    """Who sent a request: a tenant, the admin, or (open server) both."""
+    """Who sent a request: a tenant, or the admin. On an open server every caller is the one
+    tenant, and the admin too; but with no admin key the admin routes are off (403)."""
 
     tenant: Tenant | None
     is_admin: bool
