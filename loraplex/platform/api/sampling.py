@@ -64,8 +64,10 @@ def structured_outputs_for(body: SamplingFields) -> StructuredOutputs | None:
     param, kind, spec = given[0]
     try:
         return StructuredOutputs(**{kind: spec})
-    except ValueError as error:
+    except ValueError as error:  # GrammarError included
         raise bad_request(str(error), param=param) from None
+    except RecursionError:
+        raise bad_request(f"{param} is nested too deeply", param=param) from None
 
 
 def _response_format(value: dict[str, Any]) -> tuple[str, Any] | None:

@@ -3,6 +3,7 @@ starts, never with a 200 followed by an error event."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import httpx
@@ -75,3 +76,23 @@ def test_a_valid_stream_still_streams_and_nothing_is_left_running(http, server):
     metrics = wait_until_idle(server.base_url)
     assert metrics["loraplex:num_requests_running"] == 0
     assert metrics["loraplex:num_kv_blocks_free"] == metrics["loraplex:num_kv_blocks_total"]
+
+
+def test_a_spec_too_deep_to_analyse_at_admission_is_a_400_not_a_500():
+    """Whatever the engine's add_request raises for a spec (a GrammarError, a ValueError, or a
+    RecursionError from a too-deep analysis) answers 400."""
+    from loraplex.platform.api.errors import APIError
+    from loraplex.platform.api.generation import Prompt, submit
+    from loraplex.platform.engine.sampling_params import SamplingParams
+
+    class _Refusing:
+        def __init__(self, error: Exception) -> None:
+            self.error = error
+
+        async def add_request(self, *args, **kwargs):
+            raise self.error
+
+    for error in (RecursionError("deep"), ValueError("bad spec")):
+        with pytest.raises(APIError) as info:
+            asyncio.run(submit(_Refusing(error), [Prompt("x", [1])], SamplingParams(), "r"))
+        assert info.value.status == 400
