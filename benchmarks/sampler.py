@@ -4,8 +4,9 @@
     python -m benchmarks.sampler                      # CUDA: [1, 128256] and [256, 128256]
     python -m benchmarks.sampler --cpu --vocab 4096   # CPU smoke run (small vocabulary)
 
-Each figure is the time per call over `--iters` back-to-back calls between two CUDA events, so
-launch overheads that leave the GPU idle count too. Logits are N(0, --logit-std) per token.
+`*_ms` is the time per call over `--iters` back-to-back calls between two CUDA events, so
+launch overheads that leave the GPU idle count too; `*_gpu_ms` is the same call replayed from a
+CUDA graph (the device's own time, no launch overhead). Logits are N(0, --logit-std) per token.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.gemv import graph_time
 from benchmarks.record import write_result
 from loraplex.platform.runner.sampler import Sampler
 from loraplex.platform.runner.sampling_metadata import SamplingMetadata, build_sampling_metadata
@@ -84,15 +86,27 @@ def run(
         gen = torch.Generator(device=device).manual_seed(n)
         logits = torch.randn(n, vocab, generator=gen, device=device) * logit_std
         state = penalty_state(n, vocab, device)
-        argmax_ms = time_per_call(lambda x=logits: x.argmax(dim=-1), iters, device)
+        argmax = lambda x=logits: x.argmax(dim=-1)  # noqa: E731
+        argmax_ms = time_per_call(argmax, iters, device)
         baseline[f"argmax_ms_n{n}"] = round(argmax_ms, 4)
-        print(f"[{n}, {vocab}] argmax: {argmax_ms:.4f} ms")
+        line = f"[{n}, {vocab}] {'argmax':>26}: {argmax_ms:.4f} ms"
+        if device.type == "cuda":
+            argmax_gpu = graph_time(argmax) * 1e3
+            baseline[f"argmax_gpu_ms_n{n}"] = round(argmax_gpu, 4)
+            line += f", GPU {argmax_gpu:.4f} ms"
+        print(line)
         for name, mix in MIXES.items():
             meta = metadata(mix, n, vocab, device, state)
-            ms = time_per_call(lambda x=logits, m=meta: sampler(x, m), iters, device)
+            call = lambda x=logits, m=meta: sampler(x, m)  # noqa: E731
+            ms = time_per_call(call, iters, device)
             metrics[f"{name}_ms_n{n}"] = round(ms, 4)
             metrics[f"{name}_extra_ms_n{n}"] = round(ms - argmax_ms, 4)
-            print(f"[{n}, {vocab}] {name:>26}: {ms:.4f} ms ({ms - argmax_ms:+.4f} vs argmax)")
+            line = f"[{n}, {vocab}] {name:>26}: {ms:.4f} ms ({ms - argmax_ms:+.4f} vs argmax)"
+            if device.type == "cuda":
+                gpu = graph_time(call) * 1e3
+                metrics[f"{name}_gpu_ms_n{n}"] = round(gpu, 4)
+                line += f", GPU {gpu:.4f} ms"
+            print(line)
     return metrics, baseline
 
 

@@ -38,6 +38,30 @@ def _safe_temperature(temperature: torch.Tensor) -> torch.Tensor:
     return torch.where(temperature < GREEDY_TEMPERATURE, 1.0, temperature.float())
 
 
+def apply_penalties_ref(
+    logits: torch.Tensor,  # [n, vocab] fp32
+    output_counts: torch.Tensor,  # [n, vocab] int32
+    prompt_mask: torch.Tensor | None,  # [n, vocab] bool; None: no repetition penalty
+    repetition_penalty: torch.Tensor,  # [n] fp32
+    presence_penalty: torch.Tensor,  # [n] fp32
+    frequency_penalty: torch.Tensor,  # [n] fp32
+) -> torch.Tensor:
+    """Repetition, then frequency and presence penalties (OpenAI's and vLLM's definitions).
+    -> a new [n, vocab] tensor
+
+    repetition_penalty r divides a positive logit of a token seen in the prompt or the output
+    by r and multiplies a non-positive one by r; presence_penalty is subtracted once from a
+    token that occurs in the output; frequency_penalty is subtracted once per occurrence.
+    """
+    occurs = output_counts > 0  # [n, vocab]
+    if prompt_mask is not None:
+        rep = repetition_penalty[:, None]  # [n, 1]
+        seen = occurs | prompt_mask
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    freq = frequency_penalty[:, None]  # [n, 1]
+    return logits - freq * output_counts - presence_penalty[:, None] * occurs
+
+
 def truncation_thresholds_ref(
     logits: torch.Tensor,  # [n, vocab] fp32
     temperature: torch.Tensor,  # [n] fp32
@@ -45,7 +69,8 @@ def truncation_thresholds_ref(
     top_p: torch.Tensor,  # [n] fp32; >= 1: off
     min_p: torch.Tensor,  # [n] fp32; 0: off
 ) -> torch.Tensor:
-    """Each row's logit threshold for top-k, then top-p, then min-p (-inf: keep all). -> [n]"""
+    """Each row's logit threshold for top-k, then top-p, then min-p (-inf: keep all; greedy
+    rows: -inf). -> [n]"""
     n, vocab = logits.shape
     t = _safe_temperature(temperature)  # [n]
     row_max = logits.max(dim=-1).values  # [n]
@@ -65,7 +90,8 @@ def truncation_thresholds_ref(
     tau_p = torch.where(top_p < 1.0, tau_p, _NEG_INF)
     log_min_p = torch.log(min_p.clamp(min=1e-30))
     tau_m = torch.where(min_p > 0.0, row_max + t * log_min_p, _NEG_INF)
-    return torch.maximum(torch.maximum(tau_k, tau_p), tau_m)
+    tau = torch.maximum(torch.maximum(tau_k, tau_p), tau_m)
+    return torch.where(temperature < GREEDY_TEMPERATURE, _NEG_INF, tau)  # greedy: unused
 
 
 def draw_ref(
@@ -87,15 +113,50 @@ def draw_ref(
     return scores.argmax(dim=-1)
 
 
+def apply_penalties(
+    logits: torch.Tensor,  # [n, vocab] fp32
+    output_counts: torch.Tensor,  # [n, vocab] int32
+    prompt_mask: torch.Tensor | None,  # [n, vocab] bool
+    repetition_penalty: torch.Tensor,  # [n] fp32
+    presence_penalty: torch.Tensor,  # [n] fp32
+    frequency_penalty: torch.Tensor,  # [n] fp32
+) -> torch.Tensor:
+    """`apply_penalties_ref`: one fused Triton pass on CUDA. -> a new [n, vocab] tensor"""
+    _check_rows(
+        logits, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+    )  # fmt: skip
+    for name, state in (("output_counts", output_counts), ("prompt_mask", prompt_mask)):
+        if state is not None and (state.shape != logits.shape or state.device != logits.device):
+            raise ValueError(f"{name} must be {tuple(logits.shape)} on {logits.device}")
+    args = (
+        logits, output_counts, prompt_mask, repetition_penalty, presence_penalty,
+        frequency_penalty,
+    )  # fmt: skip
+    if logits.is_cuda:
+        from loraplex.kernels.triton_sampling import apply_penalties_triton
+
+        return apply_penalties_triton(*args)
+    return apply_penalties_ref(*args)
+
+
 def truncation_thresholds(
     logits: torch.Tensor,  # [n, vocab] fp32
     temperature: torch.Tensor,  # [n] fp32
     top_k: torch.Tensor,  # [n] int32
     top_p: torch.Tensor,  # [n] fp32
     min_p: torch.Tensor,  # [n] fp32
+    any_top_k_top_p: bool = True,
 ) -> torch.Tensor:
-    """`truncation_thresholds_ref` (Triton on CUDA). -> [n] fp32"""
+    """`truncation_thresholds_ref`: on CUDA a Triton search (no sort; `any_top_k_top_p=False`
+    says no row has top-k or top-p, so only min-p is computed). -> [n] fp32"""
     _check_rows(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    if logits.is_cuda:
+        from loraplex.kernels.triton_sampling import truncation_thresholds_triton
+
+        return truncation_thresholds_triton(
+            logits, temperature, top_k, top_p, min_p, search=any_top_k_top_p
+        )
     return truncation_thresholds_ref(logits, temperature, top_k, top_p, min_p)
 
 

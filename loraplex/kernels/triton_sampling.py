@@ -119,3 +119,248 @@ def draw_triton(
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
     _reduce_kernel[(n,)](best_v, best_i, out, chunks, BLOCK_C=triton.next_power_of_2(chunks))
     return out
+
+
+# -- penalties ------------------------------------------------------------------------------
+
+
+@triton.jit
+def _penalties_kernel(
+    logits_ptr, stride_l, counts_ptr, stride_c, prompt_ptr, stride_p, out_ptr, stride_o,
+    rep_ptr, presence_ptr, freq_ptr, vocab,
+    HAS_PROMPT: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < vocab
+    logit = tl.load(logits_ptr + row * stride_l + idx, mask=mask, other=0.0)
+    count = tl.load(counts_ptr + row * stride_c + idx, mask=mask, other=0)
+    occurs = count > 0
+    if HAS_PROMPT:
+        seen = occurs | (tl.load(prompt_ptr + row * stride_p + idx, mask=mask, other=0) != 0)
+        rep = tl.load(rep_ptr + row)
+        # NOTE: div_rn, the correctly rounded division torch uses (Triton's `/` may not be)
+        scaled = tl.where(logit > 0, tl.math.div_rn(logit, rep), logit * rep)
+        logit = tl.where(seen, scaled, logit)
+    logit = logit - tl.load(freq_ptr + row) * count.to(tl.float32)
+    logit = logit - tl.load(presence_ptr + row) * occurs.to(tl.float32)
+    tl.store(out_ptr + row * stride_o + idx, logit, mask=mask)
+
+
+def apply_penalties_triton(
+    logits: torch.Tensor,  # [n, vocab] fp32
+    output_counts: torch.Tensor,  # [n, vocab] int32
+    prompt_mask: torch.Tensor | None,  # [n, vocab] bool
+    repetition_penalty: torch.Tensor,  # [n] fp32
+    presence_penalty: torch.Tensor,  # [n] fp32
+    frequency_penalty: torch.Tensor,  # [n] fp32
+) -> torch.Tensor:
+    """`sampling.apply_penalties_ref` in one pass. -> a new [n, vocab] fp32 tensor"""
+    n, vocab = logits.shape
+    for t in (logits, output_counts, prompt_mask):
+        if t is not None and t.stride(1) != 1:
+            raise ValueError("penalty inputs must have unit stride along the vocabulary")
+    if output_counts.dtype != torch.int32:
+        raise ValueError(f"output_counts must be int32, got {output_counts.dtype}")
+    out = torch.empty(n, vocab, dtype=torch.float32, device=logits.device)
+    if n == 0:
+        return out
+    block = 2048
+    prompt = prompt_mask.view(torch.uint8) if prompt_mask is not None else output_counts
+    _penalties_kernel[(n, triton.cdiv(vocab, block))](
+        logits, logits.stride(0), output_counts, output_counts.stride(0),
+        prompt, prompt.stride(0), out, out.stride(0),
+        repetition_penalty.float().contiguous(), presence_penalty.float().contiguous(),
+        frequency_penalty.float().contiguous(), vocab,
+        HAS_PROMPT=prompt_mask is not None, BLOCK=block,
+    )  # fmt: skip
+    return out
+
+
+# -- truncation thresholds ------------------------------------------------------------------
+#
+# Each row's top-k / top-p threshold is found by a search over the 2**32 ordered keys of fp32
+# values (`_key`: monotone in the value), NP - 1 pivots per pass: a pass counts (top-k) or sums
+# the masses exp((l - max) / T) (top-p) of the tokens above each pivot, in every program of the
+# row over its chunk, and the next pass (or the finishing launch) adds the programs' partial
+# sums and narrows [lo, hi] to the two pivots around the boundary; after `search_passes(NP)`
+# passes hi is the threshold's key. Top-k is searched first, then top-p within it (its total
+# mass, the sum above the initial lo, comes from slot 0 of the first top-p pass). Rows need
+# no host reads: a row that has converged (or needs no search) skips its remaining passes.
+
+_K_PHASE = tl.constexpr(0)
+_P_PHASE = tl.constexpr(1)
+_DONE = tl.constexpr(2)
+_KEY_LO = tl.constexpr(-(2**31))  # below the key of every value but NaN
+
+
+@triton.jit
+def _key(x):
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _value(key):
+    return tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pivots(lo, hi, NP: tl.constexpr):
+    # slot 0: lo itself; slots 1..NP-1 split (lo, hi) evenly. -> [NP] int64
+    j = tl.arange(0, NP).to(tl.int64)
+    return lo + ((hi - lo) * j) // NP
+
+
+@triton.jit
+def _search_kernel(
+    logits_ptr, stride_l, max_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
+    lo_ptr, hi_ptr, phase_ptr, target_ptr, part_ptr, thresh_ptr,
+    n, vocab, chunk, num_chunks, parity,
+    FIRST: tl.constexpr, FINISH: tl.constexpr, SEARCH: tl.constexpr,
+    NP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    m = tl.load(max_ptr + row)
+    t = tl.load(temp_ptr + row)
+    k = tl.load(top_k_ptr + row)
+    p = tl.load(top_p_ptr + row)
+    p_on = p < 1.0
+    # state buffers [2, n]: this launch reads slot `parity`, writes slot 1 - parity
+    src = parity * n + row
+    dst = (1 - parity) * n + row
+    if FIRST:
+        phase = tl.full([], _DONE, tl.int32)
+        if SEARCH:
+            searched = (t >= _GREEDY) & (m > float("-inf"))
+            phase = tl.where(searched & p_on, _P_PHASE, phase)
+            phase = tl.where(searched & (k > 0) & (k < vocab), _K_PHASE, phase)
+        lo = tl.full([], _KEY_LO, tl.int64)
+        hi = _key(m).to(tl.int64)
+        # top-k: k tokens; top-p: unknown until the first pass has summed the mass (< 0)
+        target = tl.where(phase == _K_PHASE, k.to(tl.float32), -1.0)
+    else:
+        phase = tl.load(phase_ptr + src)
+        lo = tl.load(lo_ptr + src)
+        hi = tl.load(hi_ptr + src)
+        target = tl.load(target_ptr + src)
+        fresh = target < 0.0  # a top-p phase whose total mass is not known yet
+        if phase != _DONE:
+            # add the partial sums of the previous pass -> f[j]: weight above pivot j
+            c = tl.arange(0, BLOCK_C)[:, None]
+            j = tl.arange(0, NP)[None, :]
+            prev = part_ptr + ((parity * n + row) * num_chunks) * NP
+            f = tl.sum(tl.load(prev + c * NP + j, mask=c < num_chunks, other=0.0), axis=0)
+            if phase == _P_PHASE:
+                target = tl.where(fresh, p * tl.sum(tl.where(j == 0, f[None, :], 0.0)), target)
+            pivot = _pivots(lo, hi, NP)
+            inner = tl.arange(0, NP) > 0
+            above = inner & (f < target)  # fewer than k tokens / less than p of the mass
+            new_hi = tl.min(tl.where(above, pivot, hi), axis=0)
+            new_lo = tl.max(tl.where(inner & (f >= target), pivot, lo), axis=0)
+            lo = new_lo
+            hi = new_hi
+            if hi - lo <= 1:
+                if (phase == _K_PHASE) & p_on:
+                    # top-p within the top-k: search above the k-th value
+                    phase = tl.full([], _P_PHASE, tl.int32)
+                    hi = _key(m).to(tl.int64)
+                    target = tl.full([], -1.0, tl.float32)
+                else:
+                    phase = tl.full([], _DONE, tl.int32)
+    if FINISH:
+        tau = float("-inf")
+        if SEARCH:
+            tau = tl.where(phase == _DONE, _value(hi.to(tl.int32)), tau)
+            tau = tl.where((k > 0) & (k < vocab) | p_on, tau, float("-inf"))
+        min_p = tl.load(min_p_ptr + row)
+        t_safe = tl.where(t >= _GREEDY, t, 1.0)
+        tau_m = tl.where(min_p > 0.0, m + t_safe * tl.log(tl.maximum(min_p, 1e-30)), tau)
+        tau = tl.maximum(tau, tau_m)
+        tl.store(thresh_ptr + row, tl.where(t >= _GREEDY, tau, float("-inf")))  # greedy: unused
+    else:
+        if part == 0:
+            tl.store(phase_ptr + dst, phase)
+            tl.store(lo_ptr + dst, lo)
+            tl.store(hi_ptr + dst, hi)
+            tl.store(target_ptr + dst, target)
+        if phase != _DONE:
+            # NOTE: [NP, BLOCK] tiles, tokens along the fast axis: each thread compares its own
+            # tokens with every pivot, with no exchange of tokens between threads.
+            pivot = _pivots(lo, hi, NP).to(tl.int32)[:, None]  # [NP, 1]
+            inv_t = 1.0 / t
+            row_ptr = logits_ptr + row * stride_l
+            start = part * chunk
+            end = tl.minimum(start + chunk, vocab)
+            lane = tl.arange(0, BLOCK)[None, :]  # [1, BLOCK]
+            acc = tl.zeros([NP, BLOCK], tl.float32)
+            k_phase = phase == _K_PHASE
+            for base in range(start, end, BLOCK):
+                idx = base + lane
+                logit = tl.load(row_ptr + idx, mask=idx < end, other=float("-inf"))
+                weight = tl.exp((logit - m) * inv_t)
+                weight = tl.where(k_phase, 1.0, weight)
+                weight = tl.where(idx < end, weight, 0.0)
+                acc += tl.where(_key(logit) > pivot, weight, 0.0)
+            out = part_ptr + (((1 - parity) * n + row) * num_chunks + part) * NP
+            tl.store(out + tl.arange(0, NP), tl.sum(acc, axis=1))
+
+
+def search_passes(num_pivots: int) -> int:
+    """Passes after which (NP - 1) pivots a pass have narrowed 2**32 keys to one, per phase."""
+    passes, width = 0, 2**32
+    while width > 1:
+        width = -(-width // num_pivots)
+        passes += 1
+    return passes
+
+
+def truncation_thresholds_triton(
+    logits: torch.Tensor,  # [n, vocab] fp32, unit stride along vocab
+    temperature: torch.Tensor,  # [n] fp32
+    top_k: torch.Tensor,  # [n] int32
+    top_p: torch.Tensor,  # [n] fp32
+    min_p: torch.Tensor,  # [n] fp32
+    search: bool = True,
+    num_chunks: int | None = None,
+) -> torch.Tensor:
+    """`sampling.truncation_thresholds_ref` in Triton, without sorting. `search=False` (no
+    row has top-k or top-p) computes min-p alone. -> [n] fp32"""
+    n, vocab = logits.shape
+    if logits.stride(1) != 1:
+        raise ValueError("logits must have unit stride along the vocabulary")
+    dev = logits.device
+    out = torch.empty(n, dtype=torch.float32, device=dev)
+    if n == 0:
+        return out
+    row_max = logits.max(dim=-1).values  # [n]
+    size = n * vocab
+    num_pivots = 256 if size <= 2**20 else 64 if size <= 2**23 else 16
+    block = 16384 // num_pivots
+    chunks = num_chunks or num_chunks_for(n, vocab, dev)
+    chunk = triton.cdiv(triton.cdiv(vocab, chunks), block) * block
+    chunks = triton.cdiv(vocab, chunk)
+    lo = torch.empty(2, n, dtype=torch.int64, device=dev)
+    hi = torch.empty(2, n, dtype=torch.int64, device=dev)
+    phase = torch.empty(2, n, dtype=torch.int32, device=dev)
+    target = torch.empty(2, n, dtype=torch.float32, device=dev)
+    partials = torch.empty(2, n, chunks, num_pivots, dtype=torch.float32, device=dev)
+    columns = (
+        temperature.float().contiguous(), top_k.int().contiguous(),
+        top_p.float().contiguous(), min_p.float().contiguous(),
+    )  # fmt: skip
+    passes = 2 * search_passes(num_pivots) if search else 0
+
+    def launch(grid, parity: int, first: bool, finish: bool) -> None:
+        _search_kernel[grid](
+            logits, logits.stride(0), row_max, *columns, lo, hi, phase, target, partials, out,
+            n, vocab, chunk, chunks, parity,
+            FIRST=first, FINISH=finish, SEARCH=search, NP=num_pivots, BLOCK=block,
+            BLOCK_C=triton.next_power_of_2(chunks), num_warps=8,
+        )  # fmt: skip
+
+    for i in range(passes):
+        launch((n, chunks), i % 2, i == 0, False)
+    launch((n, 1), passes % 2, passes == 0, True)
+    return out

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from loraplex.kernels.sampling import draw_ref, truncation_thresholds_ref
+from loraplex.kernels.sampling import apply_penalties_ref, draw_ref, truncation_thresholds_ref
 
 INF = float("inf")
 # The Triton kernels run compiled on a GPU, else in the interpreter (tests/kernels/conftest.py).
@@ -45,6 +45,41 @@ def test_triton_draw_matches_reference(n: int, vocab: int, chunks: int) -> None:
             assert bool(kept[temperature > 0].all())
 
 
+@pytest.mark.parametrize("n,vocab,chunks", [(1, 5, 1), (6, 1000, 1), (5, 3001, 3), (4, 77, 2)])
+def test_triton_thresholds_match_reference(n: int, vocab: int, chunks: int) -> None:
+    from loraplex.kernels.triton_sampling import truncation_thresholds_triton
+
+    logits, temperature, _, _, top_k, top_p, min_p = _rows(n, vocab, vocab + 1)
+    top_k[2 % n] = 0  # top-p alone
+    top_p[3 % n] = 1.0  # top-k alone
+    ref = truncation_thresholds_ref(logits, temperature, top_k, top_p, min_p)
+    out = truncation_thresholds_triton(logits, temperature, top_k, top_p, min_p, num_chunks=chunks)
+    # top-k / top-p thresholds are logits of the row, exactly; min-p's log may differ in an ulp
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=0)
+    no_search = truncation_thresholds_triton(
+        logits, temperature, top_k, top_p, min_p, search=False, num_chunks=chunks
+    )
+    off = torch.zeros_like(top_k)
+    min_p_only = truncation_thresholds_ref(logits, temperature, off, torch.ones_like(top_p), min_p)
+    torch.testing.assert_close(no_search, min_p_only, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("n,vocab,with_prompt", [(1, 7, True), (3, 2049, True), (4, 300, False)])
+def test_triton_penalties_match_reference(n: int, vocab: int, with_prompt: bool) -> None:
+    from loraplex.kernels.triton_sampling import apply_penalties_triton
+
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(n, vocab, generator=gen) * 3
+    counts = torch.randint(0, 4, (n, vocab), generator=gen, dtype=torch.int32)
+    prompt = torch.rand(n, vocab, generator=gen) < 0.3 if with_prompt else None
+    rep = torch.rand(n, generator=gen) + 0.5
+    presence, freq = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    args = [logits, counts, prompt, rep, presence, freq]
+    ref = apply_penalties_ref(*args)
+    out = apply_penalties_triton(*[a if a is None else a.to(DEVICE) for a in args])
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-6, atol=1e-6)
+
+
 def test_greedy_draw_breaks_ties_like_argmax() -> None:
     from loraplex.kernels.triton_sampling import draw_triton
 
@@ -69,6 +104,10 @@ def test_thresholds_of_known_rows() -> None:
     min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.2])
     tau = truncation_thresholds_ref(logits, temperature, top_k, top_p, min_p)
     kept = (logits >= tau[:, None]).sum(dim=-1).tolist()
+    from loraplex.kernels.triton_sampling import truncation_thresholds_triton
+
+    args = (logits.to(DEVICE), temperature.to(DEVICE), top_k.to(DEVICE), top_p.to(DEVICE))
+    assert torch.equal(truncation_thresholds_triton(*args, min_p.to(DEVICE)).cpu(), tau)
     # top-k 2; top-p exactly on the 3/4 boundary keeps 2; just past it 3; 1/2 keeps 1;
     # top-k 4 keeps the tie at the 4th place (5); top-k = vocab is off; min-p 0.2 of 1/2
     # keeps p >= 0.1 (3 tokens)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from loraplex.grammar.bitmask import apply_token_bitmask_
+from loraplex.kernels.sampling import apply_penalties as penalties_kernel
 from loraplex.kernels.sampling import draw, truncation_thresholds
 from loraplex.platform.runner.sampling_metadata import (
     LogprobsTensors,
@@ -28,24 +29,14 @@ def apply_penalties(
     logits: torch.Tensor,  # [n, vocab] fp32
     metadata: SamplingMetadata,
 ) -> torch.Tensor:
-    """Repetition, then frequency and presence penalties, as OpenAI and vLLM define them.
-    -> a new [n, vocab] tensor
-
-    repetition_penalty r divides a positive logit of a token seen in the prompt or the output
-    by r and multiplies a non-positive one by r; presence_penalty is subtracted once from a
-    token that occurs in the output; frequency_penalty is subtracted once per occurrence.
-    """
-    counts = metadata.output_counts  # [n, vocab] int32
-    if counts is None:
+    """Repetition, then frequency and presence penalties, as OpenAI and vLLM define them
+    (`kernels.sampling.apply_penalties_ref`). -> a new [n, vocab] tensor"""
+    if metadata.output_counts is None:
         raise ValueError("penalties need SamplingMetadata.output_counts")
-    occurs = counts > 0  # [n, vocab]
-    if metadata.prompt_mask is not None:
-        rep = metadata.repetition_penalty[:, None]  # [n, 1]
-        seen = occurs | metadata.prompt_mask
-        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    freq = metadata.frequency_penalty[:, None]  # [n, 1]
-    presence = metadata.presence_penalty[:, None]
-    return logits - freq * counts - presence * occurs
+    return penalties_kernel(
+        logits, metadata.output_counts, metadata.prompt_mask, metadata.repetition_penalty,
+        metadata.presence_penalty, metadata.frequency_penalty,
+    )  # fmt: skip
 
 
 def apply_min_tokens_(
@@ -135,8 +126,9 @@ class Sampler:
         thresholds = None
         if metadata.any_top_k_top_p or metadata.any_min_p:
             thresholds = truncation_thresholds(
-                logits, metadata.temperature, metadata.top_k, metadata.top_p, metadata.min_p
-            )
+                logits, metadata.temperature, metadata.top_k, metadata.top_p, metadata.min_p,
+                metadata.any_top_k_top_p,
+            )  # fmt: skip
         return draw(logits, metadata.temperature, thresholds, metadata.seeds, metadata.steps)
 
 
