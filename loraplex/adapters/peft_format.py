@@ -26,6 +26,7 @@ __all__ = [
     "CONFIG_FILE",
     "WEIGHTS_FILE",
     "AdapterValidationError",
+    "content_digest",
     "BaseModelSpec",
     "LoRAModuleWeights",
     "LoRAWeights",
@@ -165,11 +166,16 @@ def load_peft_adapter(
     config, config_bytes = _read_config(folder)
     _check_options(folder, config, spec)
     weights_bytes = _read_weights_file(folder)
-    digest = hashlib.sha256(config_bytes)
-    digest.update(weights_bytes)
     tensors = _parse_tensors(folder, weights_bytes)
     modules = _build_modules(folder, config, tensors, spec, max_rank, dtype)
-    return LoRAWeights(str(folder), digest.hexdigest(), modules)
+    return LoRAWeights(str(folder), content_digest(config_bytes, weights_bytes), modules)
+
+
+def content_digest(config_bytes: bytes, weights_bytes: bytes) -> str:
+    """An adapter's identity: sha256 of its config file's bytes, then its weights file's."""
+    digest = hashlib.sha256(config_bytes)
+    digest.update(weights_bytes)
+    return digest.hexdigest()
 
 
 def _read_config(folder: Path) -> tuple[PeftLoRAConfig, bytes]:

@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraplex.adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE, LoRAWeights
+from loraplex.adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE, LoRAWeights, content_digest
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS adapters (
@@ -51,6 +51,14 @@ class AdapterRecord:
     def engine_name(self) -> str:
         """The adapter's engine-wide name: distinct per tenant and per version."""
         return f"{self.tenant}/{self.name}@{self.digest[:12]}"
+
+
+def _stored_digest(blob: Path) -> str | None:
+    """The content digest of a stored adapter's files, None if they cannot be read."""
+    try:
+        return content_digest((blob / CONFIG_FILE).read_bytes(), (blob / WEIGHTS_FILE).read_bytes())
+    except OSError:
+        return None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -104,14 +112,22 @@ class AdapterRegistry:
             with open(staging / f, "rb") as handle:
                 os.fsync(handle.fileno())
         with self._lock:
-            if blob.is_dir():
+            if blob.is_dir() and _stored_digest(blob) == weights.digest:
                 self.discard(staging)
             else:
                 for extra in staging.iterdir():
                     if extra.name not in (CONFIG_FILE, WEIGHTS_FILE):
                         shutil.rmtree(extra) if extra.is_dir() else extra.unlink()
+                damaged = None
+                if blob.is_dir():
+                    # NOTE: files that no longer hash to their name (damaged on disk): the
+                    # upload of the same content replaces them.
+                    damaged = self.tmp / f"damaged-{uuid.uuid4().hex}"
+                    os.rename(blob, damaged)
                 os.rename(staging, blob)
                 _fsync_dir(self.blobs)
+                if damaged is not None:
+                    shutil.rmtree(damaged, ignore_errors=True)
             old = self._get(tenant, name)
             modules = ",".join(sorted({module for _, module in weights.modules}))
             with self._db:

@@ -12,7 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from loraplex.adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE, load_peft_adapter
+from loraplex.adapters.peft_format import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    AdapterValidationError,
+    load_peft_adapter,
+)
 from loraplex.adapters.registry import AdapterRegistry
 
 _CHILD = r"""
@@ -103,3 +108,19 @@ def test_kill_9_mid_upload_leaves_old_or_complete_new(tmp_path, make_adapter, sp
     assert weights.digest == expected
     assert list(recovered.tmp.iterdir()) == []
     assert sorted(p.name for p in recovered.blobs.iterdir()) == [expected]
+
+
+def test_uploading_the_same_content_again_repairs_damaged_files(tmp_path, make_adapter, spec):
+    folder = make_adapter("a")
+    registry = AdapterRegistry(tmp_path / "data")
+    record, _ = _commit(registry, folder, spec)
+    stored = Path(record.path) / WEIGHTS_FILE
+    stored.write_bytes(stored.read_bytes()[:-4] + b"\x00\x00\xc0\x7f")  # a NaN: damaged on disk
+    with pytest.raises(AdapterValidationError, match="NaN"):
+        load_peft_adapter(record.path, spec, 64)
+    again, _ = _commit(registry, folder, spec)
+    assert again.path == record.path and again.digest == record.digest
+    assert stored.read_bytes() == (folder / WEIGHTS_FILE).read_bytes()
+    assert load_peft_adapter(record.path, spec, 64).digest == record.digest
+    assert list(registry.tmp.iterdir()) == []  # the damaged copy is gone
+    registry.close()

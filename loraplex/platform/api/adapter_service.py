@@ -14,12 +14,8 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from loraplex.adapters.peft_format import (
-    CONFIG_FILE,
-    WEIGHTS_FILE,
-    AdapterValidationError,
-    load_peft_adapter,
-)
+from loraplex.adapters.errors import without_path
+from loraplex.adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE, AdapterValidationError
 from loraplex.adapters.registry import AdapterRecord
 from loraplex.adapters.request import LoRARequest
 from loraplex.adapters.upload import UploadedFile, UploadTooLargeError, unpack_upload
@@ -107,7 +103,7 @@ class AdapterService:
 
         def stage_and_validate():
             write_files(staging, limit)
-            return load_peft_adapter(staging, manager.spec, manager.config.max_lora_rank)
+            return manager.validate(staging)  # the same checks as every later load
 
         try:
             weights = await asyncio.to_thread(stage_and_validate)
@@ -119,7 +115,14 @@ class AdapterService:
             raise bad_request(_public(error, staging), code="invalid_adapter") from None
         async with self._lock(tenant, name):
             record, old = await asyncio.to_thread(registry.commit, tenant, name, staging, weights)
-            await self.state.engine.add_lora(LoRARequest(record.engine_name, record.path))
+            try:
+                await self.state.engine.add_lora(LoRARequest(record.engine_name, record.path))
+            except AdapterValidationError as error:  # its stored files changed since staging
+                if old is None:
+                    await asyncio.to_thread(registry.delete, tenant, name)
+                raise bad_request(
+                    _public(error, Path(record.path)), code="invalid_adapter"
+                ) from None
             if old is not None and old.engine_name != record.engine_name:
                 await self.state.engine.remove_lora(old.engine_name)
         return record, old is not None
@@ -143,6 +146,6 @@ class AdapterService:
         return self._locks.setdefault((tenant, name), asyncio.Lock())
 
 
-def _public(error: Exception, staging: Path) -> str:
-    """The error's message without the server's staging path."""
-    return str(error).replace(f"{staging}/", "").replace(str(staging), "the adapter")
+def _public(error: Exception, folder: Path) -> str:
+    """The error's message without the server's staging or storage path."""
+    return without_path(str(error), folder)

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from loraplex.adapters.errors import AdapterLoadError, AdapterValidationError
 from loraplex.grammar.errors import (
     GrammarError,
     GrammarMemoryError,
@@ -109,6 +110,9 @@ def from_engine_error(error: ValueError) -> APIError:
         return bad_request(str(error), param=error.param, code="context_length_exceeded")
     if isinstance(error, GrammarError):
         return bad_request(str(error), code=_grammar_code(error))
+    if isinstance(error, AdapterValidationError):  # the request's adapter cannot be served
+        code = "adapter_load_failed" if isinstance(error, AdapterLoadError) else "invalid_adapter"
+        return bad_request(str(error), param="model", code=code)
     return bad_request(str(error), param=getattr(error, "param", None))
 
 
@@ -125,10 +129,11 @@ def _grammar_code(error: GrammarError) -> str:
 def request_failed(message: str, cause: Exception | None = None) -> APIError:
     """A request the engine ended early (`RequestOutput.error`, raised as `cause`): its grammar
     failed to compile, over a time or memory limit or refused by the compiler (the client's
-    fault: 400), or the watchdog ended it for making no progress (503)."""
+    fault: 400), its adapter failed to load (400, `adapter_load_failed`), or the watchdog ended
+    it for making no progress (503)."""
     if isinstance(cause, RequestStalledError):
         return APIError(503, message, type="service_unavailable", code="request_stalled")
-    if isinstance(cause, GrammarError):
+    if isinstance(cause, (GrammarError, AdapterValidationError)):
         return from_engine_error(cause)
     return bad_request(message, code="invalid_structured_output")
 
