@@ -62,6 +62,20 @@ def apply_penalties_ref(
     return logits - freq * output_counts - presence_penalty[:, None] * occurs
 
 
+def logprobs_ref(
+    logits: torch.Tensor,  # [n, vocab] fp32, the raw logits
+    token_ids: torch.Tensor,  # [n] int64
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Under log_softmax(logits): each token's logprob [n] and rank [n] int64 (1 + the number
+    of tokens with a higher logit), and the top-k ids [n, k] int64 and logprobs [n, k]."""
+    raw = torch.log_softmax(logits, dim=-1)  # [n, vocab]
+    chosen = logits.gather(1, token_ids[:, None])  # [n, 1]
+    ranks = (logits > chosen).sum(dim=-1) + 1
+    top_logprobs, top_ids = raw.topk(k, dim=-1)
+    return raw.gather(1, token_ids[:, None]).squeeze(1), ranks, top_ids, top_logprobs
+
+
 def truncation_thresholds_ref(
     logits: torch.Tensor,  # [n, vocab] fp32
     temperature: torch.Tensor,  # [n] fp32
@@ -138,6 +152,22 @@ def apply_penalties(
 
         return apply_penalties_triton(*args)
     return apply_penalties_ref(*args)
+
+
+def compute_logprobs(
+    logits: torch.Tensor,  # [n, vocab] fp32, the raw logits
+    token_ids: torch.Tensor,  # [n] int64
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`logprobs_ref`: on CUDA one Triton pass over the logits (no log_softmax tensor)."""
+    _check_rows(logits, token_ids=token_ids)
+    if k < 0 or k > logits.shape[1]:
+        raise ValueError(f"k must be in [0, vocab], got {k}")
+    if logits.is_cuda:
+        from loraplex.kernels.triton_sampling import logprobs_triton
+
+        return logprobs_triton(logits, token_ids, k)
+    return logprobs_ref(logits, token_ids, k)
 
 
 def truncation_thresholds(

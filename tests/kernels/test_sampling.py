@@ -8,7 +8,12 @@ import math
 import pytest
 import torch
 
-from loraplex.kernels.sampling import apply_penalties_ref, draw_ref, truncation_thresholds_ref
+from loraplex.kernels.sampling import (
+    apply_penalties_ref,
+    draw_ref,
+    logprobs_ref,
+    truncation_thresholds_ref,
+)
 
 INF = float("inf")
 # The Triton kernels run compiled on a GPU, else in the interpreter (tests/kernels/conftest.py).
@@ -78,6 +83,22 @@ def test_triton_penalties_match_reference(n: int, vocab: int, with_prompt: bool)
     ref = apply_penalties_ref(*args)
     out = apply_penalties_triton(*[a if a is None else a.to(DEVICE) for a in args])
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("n,vocab,k", [(3, 5000, 5), (2, 77, 0), (1, 3000, 20), (4, 2500, 3)])
+def test_triton_logprobs_match_reference(n: int, vocab: int, k: int) -> None:
+    from loraplex.kernels.triton_sampling import logprobs_triton
+
+    gen = torch.Generator().manual_seed(vocab + k)
+    logits = torch.randn(n, vocab, generator=gen) * 3
+    tokens = torch.randint(0, vocab, (n,), generator=gen)
+    ref = logprobs_ref(logits, tokens, k)
+    out = logprobs_triton(logits.to(DEVICE), tokens.to(DEVICE), k)
+    token_lp, ranks, top_ids, top_lp = (t.cpu() for t in out)
+    torch.testing.assert_close(token_lp, ref[0], rtol=0, atol=1e-5)
+    assert torch.equal(ranks, ref[1])
+    assert torch.equal(top_ids, ref[2])
+    torch.testing.assert_close(top_lp, ref[3], rtol=0, atol=1e-5)
 
 
 def test_greedy_draw_breaks_ties_like_argmax() -> None:

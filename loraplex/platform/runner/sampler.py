@@ -15,7 +15,7 @@ import torch
 
 from loraplex.grammar.bitmask import apply_token_bitmask_
 from loraplex.kernels.sampling import apply_penalties as penalties_kernel
-from loraplex.kernels.sampling import draw, truncation_thresholds
+from loraplex.kernels.sampling import compute_logprobs, draw, truncation_thresholds
 from loraplex.platform.runner.sampling_metadata import (
     LogprobsTensors,
     SamplerOutput,
@@ -53,18 +53,6 @@ def apply_min_tokens_(
     logits.scatter_reduce_(1, banned_token_ids.clamp(min=0), values, reduce="amin")
 
 
-def compute_logprobs(
-    raw: torch.Tensor,  # [n, vocab] fp32 log_softmax of the raw logits
-    token_ids: torch.Tensor,  # [n] int64
-    k: int,
-) -> LogprobsTensors:
-    """The sampled token's logprob and rank (1 = most likely), and the top-k, on the device."""
-    chosen = raw.gather(1, token_ids[:, None])  # [n, 1]
-    ranks = (raw > chosen).sum(dim=-1) + 1  # [n]
-    top_logprobs, top_ids = raw.topk(k, dim=-1)  # [n, k]
-    return LogprobsTensors(chosen.squeeze(1), ranks, top_ids, top_logprobs)
-
-
 class Sampler:
     """Samples one token per row from logits that each row's SamplingMetadata columns shape.
 
@@ -81,15 +69,15 @@ class Sampler:
     ) -> SamplerOutput:
         if logits.dim() != 2:
             raise ValueError(f"logits must be [n, vocab], got {tuple(logits.shape)}")
-        logits = logits.float()
-        raw = None
-        if metadata.max_num_logprobs is not None:
-            raw = torch.log_softmax(logits, dim=-1)  # [n, vocab]
-        logits = self.process_logits(logits, metadata, bitmask)
-        token_ids = self.sample(logits, metadata)
+        raw = logits.float()
+        if raw.stride(1) != 1:
+            raw = raw.contiguous()
+        token_ids = self.sample(self.process_logits(raw, metadata, bitmask), metadata)
         logprobs = None
-        if raw is not None:
-            logprobs = compute_logprobs(raw, token_ids, metadata.max_num_logprobs or 0)
+        if metadata.max_num_logprobs is not None:
+            # NOTE: of the raw logits (the model's distribution), as vLLM returns by default;
+            # process_logits never writes into them.
+            logprobs = LogprobsTensors(*compute_logprobs(raw, token_ids, metadata.max_num_logprobs))
         return SamplerOutput(token_ids, logprobs)
 
     @staticmethod
