@@ -54,6 +54,13 @@ _OPTIONS = (
     _Option("--max-num-seqs", 256, "the most sequences in one running batch", int),
     _Option("--max-num-batched-tokens", 2048, "the most tokens one engine step computes "
             "(longer prompts are prefilled in chunks)", int),
+    _Option("--long-prefill-token-threshold", None, "the most prompt tokens one request "
+            "prefills in a step while others run or wait, so a long prompt shares the step; the "
+            "same number is kept for admitting waiting requests (default: a quarter of "
+            "--max-num-batched-tokens; 0: no cap)", int),
+    _Option("--request-stall-timeout-s", 600.0, "end a request that makes no progress (no "
+            "prefill chunk, no token, not admitted) for this many seconds, with a 503 "
+            "request_stalled; 0 disables", float),
     _Option("--enforce-eager", False, "never capture CUDA graphs", boolean=True),
     _Option("--async-scheduling", None, "schedule and prepare step N+1 while the GPU runs step "
             "N (default: on for CUDA; requests with penalties or a grammar run steps in lock "

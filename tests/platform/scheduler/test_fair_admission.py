@@ -89,3 +89,14 @@ def test_a_bad_threshold_is_a_value_error():
         SchedulerConfig(long_prefill_token_threshold=-1)
     assert SchedulerConfig(max_num_batched_tokens=100).prefill_chunk_cap == 25
     assert SchedulerConfig(enable_chunked_prefill=False).prefill_chunk_cap == 0
+
+
+def test_serve_options_reach_the_scheduler_config():
+    from loraplex.cli import build_parser
+    from loraplex.platform.api.serve_cli import engine_config, resolve_options
+
+    argv = ["serve", "--long-prefill-token-threshold", "100", "--request-stall-timeout-s", "5"]
+    config = engine_config(resolve_options(build_parser().parse_args(argv))).scheduler
+    assert (config.long_prefill_token_threshold, config.request_stall_timeout_s) == (100, 5.0)
+    defaults = engine_config(resolve_options(build_parser().parse_args(["serve"]))).scheduler
+    assert defaults.prefill_chunk_cap == 512 and defaults.request_stall_timeout_s == 600
