@@ -299,5 +299,10 @@ def test_a_step_that_fails_midway_leaves_nothing_running_or_allocated(world):
     # the two in the failed step get the server's error; a third may have come in after it
     assert codes.count(500) >= 2 and set(codes) <= {200, 500}, codes
     _assert_idle(world)
-    assert _complete(_client(world, "beta"), None).status_code == 200
+    after = _complete(_client(world, "beta"), None)
+    assert after.status_code == 200
     _assert_idle(world)
+    # the runner forgot them too (it learns of finished requests at its next step, so only
+    # the last request may still hold a row)
+    rows = _on_engine_thread(world, lambda e: [r for r in e.runner.input_batch.req_ids if r])
+    assert set(rows) <= {after.json()["id"] + "-0"}, rows
