@@ -295,14 +295,18 @@ def _search_kernel(
             end = tl.minimum(start + chunk, vocab)
             lane = tl.arange(0, BLOCK)[None, :]  # [1, BLOCK]
             acc = tl.zeros([NP, BLOCK], tl.float32)
-            k_phase = phase == _K_PHASE
-            for base in range(start, end, BLOCK):
-                idx = base + lane
-                logit = tl.load(row_ptr + idx, mask=idx < end, other=float("-inf"))
-                weight = tl.exp((logit - m) * inv_t)
-                weight = tl.where(k_phase, 1.0, weight)
-                weight = tl.where(idx < end, weight, 0.0)
-                acc += tl.where(_key(logit) > pivot, weight, 0.0)
+            if phase == _K_PHASE:
+                for base in range(start, end, BLOCK):
+                    idx = base + lane
+                    logit = tl.load(row_ptr + idx, mask=idx < end, other=float("-inf"))
+                    weight = tl.where(idx < end, 1.0, 0.0)
+                    acc += tl.where(_key(logit) > pivot, weight, 0.0)
+            else:
+                for base in range(start, end, BLOCK):
+                    idx = base + lane
+                    logit = tl.load(row_ptr + idx, mask=idx < end, other=float("-inf"))
+                    weight = tl.where(idx < end, tl.exp((logit - m) * inv_t), 0.0)
+                    acc += tl.where(_key(logit) > pivot, weight, 0.0)
             out = part_ptr + (((1 - parity) * n + row) * num_chunks + part) * NP
             tl.store(out + tl.arange(0, NP), tl.sum(acc, axis=1))
 
@@ -324,6 +328,7 @@ def truncation_thresholds_triton(
     min_p: torch.Tensor,  # [n] fp32
     search: bool = True,
     num_chunks: int | None = None,
+    num_pivots: int | None = None,
 ) -> torch.Tensor:
     """`sampling.truncation_thresholds_ref` in Triton, without sorting. `search=False` (no
     row has top-k or top-p) computes min-p alone. -> [n] fp32"""
@@ -336,7 +341,10 @@ def truncation_thresholds_triton(
         return out
     row_max = logits.max(dim=-1).values  # [n]
     size = n * vocab
-    num_pivots = 256 if size <= 2**20 else 64 if size <= 2**23 else 16
+    if num_pivots is None:
+        # NOTE: measured on the H200 (benchmarks/results/h200_sampler.json): a full batch is
+        # compute-bound (8 pivots: 11 passes a phase); a small one is bound by launches
+        num_pivots = 64 if size <= 2**20 else 16 if size <= 2**23 else 8
     block = 16384 // num_pivots
     chunks = num_chunks or num_chunks_for(n, vocab, dev)
     chunk = triton.cdiv(triton.cdiv(vocab, chunks), block) * block
