@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from loraplex.adapters.errors import AdapterLoadError
 from loraplex.adapters.manager import LoRAStats
@@ -80,6 +81,10 @@ class Engine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.served_model_name = config.model.served_model_name or self.model_dir.stem
         self._ids = itertools.count()
+        # NOTE: a request without a seed gets one from here when it is added, so every row of
+        # the device sampler draws counter-based noise, and a seeded engine (model.seed) gives
+        # the same text for the same requests in the same order.
+        self._seeds = random.Random(config.model.seed)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         async_scheduling = config.scheduler.async_scheduling
@@ -132,6 +137,8 @@ class Engine:
         )
         for index, core_id in enumerate(core_ids):
             child = params if params.n == 1 else params.for_child(index)
+            if child.seed is None:
+                child = replace(child, seed=self._seeds.getrandbits(63))
             request = Request(
                 core_id,
                 token_ids,
@@ -203,8 +210,9 @@ class Engine:
 
         With async scheduling, step N+1 is scheduled and launched before step N's sampled
         tokens are read, and this returns step N's outputs while the device runs step N+1.
-        While any request samples from its own token history (penalties, a grammar), steps
-        run in lock step."""
+        Penalties, min_tokens, logprobs and seeds read only device state, so they run ahead
+        too; while any request has a grammar (its mask is filled on the host from its accepted
+        tokens), steps run in lock step."""
         failed = self._poll_grammars() + self._poll_adapters()
         if not self.async_scheduling or self.scheduler.num_lock_step:
             outputs = self._finish_in_flight()

@@ -72,11 +72,11 @@ class Request:
         # Tokens sampled by scheduled steps whose results have not come back yet (0 or 1 in
         # lock-step scheduling, up to 2 with async scheduling).
         self.num_pending = 0
-        # Whether a step may be scheduled before its previous token is known: not when
-        # sampling reads the request's own token history on the host (penalties, grammar).
-        self.async_ok = not sampling_params.needs_penalties and (
-            sampling_params.structured_outputs is None
-        )
+        # Whether a step may be scheduled before its previous token is known: not when its
+        # sampling reads the request's own tokens on the host. Penalties, min_tokens, logprobs
+        # and seeds read the runner's device state only; a grammar's mask is filled on the
+        # host from the tokens its matcher accepted.
+        self.async_ok = sampling_params.structured_outputs is None
         self.num_cached_tokens = -1  # prefix-cache hits at first scheduling; -1 until then
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

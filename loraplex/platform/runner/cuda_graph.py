@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from loraplex.platform.models.attention_metadata import AttentionMetadata
+from loraplex.platform.runner.batch import Batch
 
 logger = logging.getLogger(__name__)
 
@@ -120,28 +121,22 @@ class CudaGraphRunner:
         return None
 
     def run(
-        self,
-        input_ids: np.ndarray,  # [n] int64
-        positions: np.ndarray,  # [n] int64
-        slot_mapping: np.ndarray,  # [n] int64
-        seq_lens: np.ndarray,  # [n] int32
-        block_tables: np.ndarray,  # [n, width] int32
-        lora_slots: np.ndarray | None,  # [n] int32, or None when no row has an adapter
-        fill_input_ids: Callable[[torch.Tensor], None] | None = None,
+        self, batch: Batch, fill_input_ids: Callable[[torch.Tensor], None] | None = None
     ) -> torch.Tensor:  # [n, vocab] fp32 logits
-        """Replay the decode graph for these n sequences. `fill_input_ids(buffer)` may then
-        overwrite inputs on the device (tokens sampled by a step not read back yet)."""
+        """Replay the decode graph for the batch's n sequences. `fill_input_ids(buffer)` may
+        then overwrite inputs on the device (tokens sampled by a step not read back yet)."""
+        block_tables = batch.block_tables  # [n, width] int32
         n, width = block_tables.shape
         bs = self.padded_size(n)
         assert bs is not None
         stage = self._staging[self._num_runs % 2]
         self._num_runs += 1
         stage.done.synchronize()  # the copies of the run before last (long finished)
-        stage.input_ids.numpy()[:n] = input_ids
-        stage.positions.numpy()[:n] = positions
-        stage.slot_mapping.numpy()[:n] = slot_mapping
+        stage.input_ids.numpy()[:n] = batch.input_ids
+        stage.positions.numpy()[:n] = batch.positions
+        stage.slot_mapping.numpy()[:n] = batch.slot_mapping
         stage.slot_mapping.numpy()[n:bs] = -1
-        stage.seq_lens.numpy()[:n] = seq_lens
+        stage.seq_lens.numpy()[:n] = batch.seq_lens
         stage.seq_lens.numpy()[n:bs] = 0
         stage.block_tables.numpy()[:n, :width] = block_tables
         self.input_ids[:bs].copy_(stage.input_ids[:bs], non_blocking=True)
@@ -153,7 +148,7 @@ class CudaGraphRunner:
         if fill_input_ids is not None:
             fill_input_ids(self.input_ids)
         if self.before_replay is not None:
-            self.before_replay(bs, lora_slots)
+            self.before_replay(bs, batch.lora_slots if batch.any_lora else None)
         self.graphs[bs].replay()
         return self.logits[bs][:n]
 

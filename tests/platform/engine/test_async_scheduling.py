@@ -33,13 +33,14 @@ def _finish(outputs) -> list[list[str | None]]:
 def _count_overlapped_steps(llm: LLM, monkeypatch) -> list[int]:
     """Counts (in a one-item list) the steps launched with inputs still on the device."""
     runner, count = llm.engine.runner, [0]
-    fill = runner._fill_pending
+    prepare = runner.prepare
 
-    def counting(input_ids, host):
-        count[0] += len(host.pending_rows) > 0
-        return fill(input_ids, host)
+    def counting(*args, **kwargs):
+        batch = prepare(*args, **kwargs)
+        count[0] += len(batch.pending_tokens) > 0
+        return batch
 
-    monkeypatch.setattr(runner, "_fill_pending", counting)
+    monkeypatch.setattr(runner, "prepare", counting)
     return count
 
 
@@ -99,7 +100,9 @@ def test_preemption_under_a_small_kv_budget(llm, model_dir):
     _assert_all_freed(small)
 
 
-def test_penalties_and_grammar_run_in_lock_step_alongside(llm, async_llm, monkeypatch):
+def test_grammar_runs_in_lock_step_alongside_penalties(llm, async_llm, monkeypatch):
+    # NOTE: penalties read device state only and run ahead (test_seeded_sampling); a grammar's
+    # mask is filled on the host from its accepted tokens, so while one runs, steps lock.
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     params = [
         SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
