@@ -25,7 +25,7 @@ MAX_PATTERNS = 1024
 _MAX_PROGRAM_BYTES = 8 << 20
 
 V = TypeVar("V")
-_Regex = re2._Regexp
+Regex = re2._Regexp  # a compiled RE2 pattern
 
 
 def _options() -> re2.Options:
@@ -35,7 +35,7 @@ def _options() -> re2.Options:
     return options
 
 
-def compile_pattern(pattern: object, field: str, where: str, template: str = "{}") -> _Regex:
+def compile_pattern(pattern: object, field: str, where: str, template: str = "{}") -> Regex:
     """Compile a tenant's `pattern` (inside `template`) with RE2, or raise naming `field`."""
     if not isinstance(pattern, str):
         raise AdapterValidationError(
@@ -64,7 +64,7 @@ class PatternTable(Generic[V]):
     """PEFT's `rank_pattern` / `alpha_pattern`: the value of the first key matching a module."""
 
     field: str
-    entries: tuple[tuple[str, _Regex, V], ...]  # (key, compiled, value), in file order
+    entries: tuple[tuple[str, Regex, V], ...]  # (key, compiled, value), in file order
 
     @classmethod
     def compile(cls, field: str, values: dict[str, V], where: str) -> PatternTable[V]:
@@ -87,6 +87,6 @@ class PatternTable(Generic[V]):
         return None
 
 
-def fullmatch_modules(regex: _Regex, module_path: str) -> bool:
+def fullmatch_modules(regex: Regex, module_path: str) -> bool:
     """PEFT's rule for a string `target_modules` / `exclude_modules`: the whole name matches."""
     return regex.fullmatch(module_path) is not None

@@ -7,11 +7,14 @@ new ones with each release).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from loraplex.adapters.errors import AdapterValidationError
-from loraplex.adapters.patterns import PatternTable, _Regex, compile_pattern, fullmatch_modules
+from loraplex.adapters.patterns import PatternTable, Regex, compile_pattern, fullmatch_modules
+
+V = TypeVar("V")
 
 #: the largest `r` (or `rank_pattern` value) accepted before the tensors are even read
 MAX_RANK_FIELD = 1 << 16
@@ -28,8 +31,14 @@ _UNSUPPORTED_OPTIONS = {
     "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
     "use_qalora": "QA-LoRA (use_qalora)",
 }
-_BOOLEANS = ("use_rslora", "use_dora", "lora_bias", "fan_in_fan_out", "use_qalora",
-             "inference_mode")  # fmt: skip
+_BOOLEANS = (
+    "use_rslora",
+    "use_dora",
+    "lora_bias",
+    "fan_in_fan_out",
+    "use_qalora",
+    "inference_mode",
+)
 _OPTIONAL_STRINGS = ("base_model_name_or_path", "task_type", "revision", "peft_version")
 _ALL_LINEAR = "all-linear"  # PEFT's shorthand for every linear layer but the output head
 
@@ -44,8 +53,8 @@ class PeftLoRAConfig:
     use_rslora: bool
     rank_pattern: PatternTable[int]
     alpha_pattern: PatternTable[float]
-    target_modules: tuple[str, ...] | _Regex | None  # names, a regex, or None (all-linear)
-    exclude_modules: tuple[str, ...] | _Regex | None
+    target_modules: tuple[str, ...] | Regex | None  # names, a regex, or None (all-linear)
+    exclude_modules: tuple[str, ...] | Regex | None
     base_model_class: str | None
     base_model_name_or_path: str | None
 
@@ -73,7 +82,7 @@ class PeftLoRAConfig:
         )
 
 
-def _selects(rule: tuple[str, ...] | _Regex | None, module_path: str, default: bool) -> bool:
+def _selects(rule: tuple[str, ...] | Regex | None, module_path: str, default: bool) -> bool:
     if rule is None:
         return default
     if isinstance(rule, tuple):
@@ -113,22 +122,8 @@ def parse_peft_config(config: Any, where: str) -> PeftLoRAConfig:
         r=_rank(config.get("r"), "r", where),
         lora_alpha=_alpha(config.get("lora_alpha"), "lora_alpha", where),
         use_rslora=bool(config.get("use_rslora")),
-        rank_pattern=PatternTable.compile(
-            "rank_pattern",
-            {
-                k: _rank(v, f"rank_pattern[{k!r}]", where)
-                for k, v in _table(config, "rank_pattern", where).items()
-            },
-            where,
-        ),  # fmt: skip
-        alpha_pattern=PatternTable.compile(
-            "alpha_pattern",
-            {
-                k: _alpha(v, f"alpha_pattern[{k!r}]", where)
-                for k, v in _table(config, "alpha_pattern", where).items()
-            },
-            where,
-        ),  # fmt: skip
+        rank_pattern=_pattern_table(config, "rank_pattern", _rank, where),
+        alpha_pattern=_pattern_table(config, "alpha_pattern", _alpha, where),
         target_modules=_module_rule(config, "target_modules", where),
         exclude_modules=_module_rule(config, "exclude_modules", where),
         base_model_class=_base_model_class(config, where),
@@ -154,19 +149,22 @@ def _alpha(value: object, field: str, where: str) -> float:
     return float(value)  # type: ignore[arg-type]
 
 
-def _table(config: dict[str, Any], field: str, where: str) -> dict[str, Any]:
-    value = config.get(field)
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
+def _pattern_table(
+    config: dict[str, Any], field: str, check: Callable[[object, str, str], V], where: str
+) -> PatternTable[V]:
+    table = config.get(field)
+    if table is None:
+        return PatternTable.compile(field, {}, where)
+    if not isinstance(table, dict):
         raise AdapterValidationError(
             f"{where}: {field} must be an object mapping module patterns to values, "
-            f"got {type(value).__name__}"
+            f"got {type(table).__name__}"
         )
-    return value
+    values = {key: check(value, f"{field}[{key[:80]!r}]", where) for key, value in table.items()}
+    return PatternTable.compile(field, values, where)
 
 
-def _module_rule(config: dict[str, Any], field: str, where: str) -> tuple[str, ...] | _Regex | None:
+def _module_rule(config: dict[str, Any], field: str, where: str) -> tuple[str, ...] | Regex | None:
     value = config.get(field)
     if value is None or value == _ALL_LINEAR:
         return None
@@ -183,19 +181,19 @@ def _module_rule(config: dict[str, Any], field: str, where: str) -> tuple[str, .
 
 def _check_layers(config: dict[str, Any], where: str) -> None:
     layers = config.get("layers_to_transform")
-    if layers is not None and not (
-        (isinstance(layers, int) and not isinstance(layers, bool) and layers >= 0)
-        or (isinstance(layers, list) and all(
-            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers))
-    ):  # fmt: skip
+    indices = layers if isinstance(layers, list) else [layers]
+    if layers is not None and not all(_is_index(i) for i in indices):
         raise AdapterValidationError(
             f"{where}: layers_to_transform must be a layer index or a list of them"
         )
     pattern = config.get("layers_pattern")
-    if pattern is not None and not (
-        isinstance(pattern, str) or (isinstance(pattern, list) and all(isinstance(p, str) for p in pattern))
-    ):  # fmt: skip
+    names = pattern if isinstance(pattern, list) else [pattern]
+    if pattern is not None and not all(isinstance(p, str) for p in names):
         raise AdapterValidationError(f"{where}: layers_pattern must be a string or a list of them")
+
+
+def _is_index(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _base_model_class(config: dict[str, Any], where: str) -> str | None:
