@@ -164,7 +164,7 @@ def compute_logprobs(
     if k < 0 or k > logits.shape[1]:
         raise ValueError(f"k must be in [0, vocab], got {k}")
     if logits.is_cuda:
-        from loraplex.kernels.triton_sampling import logprobs_triton
+        from loraplex.kernels.triton_logprobs import logprobs_triton
 
         return logprobs_triton(logits, token_ids, k)
     return logprobs_ref(logits, token_ids, k)
@@ -182,7 +182,7 @@ def truncation_thresholds(
     says no row has top-k or top-p, so only min-p is computed). -> [n] fp32"""
     _check_rows(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     if logits.is_cuda:
-        from loraplex.kernels.triton_sampling import truncation_thresholds_triton
+        from loraplex.kernels.triton_truncation import truncation_thresholds_triton
 
         return truncation_thresholds_triton(
             logits, temperature, top_k, top_p, min_p, search=any_top_k_top_p

@@ -54,7 +54,7 @@ def test_triton_draw_matches_reference(n: int, vocab: int, chunks: int) -> None:
     "n,vocab,chunks", [(1, 5, 1), (6, 1000, 1), (5, 3001, 3), (4, 77, 2), (5, 3001, None)]
 )  # chunks None: one program searches each whole row, in one launch
 def test_triton_thresholds_match_reference(n: int, vocab: int, chunks: int | None) -> None:
-    from loraplex.kernels.triton_sampling import truncation_thresholds_triton
+    from loraplex.kernels.triton_truncation import truncation_thresholds_triton
 
     logits, temperature, _, _, top_k, top_p, min_p = _rows(n, vocab, vocab + 1)
     top_k[2 % n] = 0  # top-p alone
@@ -89,7 +89,7 @@ def test_triton_penalties_match_reference(n: int, vocab: int, with_prompt: bool)
 
 @pytest.mark.parametrize("n,vocab,k", [(3, 5000, 5), (2, 77, 0), (1, 3000, 20), (4, 2500, 3)])
 def test_triton_logprobs_match_reference(n: int, vocab: int, k: int) -> None:
-    from loraplex.kernels.triton_sampling import logprobs_triton
+    from loraplex.kernels.triton_logprobs import logprobs_triton
 
     gen = torch.Generator().manual_seed(vocab + k)
     logits = torch.randn(n, vocab, generator=gen) * 3
@@ -127,7 +127,7 @@ def test_thresholds_of_known_rows() -> None:
     min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.2])
     tau = truncation_thresholds_ref(logits, temperature, top_k, top_p, min_p)
     kept = (logits >= tau[:, None]).sum(dim=-1).tolist()
-    from loraplex.kernels.triton_sampling import truncation_thresholds_triton
+    from loraplex.kernels.triton_truncation import truncation_thresholds_triton
 
     args = (logits.to(DEVICE), temperature.to(DEVICE), top_k.to(DEVICE), top_p.to(DEVICE))
     assert torch.equal(truncation_thresholds_triton(*args, min_p.to(DEVICE)).cpu(), tau)
