@@ -20,11 +20,12 @@ from loraplex import LLM, SamplingParams
 
 
 def cuda_timed(fn) -> float:
-    """Wall seconds of fn(), the GPU synchronised before and after."""
-    torch.cuda.synchronize()
+    """Wall seconds of fn(), the GPU (if any) synchronised before and after."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
+    sync()
     start = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    sync()
     return time.perf_counter() - start
 
 
@@ -46,20 +47,25 @@ def random_prompts(rng: random.Random, vocab: int, lengths: list[int]) -> list[l
 
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+# What the `openai` SDK sends by default: every benchmark records it beside greedy.
+T1 = dict(temperature=1.0, top_p=1.0, ignore_eos=True)
 DECODE_STEPS, DECODE_PROMPT_LEN = 256, 32
 
 
-def decode_tpot(llm: LLM, rng: random.Random) -> tuple[float, float | None]:
+def decode_tpot(
+    llm: LLM, rng: random.Random, sampling: dict = GREEDY, steps: int = DECODE_STEPS
+) -> tuple[float, float | None]:
     """(seconds per output token at batch 1, GPU seconds of one graph-replayed decode step):
-    (time of DECODE_STEPS + 1 tokens - time of 1) / DECODE_STEPS, median of 3."""
+    (time of steps + 1 tokens - time of 1) / steps, median of 3; `sampling` holds the
+    SamplingParams fields of the requests (greedy by default)."""
     vocab = llm.engine.runner.arch.vocab_size
 
     def one(n: int) -> float:
         prompt = random_prompts(rng, vocab, [DECODE_PROMPT_LEN])
-        return cuda_timed(lambda: llm.generate(prompt, SamplingParams(max_tokens=n, **GREEDY)))
+        return cuda_timed(lambda: llm.generate(prompt, SamplingParams(max_tokens=n, **sampling)))
 
     one(8)
-    tpot = statistics.median((one(DECODE_STEPS + 1) - one(1)) / DECODE_STEPS for _ in range(3))
+    tpot = statistics.median((one(steps + 1) - one(1)) / steps for _ in range(3))
     graphs = llm.engine.runner.graphs
     if graphs is None:
         return tpot, None
@@ -69,16 +75,16 @@ def decode_tpot(llm: LLM, rng: random.Random) -> tuple[float, float | None]:
 
 
 def nano_vllm_workload(
-    vocab: int, num_requests: int
+    vocab: int, num_requests: int, sampling: dict = GREEDY
 ) -> tuple[list[list[int]], list[SamplingParams], int]:
-    """nano-vllm's workload: input and output lengths uniform in [100, 1024], greedy,
-    ignore_eos; returns (prompts, params, output tokens)."""
+    """nano-vllm's workload: input and output lengths uniform in [100, 1024], ignore_eos,
+    greedy unless `sampling` says otherwise; returns (prompts, params, output tokens)."""
     wl = random.Random(1)
     lens = [(wl.randint(100, 1024), wl.randint(100, 1024)) for _ in range(num_requests)]
     prompts = random_prompts(wl, vocab, [i for i, _ in lens])
     return (
         prompts,
-        [SamplingParams(max_tokens=o, **GREEDY) for _, o in lens],
+        [SamplingParams(max_tokens=o, **sampling) for _, o in lens],
         sum(o for _, o in lens),
     )
 
@@ -185,6 +191,10 @@ def main() -> int:
         into[f"{mode}latency_bs8_32in_128out_s"] = statistics.median(runs)
         into[f"{mode}tpot_bs1_ms"] = tpot * 1e3
         print(f"{mode or 'async '}latency bs8 32/128: {runs}; tpot bs1 {tpot * 1e3:.3f} ms")
+    # The same decode time, sampled as the openai SDK samples by default.
+    t1_tpot, _ = decode_tpot(llm, rng, T1)
+    metrics["t1_tpot_bs1_ms"] = t1_tpot * 1e3
+    print(f"t1 tpot bs1 {t1_tpot * 1e3:.3f} ms")
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     a = runner.arch
     avg_ctx = DECODE_PROMPT_LEN + DECODE_STEPS / 2
@@ -215,6 +225,12 @@ def main() -> int:
     seconds = cuda_timed(lambda: llm.generate(prompts, params))
     metrics["throughput_out_tok_s"] = out_tokens / seconds
     print(f"throughput {args.num_requests} reqs: {out_tokens} tokens in {seconds:.1f} s")
+    _, t1_params, _ = nano_vllm_workload(vocab, args.num_requests, T1)
+    llm.engine.scheduler.kv.reset_prefix_cache()
+    t1_seconds = cuda_timed(lambda: llm.generate(prompts, t1_params))
+    metrics["t1_throughput_out_tok_s"] = out_tokens / t1_seconds
+    metrics["t1_throughput_ratio_vs_greedy"] = seconds / t1_seconds
+    print(f"t1 throughput: {out_tokens} tokens in {t1_seconds:.1f} s")
     sub = args.hf_subset
     llm.engine.scheduler.kv.reset_prefix_cache()
     sub_seconds = cuda_timed(lambda: llm.generate(prompts[:sub], params[:sub]))

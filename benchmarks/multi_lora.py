@@ -4,8 +4,9 @@ against HF PEFT serving the 64-adapter mix in batches grouped by adapter.
 
     python -m benchmarks.multi_lora [--model configs/models/llama-3.1-8b.json]
 
-Workload: 512 requests, input and output lengths uniform in [256, 1024] and [128, 512], greedy,
-ignore_eos; request i runs adapter i mod k (k adapters spread uniformly). The adapters are
+Workload: 512 requests, input and output lengths uniform in [256, 1024] and [128, 512],
+ignore_eos, greedy and again `t1` (temperature 1.0, top_p 1: the openai SDK's default; its
+metrics carry a `t1_` prefix); request i runs adapter i mod k (k adapters spread uniformly). The adapters are
 random, rank 16 on all seven projections, written as PEFT folders and registered through
 `LoRARequest` like a user's. Each configuration starts with an empty prefix cache, after a
 warm-up request per adapter so that its GPU slot is loaded (loads are measured separately, by
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu_path import GREEDY, bench_llm, cuda_timed
+from benchmarks.gpu_path import GREEDY, T1, bench_llm, cuda_timed
 from benchmarks.hf_baseline import hf_generate_static, hf_model_from_engine
 from benchmarks.random_adapter import write_random_adapter
 from benchmarks.record import RESULTS, write_result
@@ -66,9 +67,12 @@ def engine(model: str, enable_lora: bool, max_loras: int) -> LLM:
     return llm
 
 
-def serve(llm: LLM, prompts, outputs, loras=None) -> float:
+SAMPLINGS = {"": GREEDY, "t1_": T1}  # metric prefix -> SamplingParams fields
+
+
+def serve(llm: LLM, prompts, outputs, loras=None, sampling: dict = GREEDY) -> float:
     """Output tokens/s of one `generate` over all requests, from an empty prefix cache."""
-    params = [SamplingParams(max_tokens=o, **GREEDY) for o in outputs]
+    params = [SamplingParams(max_tokens=o, **sampling) for o in outputs]
     llm.engine.scheduler.kv.reset_prefix_cache()
     seconds = cuda_timed(lambda: llm.generate(prompts, params, lora_request=loras))
     return sum(outputs) / seconds
@@ -98,10 +102,13 @@ def main() -> int:
     n = args.num_requests
 
     def record() -> None:
-        base = baseline.get("base_lora_disabled_out_tok_s")
-        for k in args.adapters:
-            if base and f"lora_{k}_out_tok_s" in metrics:
-                metrics[f"ratio_vs_base_{k}"] = metrics[f"lora_{k}_out_tok_s"] / base
+        for prefix in SAMPLINGS:
+            base = baseline.get(f"{prefix}base_lora_disabled_out_tok_s")
+            for k in args.adapters:
+                if base and f"{prefix}lora_{k}_out_tok_s" in metrics:
+                    metrics[f"{prefix}ratio_vs_base_{k}"] = (
+                        metrics[f"{prefix}lora_{k}_out_tok_s"] / base
+                    )
         peft = baseline.get("peft_grouped_64_out_tok_s")
         if peft and "lora_64_out_tok_s" in metrics:
             metrics["speedup_vs_peft_64"] = metrics["lora_64_out_tok_s"] / peft
@@ -126,8 +133,10 @@ def main() -> int:
         llm = engine(args.model, False, 1)
         prompts, outputs = workload(llm.engine.runner.arch.vocab_size, n)
         serve(llm, prompts[:16], [16] * len(prompts[:16]))  # warm-up
-        baseline["base_lora_disabled_out_tok_s"] = serve(llm, prompts, outputs)
-        print(f"base, LoRA disabled: {baseline['base_lora_disabled_out_tok_s']:.0f} tok/s")
+        for prefix, sampling in SAMPLINGS.items():
+            key = f"{prefix}base_lora_disabled_out_tok_s"
+            baseline[key] = serve(llm, prompts, outputs, sampling=sampling)
+            print(f"{prefix}base, LoRA disabled: {baseline[key]:.0f} tok/s")
         record()
         del llm
         gc.collect()
@@ -148,15 +157,19 @@ def main() -> int:
 
     if "lora" in stages:
         serve(llm, prompts[:16], [16] * len(prompts[:16]))  # warm-up
-        metrics["base_on_lora_engine_out_tok_s"] = serve(llm, prompts, outputs)
-        print(f"base on the LoRA engine: {metrics['base_on_lora_engine_out_tok_s']:.0f} tok/s")
+        for prefix, sampling in SAMPLINGS.items():
+            key = f"{prefix}base_on_lora_engine_out_tok_s"
+            metrics[key] = serve(llm, prompts, outputs, sampling=sampling)
+            print(f"{prefix}base on the LoRA engine: {metrics[key]:.0f} tok/s")
         for k in args.adapters:
             start = time.perf_counter()
             serve(llm, [p[:8] for p in prompts[:k]], [2] * k, adapters[:k])  # load the slots
             print(f"{k} adapters loaded in {time.perf_counter() - start:.1f} s")
             loras = [adapters[i % k] for i in range(n)]
-            metrics[f"lora_{k}_out_tok_s"] = serve(llm, prompts, outputs, loras)
-            print(f"{k} adapters: {metrics[f'lora_{k}_out_tok_s']:.0f} tok/s; {llm.stats()}")
+            for prefix, sampling in SAMPLINGS.items():
+                key = f"{prefix}lora_{k}_out_tok_s"
+                metrics[key] = serve(llm, prompts, outputs, loras, sampling)
+                print(f"{prefix}{k} adapters: {metrics[key]:.0f} tok/s; {llm.stats()}")
             record()
 
     if "peft" in stages:

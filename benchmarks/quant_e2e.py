@@ -10,6 +10,8 @@ optionally FP8 quantized at load), one engine at a time:
 - throughput on `benchmarks.gpu_path`'s nano-vllm workload (input and output lengths uniform in
   [100, 1024]), `--num-requests` of them. The workload runs once untimed first, so Triton
   compiles every kernel specialization the timed run meets.
+Both greedy and `t1` (temperature 1.0, top_p 1: the openai SDK's default), the latter's metrics
+named with a `t1_` prefix after the model's name.
 The AWQ weights are random in AutoAWQ's checkpoint format and go through the same load-time
 repack as a real checkpoint. Prints which W4A16 kernel each layer shape runs per token count.
 Writes benchmarks/results/h200_quant_e2e.json. Skips (exit 0) without CUDA.
@@ -30,6 +32,8 @@ import torch
 from benchmarks.gpu_path import (
     DECODE_PROMPT_LEN,
     DECODE_STEPS,
+    GREEDY,
+    T1,
     bench_llm,
     cuda_timed,
     decode_tpot,
@@ -58,6 +62,8 @@ class ModelFigures:
     tpot_bs1_ms: float
     gpu_decode_step_bs1_ms: float | None
     throughput_out_tok_s: float | None
+    t1_tpot_bs1_ms: float
+    t1_throughput_out_tok_s: float | None
     weight_gb: float
     engine_start_s: float
 
@@ -79,12 +85,14 @@ def kernel_choices(llm: LLM) -> dict[str, dict[int, str]]:
     return choices
 
 
-def throughput(llm: LLM, num_requests: int) -> float:
-    """Output tokens per second over gpu_path's workload; a full untimed run warms up first."""
+def throughput(llm: LLM, num_requests: int, sampling: dict = GREEDY, warm: bool = True) -> float:
+    """Output tokens per second over gpu_path's workload; a full untimed run warms up first
+    (unless `warm` is False)."""
     prompts, params, out_tokens = nano_vllm_workload(
-        llm.engine.runner.arch.vocab_size, num_requests
+        llm.engine.runner.arch.vocab_size, num_requests, sampling
     )
-    llm.generate(prompts, params)
+    if warm:
+        llm.generate(prompts, params)
     llm.engine.scheduler.kv.reset_prefix_cache()
     seconds = cuda_timed(lambda: llm.generate(prompts, params))
     print(f"  throughput {num_requests} reqs: {out_tokens} tokens in {seconds:.1f} s")
@@ -108,7 +116,10 @@ def measure(spec: ModelSpec, num_requests: int, skip_throughput: bool) -> ModelF
     tpot, replay = decode_tpot(llm, random.Random(0))
     step = f", GPU step {replay * 1e3:.3f} ms" if replay is not None else ""
     print(f"  tpot bs1 {tpot * 1e3:.3f} ms{step}")
+    t1_tpot, _ = decode_tpot(llm, random.Random(0), T1)
+    print(f"  t1 tpot bs1 {t1_tpot * 1e3:.3f} ms")
     tok_s = None if skip_throughput else throughput(llm, num_requests)
+    t1_tok_s = None if skip_throughput else throughput(llm, num_requests, T1, warm=False)
     llm.engine.shutdown()
     del llm, model
     gc.collect()
@@ -118,6 +129,8 @@ def measure(spec: ModelSpec, num_requests: int, skip_throughput: bool) -> ModelF
         tpot_bs1_ms=tpot * 1e3,
         gpu_decode_step_bs1_ms=replay * 1e3 if replay is not None else None,
         throughput_out_tok_s=tok_s,
+        t1_tpot_bs1_ms=t1_tpot * 1e3,
+        t1_throughput_out_tok_s=t1_tok_s,
         weight_gb=weight_gb,
         engine_start_s=engine_start,
     )
@@ -133,6 +146,9 @@ def metrics_vs_bf16(figures: dict[str, ModelFigures]) -> dict[str, float]:
             metrics[f"{name}_gpu_decode_step_bs1_ms"] = fig.gpu_decode_step_bs1_ms
         if fig.throughput_out_tok_s is not None:
             metrics[f"{name}_throughput_out_tok_s"] = fig.throughput_out_tok_s
+        metrics[f"{name}_t1_tpot_bs1_ms"] = fig.t1_tpot_bs1_ms
+        if fig.t1_throughput_out_tok_s is not None:
+            metrics[f"{name}_t1_throughput_out_tok_s"] = fig.t1_throughput_out_tok_s
         metrics[f"{name}_weight_gb"] = fig.weight_gb
         if name == "bf16":
             continue

@@ -3,7 +3,9 @@
 N random token-id prompts of --input-len tokens, each asking for exactly --output-len tokens
 (ignore_eos), sent to /v1/completions with streaming at a request rate (Poisson arrivals) or a
 fixed concurrency. Reports request throughput, output tokens/s, and TTFT, TPOT and ITL at
-p50/p90/p99. `--offline` runs the same workload through `LLM.generate`.
+p50/p90/p99. `--offline` runs the same workload through `LLM.generate`. `--sampling` picks greedy
+or `t1` (temperature 1.0, top_p 1: the openai SDK's default); `--record` runs both, the t1
+metrics named with a `t1_` prefix.
 
     # against a running server
     python benchmarks/serving.py --base-url http://127.0.0.1:8000 --max-concurrency 8
@@ -32,6 +34,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "cpu_serving.json"
+# Sampling mode -> (temperature, top_p) of every request; the metric prefix is "" or "t1_".
+SAMPLINGS = {"greedy": (0.0, 1.0), "t1": (1.0, 1.0)}
 
 
 def make_prompts(num: int, input_len: int, seed: int) -> list[list[int]]:
@@ -70,7 +74,10 @@ def summarize(results: list[RequestResult], duration_s: float) -> dict[str, floa
     return metrics
 
 
-async def _one_request(client, model: str, prompt: list[int], output_len: int) -> RequestResult:
+async def _one_request(
+    client, model: str, prompt: list[int], output_len: int, sampling: str = "greedy"
+) -> RequestResult:
+    temperature, top_p = SAMPLINGS[sampling]
     start = time.perf_counter()
     last = start
     result: RequestResult | None = None
@@ -78,7 +85,8 @@ async def _one_request(client, model: str, prompt: list[int], output_len: int) -
         model=model,
         prompt=prompt,
         max_tokens=output_len,
-        temperature=0,
+        temperature=temperature,
+        top_p=top_p,
         stream=True,
         stream_options={"include_usage": True},
         extra_body={"ignore_eos": True},
@@ -107,6 +115,7 @@ async def run_server_benchmark(
     max_concurrency: int | None,
     request_rate: float,
     seed: int,
+    sampling: str = "greedy",
 ) -> dict[str, float]:
     import openai
 
@@ -119,7 +128,7 @@ async def run_server_benchmark(
 
     async def limited(prompt: list[int]) -> RequestResult:
         async with limit:
-            return await _one_request(client, model, prompt, output_len)
+            return await _one_request(client, model, prompt, output_len, sampling)
 
     start = time.perf_counter()
     tasks = []
@@ -133,23 +142,32 @@ async def run_server_benchmark(
     return summarize(list(results), duration)
 
 
-def run_offline_benchmark(prompts: list[list[int]], output_len: int) -> dict[str, float]:
-    """The same workload through LLM.generate: one batch, throughput only."""
+def run_offline_benchmark(
+    prompts: list[list[int]], output_len: int, samplings: tuple[str, ...] = ("greedy",)
+) -> dict[str, dict[str, float]]:
+    """The same workload through LLM.generate (one engine, one batch per sampling mode):
+    throughput only, by sampling mode."""
     from loraplex import LLM, SamplingParams
 
     llm = LLM()
     llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up
-    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    duration = time.perf_counter() - start
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {
-        "completed": len(outputs),
-        "duration_s": duration,
-        "request_throughput": len(outputs) / duration,
-        "output_tok_s": out_tokens / duration,
-    }
+    runs = {}
+    for sampling in samplings:
+        temperature, top_p = SAMPLINGS[sampling]
+        params = SamplingParams(
+            max_tokens=output_len, temperature=temperature, top_p=top_p, ignore_eos=True
+        )
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        duration = time.perf_counter() - start
+        out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        runs[sampling] = {
+            "completed": len(outputs),
+            "duration_s": duration,
+            "request_throughput": len(outputs) / duration,
+            "output_tok_s": out_tokens / duration,
+        }
+    return runs
 
 
 def _free_port() -> int:
@@ -182,28 +200,42 @@ def launch_server(extra_args: list[str]) -> tuple[subprocess.Popen, str]:
 
 
 def record(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
-    """Server runs at each --concurrency, then offline; the flat metrics of the results JSON."""
+    """Server runs at each --concurrency, then offline, greedy and t1; the flat metrics of the
+    results JSON (greedy's unprefixed, t1's prefixed `t1_`)."""
     metrics: dict[str, float] = {}
+    samplings = tuple(SAMPLINGS)
     proc, base_url = launch_server(args.server_arg or [])
     try:
-        for c in args.concurrency:
-            metrics[f"c{c}_load_avg_1m"] = os.getloadavg()[0]
-            run = asyncio.run(run_server_benchmark(base_url, prompts, args.output_len, c,
-                                                   float("inf"), args.seed))  # fmt: skip
-            print(f"concurrency {c}: {json.dumps(run)}", flush=True)
-            metrics.update({f"c{c}_{k}": v for k, v in run.items()})
+        for sampling in samplings:
+            pre = _prefix(sampling)
+            for c in args.concurrency:
+                metrics[f"{pre}c{c}_load_avg_1m"] = os.getloadavg()[0]
+                run = asyncio.run(run_server_benchmark(base_url, prompts, args.output_len, c,
+                                                       float("inf"), args.seed, sampling))  # fmt: skip
+                print(f"{sampling} concurrency {c}: {json.dumps(run)}", flush=True)
+                metrics.update({f"{pre}c{c}_{k}": v for k, v in run.items()})
     finally:
         proc.terminate()
         proc.wait(30)
     metrics["offline_load_avg_1m"] = os.getloadavg()[0]
-    offline = run_offline_benchmark(prompts, args.output_len)
-    print(f"offline: {json.dumps(offline)}", flush=True)
-    metrics.update({f"offline_{k}": v for k, v in offline.items()})
-    for c in args.concurrency:
-        metrics[f"server_vs_offline_c{c}"] = (
-            metrics[f"c{c}_output_tok_s"] / metrics["offline_output_tok_s"]
-        )
+    offline = run_offline_benchmark(prompts, args.output_len, samplings)
+    for sampling, run in offline.items():
+        print(f"{sampling} offline: {json.dumps(run)}", flush=True)
+        metrics.update({f"{_prefix(sampling)}offline_{k}": v for k, v in run.items()})
+    for sampling in samplings:
+        pre = _prefix(sampling)
+        for c in args.concurrency:
+            metrics[f"{pre}server_vs_offline_c{c}"] = (
+                metrics[f"{pre}c{c}_output_tok_s"] / metrics[f"{pre}offline_output_tok_s"]
+            )
+    metrics["t1_vs_greedy_offline"] = (
+        metrics["t1_offline_output_tok_s"] / metrics["offline_output_tok_s"]
+    )
     return metrics
+
+
+def _prefix(sampling: str) -> str:
+    return "" if sampling == "greedy" else f"{sampling}_"
 
 
 def _commit() -> str:
@@ -225,6 +257,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--offline", action="store_true", help="run the workload through LLM instead")
+    p.add_argument("--sampling", choices=tuple(SAMPLINGS), default="greedy",
+                   help="greedy, or t1: temperature 1.0, top_p 1 (--record runs both)")  # fmt: skip
     p.add_argument(
         "--record",
         action="store_true",
@@ -264,11 +298,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.out}")
         return 0
     if args.offline:
-        metrics = run_offline_benchmark(prompts, args.output_len)
+        metrics = run_offline_benchmark(prompts, args.output_len, (args.sampling,))[args.sampling]
     else:
         metrics = asyncio.run(run_server_benchmark(args.base_url, prompts, args.output_len,
                                                    args.max_concurrency, args.request_rate,
-                                                   args.seed))  # fmt: skip
+                                                   args.seed, args.sampling))  # fmt: skip
     print(json.dumps(metrics, indent=2))
     return 0
 

@@ -1,0 +1,152 @@
+"""Sampled decoding (issue 15): output tokens/s of a full batch and decode time per token at
+batch 1, for each sampling mix beside greedy, on one engine.
+
+    python -m benchmarks.sampling [--model configs/models/llama-3.1-8b.json] [--mixes t1,rep11]
+    python -m benchmarks.sampling --model qwen3-0.6b          # a config in configs/models/
+    python -m benchmarks.sampling --device cpu                # small run, embedded model
+
+Workload (GPU defaults): random bf16 weights of the model's shape, 256 requests of 128 random
+prompt tokens, 256 output tokens each, ignore_eos, all at once; TPOT as `benchmarks.gpu_path`
+measures it (batch 1, 32 prompt tokens, (257 tokens - 1) / 256, median of 3). Every mix runs
+on the same engine, after an untimed short run of its own (kernels compile there), from an
+empty prefix cache. Mixes without a temperature of their own sample at 1.0, the openai SDK's
+default. Records `greedy_out_tok_s`, `tpot_bs1_greedy_ms`, and per mix `<mix>_out_tok_s`,
+`ratio_<mix>_vs_greedy` (its tok/s over greedy's) and `tpot_bs1_<mix>_ms`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+from benchmarks.gpu_path import bench_llm, cuda_timed, decode_tpot, random_prompts
+from benchmarks.record import write_result
+from loraplex import LLM, SamplingParams
+
+# name -> SamplingParams fields; "seed" True means a seed per request (its index).
+MIXES: dict[str, dict] = {
+    "greedy": dict(temperature=0.0),
+    "t1": dict(temperature=1.0, top_p=1.0),
+    "t07_top_p09": dict(temperature=0.7, top_p=0.9),
+    "t07_seed": dict(temperature=0.7, seed=True),
+    "t07_top_k50": dict(temperature=0.7, top_k=50),
+    "min_p005": dict(temperature=1.0, min_p=0.05),
+    "rep11": dict(temperature=1.0, repetition_penalty=1.1),
+    "presence_frequency": dict(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.5),
+    "logprobs5": dict(temperature=1.0, logprobs=5),
+}
+CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "models"
+
+
+def mix_params(mix: str, n: int, max_tokens: int) -> list[SamplingParams]:
+    fields = dict(MIXES[mix])
+    seeded = fields.pop("seed", False)
+    return [
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=i if seeded else None, **fields)
+        for i in range(n)
+    ]
+
+
+def resolve_model(name: str | None) -> str | None:
+    """A path, or the name of a config in configs/models/ (`qwen3-0.6b`); None: the default."""
+    if name is None or Path(name).exists():
+        return name
+    config = CONFIGS / f"{name}.json"
+    if config.is_file():
+        return str(config)
+    known = sorted(p.stem for p in CONFIGS.glob("*.json"))
+    raise SystemExit(f"unknown model {name!r}: give a path or one of {known}")
+
+
+def throughput(llm: LLM, prompts: list[list[int]], mix: str, output_len: int) -> float:
+    """Output tokens/s of the whole batch under one mix, after an untimed short run of it."""
+    llm.generate(prompts, mix_params(mix, len(prompts), 4))
+    params = mix_params(mix, len(prompts), output_len)
+    llm.engine.scheduler.kv.reset_prefix_cache()
+    seconds = cuda_timed(lambda: llm.generate(prompts, params))
+    return len(prompts) * output_len / seconds
+
+
+def tpot_ms(llm: LLM, mix: str, steps: int) -> float:
+    fields = dict(MIXES[mix])
+    if fields.pop("seed", False):
+        fields["seed"] = 0
+    tpot, _ = decode_tpot(llm, random.Random(0), dict(ignore_eos=True, **fields), steps)
+    return tpot * 1e3
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model", default=None, help="a model path or a configs/models name (default: "
+        "llama-3.1-8b on cuda, the embedded model on cpu)",
+    )  # fmt: skip
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument(
+        "--mixes",
+        default=None,
+        help=f"comma-separated subset of {','.join(MIXES)} (greedy always runs: the ratios "
+        "need it; default: all on cuda, t1 on cpu)",
+    )
+    parser.add_argument("--num-requests", type=int, default=None, help="256 (cuda), 8 (cpu)")
+    parser.add_argument("--input-len", type=int, default=None, help="128 (cuda), 16 (cpu)")
+    parser.add_argument("--output-len", type=int, default=None, help="256 (cuda), 16 (cpu)")
+    parser.add_argument("--tpot-steps", type=int, default=None, help="256 (cuda), 16 (cpu)")
+    parser.add_argument("--out", default=None, help="h200_sampling.json / cpu_sampling.json")
+    args = parser.parse_args()
+    cpu = args.device == "cpu"
+    mixes = (args.mixes or ("t1" if cpu else ",".join(MIXES))).split(",")
+    if unknown := set(mixes) - set(MIXES):
+        parser.error(f"unknown mixes {sorted(unknown)}; choose from {list(MIXES)}")
+    mixes = ["greedy"] + [m for m in mixes if m != "greedy"]
+    n = args.num_requests or (8 if cpu else 256)
+    input_len = args.input_len or (16 if cpu else 128)
+    output_len = args.output_len or (16 if cpu else 256)
+    steps = args.tpot_steps or (16 if cpu else 256)
+    if cpu:
+        model = resolve_model(args.model)
+        blocks = (n + 1) * (-(-(input_len + output_len) // 16) + 2) + 32
+        llm = LLM(model, device="cpu", dtype="float32", enable_lora=False, seed=0,
+                  max_model_len=1024, num_kv_blocks=blocks)  # fmt: skip
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("benchmarks.sampling needs a CUDA GPU (or --device cpu); skipped")
+            return 0
+        model = resolve_model(args.model or "llama-3.1-8b")
+        llm = bench_llm(model, max_num_batched_tokens=8192)
+    vocab = llm.engine.runner.arch.vocab_size
+    prompts = random_prompts(random.Random(0), vocab, [input_len] * n)
+    metrics: dict[str, float] = {}
+    for mix in mixes:
+        tok_s = throughput(llm, prompts, mix, output_len)
+        metrics[f"{mix}_out_tok_s"] = tok_s
+        metrics[f"tpot_bs1_{mix}_ms"] = tpot_ms(llm, mix, steps)
+        if mix != "greedy":
+            metrics[f"ratio_{mix}_vs_greedy"] = tok_s / metrics["greedy_out_tok_s"]
+        print(f"{mix}: {tok_s:.0f} tok/s, tpot bs1 {metrics[f'tpot_bs1_{mix}_ms']:.3f} ms")
+    print(json.dumps(metrics, indent=2))
+    write_result(
+        args.out or ("cpu_sampling.json" if cpu else "h200_sampling.json"),
+        "sampling",
+        metrics,
+        {"greedy": "the same engine and requests, temperature 0"},
+        workload={
+            "model": model or "embedded SmolLM2-135M-Instruct (fp32)",
+            "num_requests": n,
+            "input_len": input_len,
+            "output_len": output_len,
+            "tpot": f"batch 1, ({steps + 1} tokens - 1) / {steps}, median of 3",
+            "mixes": {m: MIXES[m] for m in mixes},
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
