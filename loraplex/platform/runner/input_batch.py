@@ -117,6 +117,7 @@ class InputBatch:
         self._counts: Counter[str] = Counter()  # host flags, as counts of rows
         self._logprob_ks: Counter[int] = Counter()
         self._below_min_tokens: set[str] = set()
+        self._freed: list[int] = []  # rows `remove` emptied since the last `condense`
         # -- device ----------------------------------------------------------------------
         self._float = torch.zeros((6, n), dtype=torch.float32, device=device)  # [6, n]
         self._int32 = torch.zeros((2, n), dtype=torch.int32, device=device)  # [2, n]
@@ -165,11 +166,16 @@ class InputBatch:
         self._count(flags, -1)
         self._below_min_tokens.discard(req_id)
         self.req_ids[row] = self.params[row] = self._flags[row] = None
+        self._freed.append(row)
 
     def condense(self) -> None:
-        """Move the last occupied rows into the holes `remove` left, so rows stay 0..n-1."""
+        """Move the last occupied rows into the holes `remove` left, so rows stay 0..n-1
+        (work proportional to the rows removed)."""
+        if not self._freed:
+            return
         live = len(self.req_index)
-        holes = [r for r in range(live) if self.req_ids[r] is None]
+        holes = sorted(r for r in self._freed if r < live)
+        self._freed.clear()
         if not holes:
             self.num_reqs = live
             return
