@@ -24,7 +24,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from outlines_core import Guide, Index
-from outlines_core.json_schema import build_regex_from_schema
 from tokenizers import Tokenizer
 
 from loraplex.grammar.bitmask import allocate_token_bitmask, apply_token_bitmask_
@@ -32,6 +31,7 @@ from loraplex.grammar.compiler import GrammarCompiler
 from loraplex.grammar.config import GrammarConfig
 from loraplex.grammar.matcher import GrammarMatcher
 from loraplex.grammar.params import StructuredOutputs
+from loraplex.grammar.schema_analysis import schema_regex
 from loraplex.grammar.vocabulary import build_vocabulary
 from loraplex.platform.models.model_store import ensure_default_model
 
@@ -149,10 +149,7 @@ def main() -> None:
             restarted.compile(outputs)
             disk_ms = (time.perf_counter() - start) * 1e3
             restarted.shutdown()
-            request = compiler.check(outputs)
-            regex = build_regex_from_schema(request.source, request.whitespace_pattern)
-            for placeholder, replacement in request.substitutions:
-                regex = regex.replace(placeholder, replacement)
+            regex = schema_regex(schema, config.whitespace_pattern, config.max_recursion_depth)
             regex = f"(?:{regex})\\x{{{ord(vocabulary.end_marker):X}}}"
             start = time.perf_counter()
             index = Index(regex, vocabulary.vocabulary)

@@ -19,7 +19,6 @@ import sys
 import types
 
 from outlines_core import Index
-from outlines_core.json_schema import build_regex_from_schema
 
 _HEADER = struct.Struct("<Q")
 
@@ -46,7 +45,7 @@ def _write_frame(stream, payload: object) -> None:
 
 
 def _import_analysis(package_parent: str):
-    """`analyse_schema` and the grammar errors, without running `loraplex/__init__`.
+    """`schema_regex` and the grammar errors, without running `loraplex/__init__`.
 
     NOTE: the root package imports the engine (and with it torch); a bare module standing in for
     it, whose path is the package folder, lets `loraplex.grammar` load alone."""
@@ -54,29 +53,23 @@ def _import_analysis(package_parent: str):
     package.__path__ = [os.path.join(package_parent, "loraplex")]
     sys.modules["loraplex"] = package
     from loraplex.grammar import errors
-    from loraplex.grammar.schema_analysis import analyse_schema
+    from loraplex.grammar.schema_analysis import schema_regex
 
-    return analyse_schema, errors
+    return schema_regex, errors
 
 
-def _regex(job: dict, analyse_schema) -> str:
+def _regex(job: dict, schema_regex) -> str:
     """The job's regex, followed by the end marker (see `GrammarVocabulary`)."""
     if job["kind"] == "regex":
         regex = job["source"]
     else:
-        analysed = analyse_schema(json.loads(job["source"]))
-        regex = build_regex_from_schema(
-            json.dumps(analysed.schema, sort_keys=True),
-            job["whitespace_pattern"],
-            max_recursion_depth=job["max_recursion_depth"],
-        )
-        for placeholder, replacement in sorted(analysed.substitutions.items()):
-            regex = regex.replace(placeholder, replacement)
+        schema = json.loads(job["source"])
+        regex = schema_regex(schema, job["whitespace_pattern"], job["max_recursion_depth"])
     return f"(?:{regex})\\x{{{ord(job['end_marker']):X}}}"
 
 
 def main() -> None:
-    analyse_schema, errors = _import_analysis(sys.argv[2])
+    schema_regex, errors = _import_analysis(sys.argv[2])
     limit = int(sys.argv[1]) * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     requests = sys.stdin.buffer
@@ -87,7 +80,7 @@ def main() -> None:
     while (frame := _read_frame(requests)) is not None:
         job = pickle.loads(frame)
         try:
-            index = Index(_regex(job, analyse_schema), vocabulary)
+            index = Index(_regex(job, schema_regex), vocabulary)
             # NOTE: an Index pickles as `Index.from_binary(data)`; sending `data` alone lets
             # the parent and the disk cache load it without unpickling.
             _write_frame(replies, ("ok", index.__reduce__()[1][0]))

@@ -283,3 +283,22 @@ def analyse_schema(schema: dict[str, Any]) -> AnalysedSchema:
     analyser = _Analyser(root)
     rewritten = analyser.walk(root, "#")
     return AnalysedSchema(schema=rewritten, substitutions=analyser.substitutions)
+
+
+def schema_regex(schema: dict[str, Any], whitespace_pattern: str, max_recursion_depth: int) -> str:
+    """The regex that enforces `schema`: outlines-core's regex of the analysed schema, with our
+    regexes in place of the placeholders. Raises what `analyse_schema` raises.
+
+    Runs in the compile child (under its time and memory limits), never on the engine thread.
+    """
+    from outlines_core.json_schema import build_regex_from_schema
+
+    analysed = analyse_schema(schema)
+    regex = build_regex_from_schema(
+        json.dumps(analysed.schema, sort_keys=True),
+        whitespace_pattern,
+        max_recursion_depth=max_recursion_depth,
+    )
+    for placeholder, replacement in sorted(analysed.substitutions.items()):
+        regex = regex.replace(placeholder, replacement)
+    return regex
