@@ -24,7 +24,6 @@ _K_PHASE = tl.constexpr(0)
 _P_PHASE = tl.constexpr(1)
 _DONE = tl.constexpr(2)
 _KEY_LO = tl.constexpr(-(2**31))  # below the key of every value but NaN
-_ROW_SEARCH_MAX = 2**20  # logits (n * vocab) up to which one program searches a whole row
 
 
 @triton.jit
@@ -100,11 +99,10 @@ def _threshold(hi, searched, m, t, min_p, SEARCH: tl.constexpr):
 
 
 @triton.jit
-def _search_row_kernel(
-    logits_ptr, stride_l, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, thresh_ptr, vocab,
-    SEARCH: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    # One program searches one whole row, all passes in one launch (small batches).
+def _min_p_kernel(
+    logits_ptr, stride_l, temp_ptr, min_p_ptr, thresh_ptr, vocab, BLOCK: tl.constexpr
+):
+    # No row has top-k or top-p: one launch, a program a row, its max and min-p's bound.
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_l
     top = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -113,29 +111,8 @@ def _search_row_kernel(
         top = tl.maximum(top, tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf")))
     m = tl.max(top, axis=0)
     t = tl.load(temp_ptr + row)
-    k = tl.load(top_k_ptr + row)
-    p = tl.load(top_p_ptr + row)
-    inv_t = 1.0 / tl.where(t >= _GREEDY, t, 1.0)
-    live = (t >= _GREEDY) & (m > float("-inf"))
-    k_on = live & (k > 0) & (k < vocab)
-    p_on = live & (p < 1.0)
-    lo = tl.full([], _KEY_LO, tl.int64)
-    hi = _key(m).to(tl.int64)
-    if SEARCH:
-        if k_on:
-            while hi - lo > 1:
-                f = _pivot_sums(row_ptr, 0, vocab, lo, hi, m, inv_t, True, NP, BLOCK)
-                lo, hi = _narrow(f, lo, hi, k.to(tl.float32), NP)
-        if p_on:
-            hi = _key(m).to(tl.int64)  # top-p within the top-k: above the k-th value
-            f = _pivot_sums(row_ptr, 0, vocab, lo, hi, m, inv_t, False, NP, BLOCK)
-            target = p * _first(f, NP)  # slot 0: the mass above lo, all the top-k's
-            lo, hi = _narrow(f, lo, hi, target, NP)
-            while hi - lo > 1:
-                f = _pivot_sums(row_ptr, 0, vocab, lo, hi, m, inv_t, False, NP, BLOCK)
-                lo, hi = _narrow(f, lo, hi, target, NP)
     min_p = tl.load(min_p_ptr + row)
-    tl.store(thresh_ptr + row, _threshold(hi, k_on | p_on, m, t, min_p, SEARCH))
+    tl.store(thresh_ptr + row, _threshold(m, False, m, t, min_p, False))
 
 
 @triton.jit
@@ -143,7 +120,7 @@ def _search_kernel(
     logits_ptr, stride_l, max_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
     lo_ptr, hi_ptr, phase_ptr, target_ptr, part_ptr, thresh_ptr,
     n, vocab, chunk, num_chunks, parity,
-    FIRST: tl.constexpr, FINISH: tl.constexpr, SEARCH: tl.constexpr,
+    FIRST: tl.constexpr, FINISH: tl.constexpr,
     NP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
@@ -157,11 +134,9 @@ def _search_kernel(
     src = parity * n + row
     dst = (1 - parity) * n + row
     if FIRST:
-        phase = tl.full([], _DONE, tl.int32)
-        if SEARCH:
-            searched = (t >= _GREEDY) & (m > float("-inf"))
-            phase = tl.where(searched & p_on, _P_PHASE, phase)
-            phase = tl.where(searched & (k > 0) & (k < vocab), _K_PHASE, phase)
+        searched = (t >= _GREEDY) & (m > float("-inf"))
+        phase = tl.where(searched & p_on, _P_PHASE, _DONE)
+        phase = tl.where(searched & (k > 0) & (k < vocab), _K_PHASE, phase).to(tl.int32)
         lo = tl.full([], _KEY_LO, tl.int64)
         hi = _key(m).to(tl.int64)
         # top-k: k tokens; top-p: unknown until the first pass has summed the mass (< 0)
@@ -192,7 +167,7 @@ def _search_kernel(
     if FINISH:
         searched = (phase == _DONE) & (((k > 0) & (k < vocab)) | p_on)
         min_p = tl.load(min_p_ptr + row)
-        tl.store(thresh_ptr + row, _threshold(hi, searched, m, t, min_p, SEARCH))
+        tl.store(thresh_ptr + row, _threshold(hi, searched, m, t, min_p, True))
     else:
         if part == 0:
             tl.store(phase_ptr + dst, phase)
@@ -242,14 +217,12 @@ def truncation_thresholds_triton(
         temperature.float().contiguous(), top_k.int().contiguous(),
         top_p.float().contiguous(), min_p.float().contiguous(),
     )  # fmt: skip
-    size = n * vocab
-    if size <= _ROW_SEARCH_MAX and num_chunks is None:
-        # NOTE: a small batch is bound by launches: one program a row, every pass in one launch
-        _search_row_kernel[(n,)](
-            logits, logits.stride(0), *columns, out, vocab,
-            SEARCH=search, NP=16, BLOCK=1024, num_warps=8,
-        )  # fmt: skip
+    if not search:
+        _min_p_kernel[(n,)](
+            logits, logits.stride(0), columns[0], columns[3], out, vocab, BLOCK=2048, num_warps=8
+        )
         return out
+    size = n * vocab
     row_max = logits.max(dim=-1).values  # [n]
     if num_pivots is None:
         # NOTE: measured on the H200 (benchmarks/results/h200_sampler.json): a full batch is
@@ -264,13 +237,13 @@ def truncation_thresholds_triton(
     phase = torch.empty(2, n, dtype=torch.int32, device=dev)
     target = torch.empty(2, n, dtype=torch.float32, device=dev)
     partials = torch.empty(2, n, chunks, num_pivots, dtype=torch.float32, device=dev)
-    passes = 2 * search_passes(num_pivots) if search else 0
+    passes = 2 * search_passes(num_pivots)
 
     def launch(grid, parity: int, first: bool, finish: bool) -> None:
         _search_kernel[grid](
             logits, logits.stride(0), row_max, *columns, lo, hi, phase, target, partials, out,
             n, vocab, chunk, chunks, parity,
-            FIRST=first, FINISH=finish, SEARCH=search, NP=num_pivots, BLOCK=block,
+            FIRST=first, FINISH=finish, NP=num_pivots, BLOCK=block,
             BLOCK_C=triton.next_power_of_2(chunks), num_warps=8,
         )  # fmt: skip
 
