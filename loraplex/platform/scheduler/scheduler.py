@@ -141,10 +141,11 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted = False
+        can_admit = len(self.waiting) > 0 and len(self.running) < self.config.max_num_seqs
         cap = self.config.prefill_chunk_cap
-        if len(self.running) + len(self.waiting) <= 1:
-            cap = 0  # alone: a prompt may take the whole budget
-        reserve = min(cap, budget // 2) if len(self.waiting) else 0
+        if len(self.running) + (len(self.waiting) if can_admit else 0) <= 1:
+            cap = 0  # nothing to share the step with: a prompt may take the whole budget
+        reserve = min(cap, budget // 2) if can_admit else 0
 
         i = 0
         while i < len(self.running) and budget > 0:

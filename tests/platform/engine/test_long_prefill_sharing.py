@@ -9,9 +9,9 @@ from loraplex import SamplingParams
 from loraplex.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from loraplex.platform.engine.engine import Engine
 
-# Small sizes keep it to a few seconds on CPU: the prompt is 12x the step's token budget.
+# Small sizes keep it to a few seconds on CPU: the prompt is 8x the step's token budget.
 BUDGET = 16
-LONG_PROMPT = 192
+LONG_PROMPT = 128
 # The short request is admitted the step after it is added and samples in that step (its
 # prompt fits the reserve); one more step covers a lock-step or async hand-over.
 MAX_STEPS_FOR_SHORT = 3
@@ -21,9 +21,9 @@ MAX_STEPS_FOR_SHORT = 3
 def engine(model_dir):
     engine = Engine(
         EngineConfig(
-            model=ModelConfig(model=str(model_dir), dtype="float32", max_model_len=256,
+            model=ModelConfig(model=str(model_dir), dtype="float32", max_model_len=160,
                               device="cpu"),
-            cache=CacheConfig(num_kv_blocks=64, enable_prefix_caching=False),
+            cache=CacheConfig(num_kv_blocks=32, enable_prefix_caching=False),
             scheduler=SchedulerConfig(max_num_batched_tokens=BUDGET),
         )
     )  # fmt: skip

@@ -100,3 +100,11 @@ def test_serve_options_reach_the_scheduler_config():
     assert (config.long_prefill_token_threshold, config.request_stall_timeout_s) == (100, 5.0)
     defaults = engine_config(resolve_options(build_parser().parse_args(["serve"]))).scheduler
     assert defaults.prefill_chunk_cap == 512 and defaults.request_stall_timeout_s == 600
+
+
+def test_no_budget_is_held_back_when_no_sequence_slot_is_free():
+    sched = _scheduler(max_num_seqs=1)
+    sched.add_request(_request("long", 2000))
+    sched.schedule()
+    sched.add_request(_request("short", 10))  # cannot be admitted: the batch is full
+    assert sched.schedule().num_scheduled_tokens == {"long": BUDGET}
