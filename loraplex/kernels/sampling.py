@@ -177,16 +177,19 @@ def truncation_thresholds(
     top_p: torch.Tensor,  # [n] fp32
     min_p: torch.Tensor,  # [n] fp32
     any_top_k_top_p: bool = True,
+    any_top_k_and_top_p: bool = True,
 ) -> torch.Tensor:
     """`truncation_thresholds_ref`: on CUDA a Triton search (no sort; `any_top_k_top_p=False`
-    says no row has top-k or top-p, so only min-p is computed). -> [n] fp32"""
+    says no row has top-k or top-p, so only min-p is computed; `any_top_k_and_top_p=False`
+    that no row has both, so one search phase is enough). -> [n] fp32"""
     _check_rows(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     if logits.is_cuda:
         from loraplex.kernels.triton_truncation import truncation_thresholds_triton
 
         return truncation_thresholds_triton(
-            logits, temperature, top_k, top_p, min_p, search=any_top_k_top_p
-        )
+            logits, temperature, top_k, top_p, min_p, search=any_top_k_top_p,
+            both=any_top_k_and_top_p,
+        )  # fmt: skip
     return truncation_thresholds_ref(logits, temperature, top_k, top_p, min_p)
 
 

@@ -201,11 +201,13 @@ def truncation_thresholds_triton(
     top_p: torch.Tensor,  # [n] fp32
     min_p: torch.Tensor,  # [n] fp32
     search: bool = True,
+    both: bool = True,
     num_chunks: int | None = None,
     num_pivots: int | None = None,
 ) -> torch.Tensor:
     """`sampling.truncation_thresholds_ref` in Triton, without sorting. `search=False` (no
-    row has top-k or top-p) computes min-p alone. -> [n] fp32"""
+    row has top-k or top-p) computes min-p alone; `both=False` (no row has top-k and top-p)
+    launches one phase of passes instead of two. -> [n] fp32"""
     n, vocab = logits.shape
     if logits.stride(1) != 1:
         raise ValueError("logits must have unit stride along the vocabulary")
@@ -237,7 +239,7 @@ def truncation_thresholds_triton(
     phase = torch.empty(2, n, dtype=torch.int32, device=dev)
     target = torch.empty(2, n, dtype=torch.float32, device=dev)
     partials = torch.empty(2, n, chunks, num_pivots, dtype=torch.float32, device=dev)
-    passes = 2 * search_passes(num_pivots)
+    passes = (2 if both else 1) * search_passes(num_pivots)
 
     def launch(grid, parity: int, first: bool, finish: bool) -> None:
         _search_kernel[grid](

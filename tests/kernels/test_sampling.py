@@ -61,6 +61,13 @@ def test_triton_thresholds_match_reference(n: int, vocab: int, chunks: int) -> N
     out = truncation_thresholds_triton(logits, temperature, top_k, top_p, min_p, num_chunks=chunks)
     # top-k / top-p thresholds are logits of the row, exactly; min-p's log may differ in an ulp
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=0)
+    # one phase of passes is enough when no row has both top-k and top-p
+    top_p = torch.where(top_k > 0, 1.0, top_p)
+    one_phase = truncation_thresholds_triton(
+        logits, temperature, top_k, top_p, min_p, both=False, num_chunks=chunks
+    )
+    ref = truncation_thresholds_ref(logits, temperature, top_k, top_p, min_p)
+    torch.testing.assert_close(one_phase, ref, rtol=1e-6, atol=0)
     no_search = truncation_thresholds_triton(
         logits, temperature, top_k, top_p, min_p, search=False, num_chunks=chunks
     )

@@ -115,7 +115,7 @@ class Sampler:
         if metadata.any_top_k_top_p or metadata.any_min_p:
             thresholds = truncation_thresholds(
                 logits, metadata.temperature, metadata.top_k, metadata.top_p, metadata.min_p,
-                metadata.any_top_k_top_p,
+                metadata.any_top_k_top_p, metadata.any_top_k_and_top_p,
             )  # fmt: skip
         return draw(logits, metadata.temperature, thresholds, metadata.seeds, metadata.steps)
 

@@ -46,6 +46,10 @@ class SamplingMetadata:
     # Per row, how many top logprobs it asked for (-1: none); only read when max_num_logprobs
     # is not None.
     num_logprobs: torch.Tensor | None  # [n] int32
+    # Whether a sampled row has both top-k and top-p (its two threshold searches run one after
+    # the other, twice the launches); True is always safe, False lets the sampler skip them.
+    # NOTE: added after the first version, with a default, so older constructors still work.
+    any_top_k_and_top_p: bool = True
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,7 @@ def build_sampling_metadata(
         min_tokens=col(min_tokens, torch.int64).to(dev),
         all_greedy=not bool(sampled.any()),
         any_top_k_top_p=bool((sampled & ((k > 0) | (p < 1))).any()),
+        any_top_k_and_top_p=bool((sampled & (k > 0) & (k < vocab) & (p < 1)).any()),
         any_min_p=bool((sampled & (mp > 0)).any()),
         any_penalties=any_penalties,
         max_num_logprobs=None if logprobs is None else int(num_logprobs.max()),
