@@ -23,8 +23,9 @@ def _top(entry: TokenLogprobs, k: int) -> list[Logprob]:
 
 
 def _finite(value: float) -> float:
-    # NOTE: JSON has no -inf; OpenAI clients expect a number, so clamp as vLLM does.
-    return max(value, -9999.0)
+    # NOTE: JSON has no -inf or NaN; OpenAI clients expect a number, so clamp as vLLM does
+    # (a NaN, from an adapter whose finite weights overflow, fails the comparison too).
+    return value if value >= -9999.0 else -9999.0
 
 
 def chat_logprobs(entries: list[TokenLogprobs], top_k: int) -> dict[str, Any]:
