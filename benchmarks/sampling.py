@@ -9,7 +9,7 @@ Workload (GPU defaults): random bf16 weights of the model's shape, 256 requests 
 prompt tokens, 256 output tokens each, ignore_eos, all at once; TPOT as `benchmarks.gpu_path`
 measures it (batch 1, 32 prompt tokens, (257 tokens - 1) / 256, median of 3). Every mix runs
 on the same engine, after an untimed short run of its own (kernels compile there), from an
-empty prefix cache. Mixes without a temperature of their own sample at 1.0, the openai SDK's
+empty prefix cache; `--rounds` repeats the pass over the mixes and keeps each one's best. Mixes without a temperature of their own sample at 1.0, the openai SDK's
 default. Records `greedy_out_tok_s`, `tpot_bs1_greedy_ms`, and per mix `<mix>_out_tok_s`,
 `ratio_<mix>_vs_greedy` (its tok/s over greedy's) and `tpot_bs1_<mix>_ms`.
 """
@@ -69,6 +69,26 @@ def throughput(llm: LLM, prompts: list[list[int]], mix: str, output_len: int) ->
     return len(prompts) * output_len / seconds
 
 
+def measure(
+    llm: LLM, prompts: list[list[int]], mixes: list[str], output_len: int, steps: int, rounds: int
+) -> dict[str, float]:
+    """Per mix: the best tok/s and the lowest TPOT over `rounds` rounds, each round running
+    every mix in turn (on a shared CPU, interleaving spreads load changes over the mixes)."""
+    metrics: dict[str, float] = {}
+    for _ in range(rounds):
+        for mix in mixes:
+            tok_s, tpot = throughput(llm, prompts, mix, output_len), tpot_ms(llm, mix, steps)
+            metrics[f"{mix}_out_tok_s"] = max(tok_s, metrics.get(f"{mix}_out_tok_s", 0.0))
+            key = f"tpot_bs1_{mix}_ms"
+            metrics[key] = min(tpot, metrics.get(key, float("inf")))
+            print(f"{mix}: {tok_s:.1f} tok/s, tpot bs1 {tpot:.3f} ms")
+    for mix in mixes[1:]:
+        metrics[f"ratio_{mix}_vs_greedy"] = (
+            metrics[f"{mix}_out_tok_s"] / metrics["greedy_out_tok_s"]
+        )
+    return metrics
+
+
 def tpot_ms(llm: LLM, mix: str, steps: int) -> float:
     fields = dict(MIXES[mix])
     if fields.pop("seed", False):
@@ -96,6 +116,12 @@ def main() -> int:
     parser.add_argument("--input-len", type=int, default=None, help="128 (cuda), 16 (cpu)")
     parser.add_argument("--output-len", type=int, default=None, help="256 (cuda), 16 (cpu)")
     parser.add_argument("--tpot-steps", type=int, default=None, help="256 (cuda), 16 (cpu)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="rounds over the mixes, best kept: 1 (cuda), 3 (cpu)",
+    )
     parser.add_argument("--out", default=None, help="h200_sampling.json / cpu_sampling.json")
     args = parser.parse_args()
     cpu = args.device == "cpu"
@@ -122,14 +148,8 @@ def main() -> int:
         llm = bench_llm(model, max_num_batched_tokens=8192)
     vocab = llm.engine.runner.arch.vocab_size
     prompts = random_prompts(random.Random(0), vocab, [input_len] * n)
-    metrics: dict[str, float] = {}
-    for mix in mixes:
-        tok_s = throughput(llm, prompts, mix, output_len)
-        metrics[f"{mix}_out_tok_s"] = tok_s
-        metrics[f"tpot_bs1_{mix}_ms"] = tpot_ms(llm, mix, steps)
-        if mix != "greedy":
-            metrics[f"ratio_{mix}_vs_greedy"] = tok_s / metrics["greedy_out_tok_s"]
-        print(f"{mix}: {tok_s:.0f} tok/s, tpot bs1 {metrics[f'tpot_bs1_{mix}_ms']:.3f} ms")
+    rounds = args.rounds or (3 if cpu else 1)
+    metrics = measure(llm, prompts, mixes, output_len, steps, rounds)
     print(json.dumps(metrics, indent=2))
     write_result(
         args.out or ("cpu_sampling.json" if cpu else "h200_sampling.json"),
@@ -142,6 +162,7 @@ def main() -> int:
             "input_len": input_len,
             "output_len": output_len,
             "tpot": f"batch 1, ({steps + 1} tokens - 1) / {steps}, median of 3",
+            "rounds": f"{rounds} over the mixes in turn; best tok/s and lowest TPOT kept",
             "mixes": {m: MIXES[m] for m in mixes},
         },
     )
