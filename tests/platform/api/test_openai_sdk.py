@@ -44,8 +44,11 @@ def test_chat_streamed_text_equals_whole_text_for_one_seed(client, server):
     assert whole.object == "chat.completion"
     assert whole.choices[0].message.role == "assistant"
     assert whole.choices[0].message.content == streamed
-    assert whole.choices[0].finish_reason == finish == "length"
-    assert whole.usage.completion_tokens == usage.completion_tokens == 8
+    # NOTE: whether the seed's text reaches EOS within 8 tokens depends on the sampler's
+    # seed-to-noise mapping; both runs must agree either way.
+    assert whole.choices[0].finish_reason == finish in ("length", "stop")
+    assert whole.usage.completion_tokens == usage.completion_tokens <= 8
+    assert finish == "stop" or usage.completion_tokens == 8
     assert whole.usage.prompt_tokens == usage.prompt_tokens > 0
 
 
