@@ -50,6 +50,7 @@ class _RowFlags:
 
     random: bool  # temperature above the greedy threshold
     top_k_top_p: bool
+    top_k_and_top_p: bool  # both at once (the sampler's threshold search runs twice)
     min_p: bool
     penalties: bool
     repetition: bool
@@ -62,6 +63,7 @@ class _RowFlags:
         return cls(
             random=not greedy,
             top_k_top_p=not greedy and (p.top_k > 0 or p.top_p < 1.0),
+            top_k_and_top_p=not greedy and p.top_k > 0 and p.top_p < 1.0,
             min_p=not greedy and p.min_p > 0.0,
             penalties=p.needs_penalties,
             repetition=p.repetition_penalty != 1.0,
@@ -145,6 +147,7 @@ class InputBatch:
         c = self._counts
         c["random"] += sign * flags.random
         c["top_k_top_p"] += sign * flags.top_k_top_p
+        c["top_k_and_top_p"] += sign * flags.top_k_and_top_p
         c["min_p"] += sign * flags.min_p
         c["penalties"] += sign * flags.penalties
         c["repetition"] += sign * flags.repetition
@@ -352,6 +355,7 @@ class InputBatch:
             min_tokens=i64[_MIN_TOKENS],
             all_greedy=c["random"] == 0,
             any_top_k_top_p=c["top_k_top_p"] > 0,
+            any_top_k_and_top_p=c["top_k_and_top_p"] > 0,
             any_min_p=c["min_p"] > 0,
             any_penalties=c["penalties"] > 0,
             max_num_logprobs=max_k,

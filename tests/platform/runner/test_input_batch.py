@@ -69,6 +69,7 @@ def test_columns_hold_each_requests_parameters():
     assert meta.max_num_logprobs == 3
     assert meta.num_logprobs is not None and meta.num_logprobs.tolist() == [-1, -1, 3]
     assert not meta.all_greedy and meta.any_top_k_top_p and meta.any_min_p
+    assert meta.any_top_k_and_top_p  # b has both
     assert meta.any_penalties and meta.output_counts is not None
     assert meta.prompt_mask is None  # no repetition penalty in the batch
     assert not ib.plain_greedy
@@ -138,6 +139,7 @@ def test_host_flags_follow_adds_and_removes():
     _apply(ib, finished=["s"])
     meta = ib.sampling_metadata(np.arange(1), None)
     assert ib.plain_greedy and meta.all_greedy and not meta.any_top_k_top_p
+    assert not meta.any_top_k_and_top_p
     assert meta.max_num_logprobs is None and meta.output_counts is None
 
 
