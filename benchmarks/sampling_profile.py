@@ -1,0 +1,82 @@
+"""Where a sampled step's time goes at a full batch: wall time per step, the GPU's busy time,
+and the costliest CUDA kernels and host operations, per sampling mix beside greedy.
+
+    python -m benchmarks.sampling_profile [--mixes t1,t07_top_p09,logprobs5] [--out DIR]
+
+Runs each mix on the benchmark engine of `benchmarks.sampling` (same requests), a short
+untimed run first, then `--steps` output tokens under torch.profiler. Prints one summary line
+per mix and writes the full tables to DIR (default: the working directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from pathlib import Path
+
+from benchmarks.gpu_path import bench_llm, random_prompts
+from benchmarks.sampling import MIXES, mix_params, resolve_model
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("--model", default="llama-3.1-8b")
+parser.add_argument("--mixes", default="t1,t07_top_p09,logprobs5")
+parser.add_argument("--num-requests", type=int, default=256)
+parser.add_argument("--input-len", type=int, default=128)
+parser.add_argument("--steps", type=int, default=24)
+parser.add_argument("--out", default=".")
+
+
+def main() -> int:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("benchmarks.sampling_profile needs a CUDA GPU; skipped")
+        return 0
+    mixes = ["greedy"] + [m for m in args.mixes.split(",") if m != "greedy"]
+    if unknown := set(mixes) - set(MIXES):
+        parser.error(f"unknown mixes {sorted(unknown)}; choose from {list(MIXES)}")
+    llm = bench_llm(resolve_model(args.model), max_num_batched_tokens=8192)
+    vocab = llm.engine.runner.arch.vocab_size
+    n = args.num_requests
+    prompts = random_prompts(random.Random(0), vocab, [args.input_len] * n)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for mix in mixes:
+        llm.generate(prompts, mix_params(mix, n, 4))
+        llm.engine.scheduler.kv.reset_prefix_cache()
+        for request, params in zip(prompts, mix_params(mix, n, args.steps), strict=True):
+            llm.engine.add_request(None, request, params)
+        engine = llm.engine
+        while engine.scheduler.num_waiting:  # prefill outside the profile
+            engine.step()
+        torch.cuda.synchronize()
+        steps = 0
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            while engine.has_unfinished_requests():
+                engine.step()
+                steps += 1
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+        events = prof.key_averages()
+        gpu_us = sum(e.self_device_time_total for e in events)
+        by_gpu = events.table(sort_by="self_cuda_time_total", row_limit=15)
+        by_cpu = events.table(sort_by="self_cpu_time_total", row_limit=15)
+        (out_dir / f"profile_{mix}.txt").write_text(by_gpu + "\n\n" + by_cpu)
+        top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:4]
+        host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:4]
+        print(
+            f"{mix}: {steps} steps, wall {wall / steps * 1e3:.2f} ms/step, GPU busy "
+            f"{gpu_us / steps / 1e3:.2f} ms/step\n  GPU: "
+            + "; ".join(f"{e.key[:48]} {e.self_device_time_total / steps / 1e3:.3f}" for e in top)
+            + "\n  CPU: "
+            + "; ".join(f"{e.key[:48]} {e.self_cpu_time_total / steps / 1e3:.3f}" for e in host)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
