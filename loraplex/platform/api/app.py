@@ -39,6 +39,7 @@ BODY_MODELS: tuple[type[BaseModel], ...] = (
     CompletionRequest,
     ChatCompletionRequest,
     serving_admin.TenantCreateRequest,
+    *serving_adapters.BODY_MODELS,
 )
 
 

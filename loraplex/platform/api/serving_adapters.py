@@ -7,6 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.datastructures import UploadFile
 
 from loraplex.adapters.upload import UploadedFile
@@ -19,11 +20,55 @@ from loraplex.platform.api.adapter_service import (
 )
 from loraplex.platform.api.auth import caller_of, require_admin, tenant_of
 from loraplex.platform.api.errors import APIError, bad_request
-from loraplex.platform.api.request_body import parse_json
+from loraplex.platform.api.request_body import json_body, parse_json
 from loraplex.platform.api.state import server_state
 
 router = APIRouter()
 _MAX_FILES = 8
+
+
+# NOTE: the JSON bodies below are read and checked by the routes themselves (field by field,
+# with OpenAI-shaped 400s naming the field); these models document them in /openapi.json.
+class RegisterAdapterRequest(BaseModel):
+    """POST /v1/adapters/register (admin): a PEFT folder on the server, for a tenant."""
+
+    name: str
+    path: str
+    tenant: str | None = None
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter (admin, vLLM's route)."""
+
+    lora_name: str
+    lora_path: str
+    tenant: str | None = None
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter (vLLM's route): one of the caller's adapters."""
+
+    lora_name: str
+
+
+BODY_MODELS = (RegisterAdapterRequest, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest)
+_UPLOAD_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["name", "files"],
+                    "properties": {
+                        "name": {"type": "string"},
+                        "files": {"type": "array", "items": {"type": "string", "format": "binary"}},
+                    },
+                }
+            }
+        },
+    }
+}
 
 
 def _service(request: Request) -> AdapterService:
@@ -34,7 +79,7 @@ def _too_large(limit: int) -> APIError:
     return APIError(413, f"the upload is over the limit of {limit} bytes", code="adapter_too_large")
 
 
-@router.post("/v1/adapters")
+@router.post("/v1/adapters", openapi_extra=_UPLOAD_BODY)
 async def upload_adapter(request: Request) -> JSONResponse:
     """multipart/form-data: `name`, and `files` (the two PEFT files, or one .zip / .tar.gz)."""
     tenant = tenant_of(request).name
@@ -90,19 +135,19 @@ async def _register(request: Request, name_field: str, path_field: str) -> JSONR
     return JSONResponse({**card(record, service.base_name), "replaced": replaced}, status_code=201)
 
 
-@router.post("/v1/adapters/register")
+@router.post("/v1/adapters/register", openapi_extra=json_body(RegisterAdapterRequest))
 async def register_adapter(request: Request) -> JSONResponse:
     """Admin only: `{"name", "path", "tenant"}`, a PEFT folder on the server."""
     return await _register(request, "name", "path")
 
 
-@router.post("/v1/load_lora_adapter")
+@router.post("/v1/load_lora_adapter", openapi_extra=json_body(LoadLoRAAdapterRequest))
 async def load_lora_adapter(request: Request) -> JSONResponse:
     """vLLM-compatible: `{"lora_name", "lora_path"}` (admin only; `tenant` names the tenant)."""
     return await _register(request, "lora_name", "lora_path")
 
 
-@router.post("/v1/unload_lora_adapter")
+@router.post("/v1/unload_lora_adapter", openapi_extra=json_body(UnloadLoRAAdapterRequest))
 async def unload_lora_adapter(request: Request) -> JSONResponse:
     """vLLM-compatible: `{"lora_name"}`, one of the caller's adapters."""
     body = parse_json(await request.body())

@@ -95,6 +95,9 @@ def test_the_openapi_document_shows_the_request_bodies(server):
         ("/v1/completions", "CompletionRequest"),
         ("/v1/chat/completions", "ChatCompletionRequest"),
         ("/admin/tenants", "TenantCreateRequest"),
+        ("/v1/adapters/register", "RegisterAdapterRequest"),
+        ("/v1/load_lora_adapter", "LoadLoRAAdapterRequest"),
+        ("/v1/unload_lora_adapter", "UnloadLoRAAdapterRequest"),
     ):
         body = doc["paths"][path]["post"]["requestBody"]
         assert body["content"]["application/json"]["schema"]["$ref"].endswith(model)
@@ -102,3 +105,5 @@ def test_the_openapi_document_shows_the_request_bodies(server):
     temperature = schemas["CompletionRequest"]["properties"]["temperature"]
     assert "maximum" in str(temperature)
     assert "ChatMessage" in schemas  # models the bodies use are there too
+    upload = doc["paths"]["/v1/adapters"]["post"]["requestBody"]["content"]
+    assert set(upload["multipart/form-data"]["schema"]["required"]) == {"name", "files"}
