@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from loraplex.config import CacheConfig, SchedulerConfig
+from loraplex.grammar.params import StructuredOutputs
 from loraplex.platform.engine.request import Request, RequestStatus
 from loraplex.platform.engine.sampling_params import SamplingParams
 from loraplex.platform.scheduler.output import ModelRunnerOutput
@@ -62,11 +63,23 @@ def test_a_request_that_stops_drops_its_step_in_flight():
     assert "a" in sched.schedule().finished_req_ids  # the runner forgets it
 
 
-def test_penalties_wait_for_their_token_and_count_as_lock_step():
+def test_penalised_requests_run_ahead_like_any_other():
+    # Penalties read occurrence counts kept on the device, so they need no token on the host.
     sched = _scheduler()
-    plain, penalised = _request("a", 10), _request("b", 10, repetition_penalty=1.2)
+    sched.add_request(_request("a", 10))
+    sched.add_request(_request("b", 10, repetition_penalty=1.2, presence_penalty=0.5))
+    assert sched.num_lock_step == 0
+    first = sched.schedule()
+    assert first.num_scheduled_tokens == {"a": 6, "b": 6}
+    assert sched.schedule().num_scheduled_tokens == {"a": 1, "b": 1}
+
+
+def test_grammar_requests_wait_for_their_token_and_count_as_lock_step():
+    sched = _scheduler()
+    plain = _request("a", 10)
+    constrained = _request("b", 10, structured_outputs=StructuredOutputs(choice=("yes", "no")))
     sched.add_request(plain)
-    sched.add_request(penalised)
+    sched.add_request(constrained)
     assert sched.num_lock_step == 1
     first = sched.schedule()
     assert first.num_scheduled_tokens == {"a": 6, "b": 6}
