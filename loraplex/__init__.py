@@ -1,10 +1,30 @@
-"""loraplex: one shared base model, many tenants with hot-swappable LoRA adapters."""
+"""loraplex: one shared base model, many tenants with hot-swappable LoRA adapters.
 
-from loraplex.adapters.request import LoRARequest
-from loraplex.grammar.params import StructuredOutputs
-from loraplex.platform.engine.llm import LLM
-from loraplex.platform.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from loraplex.platform.engine.sampling_params import RequestOutputKind, SamplingParams
+The public names below are imported on first use, so `import loraplex.kernels...` (or any
+other part) loads no engine, torch model code or tokenizer it does not need."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from loraplex.adapters.request import LoRARequest
+    from loraplex.grammar.params import StructuredOutputs
+    from loraplex.platform.core.outputs import CompletionOutput, Logprob, RequestOutput
+    from loraplex.platform.core.sampling_params import RequestOutputKind, SamplingParams
+    from loraplex.platform.engine.llm import LLM
+
+_EXPORTS = {
+    "LLM": "loraplex.platform.engine.llm",
+    "LoRARequest": "loraplex.adapters.request",
+    "StructuredOutputs": "loraplex.grammar.params",
+    "CompletionOutput": "loraplex.platform.core.outputs",
+    "Logprob": "loraplex.platform.core.outputs",
+    "RequestOutput": "loraplex.platform.core.outputs",
+    "RequestOutputKind": "loraplex.platform.core.sampling_params",
+    "SamplingParams": "loraplex.platform.core.sampling_params",
+}
 
 __all__ = [
     "LLM",
@@ -17,3 +37,16 @@ __all__ = [
     "SamplingParams",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'loraplex' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

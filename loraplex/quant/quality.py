@@ -15,8 +15,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from loraplex.platform.core.sampling_params import SamplingParams
 from loraplex.platform.engine.llm import LLM
-from loraplex.platform.engine.sampling_params import SamplingParams
 
 # Plain English prose written for this measurement (about 300 tokens with SmolLM2's tokenizer).
 QUALITY_TEXT = (

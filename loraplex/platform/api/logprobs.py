@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loraplex.platform.engine.outputs import Logprob, PromptLogprobs
+from loraplex.platform.core.outputs import Logprob, PromptLogprobs
 
 # One dict per generated token: token id -> Logprob, the sampled token first.
 TokenLogprobs = dict[int, Logprob]

@@ -12,7 +12,7 @@ from loraplex.platform.api.protocol import (
     CompletionRequest,
     SamplingFields,
 )
-from loraplex.platform.engine.sampling_params import RequestOutputKind, SamplingParams
+from loraplex.platform.core.sampling_params import RequestOutputKind, SamplingParams
 
 DEFAULT_MAX_N = 16
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 64

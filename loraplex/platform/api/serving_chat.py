@@ -33,8 +33,8 @@ from loraplex.platform.api.protocol import ChatCompletionRequest
 from loraplex.platform.api.request_body import json_body, read_json_model
 from loraplex.platform.api.sampling import chat_sampling_params
 from loraplex.platform.api.state import ServerState, server_state
+from loraplex.platform.core.outputs import RequestOutput
 from loraplex.platform.engine.async_engine import RequestStream
-from loraplex.platform.engine.outputs import RequestOutput
 from loraplex.platform.models.tokenizer import Tokenizer
 
 router = APIRouter()

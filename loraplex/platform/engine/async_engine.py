@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 from loraplex.adapters.request import LoRARequest
 from loraplex.config import EngineConfig
+from loraplex.platform.core.outputs import RequestOutput
+from loraplex.platform.core.request import RequestStatus
+from loraplex.platform.core.sampling_params import SamplingParams
 from loraplex.platform.engine.engine import Engine, EngineStats
-from loraplex.platform.engine.outputs import RequestOutput
-from loraplex.platform.engine.request import RequestStatus
-from loraplex.platform.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -12,16 +12,16 @@ from loraplex.adapters.errors import AdapterLoadError
 from loraplex.adapters.manager import LoRAStats
 from loraplex.adapters.request import LoRARequest
 from loraplex.config import EngineConfig
+from loraplex.platform.core.outputs import RequestOutput
+from loraplex.platform.core.request import Request, RequestStatus
+from loraplex.platform.core.sampling_params import SamplingParams
+from loraplex.platform.core.scheduler_output import SchedulerOutput
 from loraplex.platform.engine.output_processor import OutputProcessor
-from loraplex.platform.engine.outputs import RequestOutput
-from loraplex.platform.engine.request import Request, RequestStatus
-from loraplex.platform.engine.sampling_params import SamplingParams
 from loraplex.platform.engine.structured_output import StructuredOutputManager
 from loraplex.platform.models.model_loader import generation_eos_ids
 from loraplex.platform.models.model_store import resolve_model_path
 from loraplex.platform.models.tokenizer import load_tokenizer
 from loraplex.platform.runner.model_runner import ModelRunner, StepOutput
-from loraplex.platform.scheduler.output import SchedulerOutput
 from loraplex.platform.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)

@@ -10,9 +10,9 @@ from tqdm.auto import tqdm
 
 from loraplex.adapters.request import LoRARequest
 from loraplex.config import EngineConfig
+from loraplex.platform.core.outputs import RequestOutput
+from loraplex.platform.core.sampling_params import RequestOutputKind, SamplingParams
 from loraplex.platform.engine.engine import Engine, EngineStats
-from loraplex.platform.engine.outputs import RequestOutput
-from loraplex.platform.engine.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
 Message = dict[str, Any]

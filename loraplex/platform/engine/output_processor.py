@@ -6,16 +6,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from loraplex.platform.engine.detokenizer import IncrementalDetokenizer
-from loraplex.platform.engine.outputs import (
+from loraplex.platform.core.outputs import (
     CompletionOutput,
     Logprob,
     PromptLogprobs,
     RequestOutput,
 )
-from loraplex.platform.engine.sampling_params import RequestOutputKind, SamplingParams
+from loraplex.platform.core.sampling_params import RequestOutputKind, SamplingParams
+from loraplex.platform.core.scheduler_output import EngineCoreOutput
+from loraplex.platform.engine.detokenizer import IncrementalDetokenizer
 from loraplex.platform.models.tokenizer import Tokenizer
-from loraplex.platform.scheduler.output import EngineCoreOutput
 
 
 @dataclass

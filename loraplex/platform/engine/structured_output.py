@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from loraplex.platform.engine.request import Request, RequestStatus
+from loraplex.platform.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from loraplex.grammar.compiled import CompiledGrammar

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from loraplex.platform.core.scheduler_output import SchedulerOutput
 from loraplex.platform.runner.input_batch import InputBatch, to_device
 from loraplex.platform.runner.sampling_metadata import SamplingMetadata
-from loraplex.platform.scheduler.output import SchedulerOutput
 
 PENDING = -1  # input id placeholder of a token still on the device
 

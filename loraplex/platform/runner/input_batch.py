@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from loraplex.platform.engine.sampling_params import SamplingParams
+from loraplex.platform.core.sampling_params import SamplingParams
+from loraplex.platform.core.scheduler_output import CachedRequestData, NewRequestData
 from loraplex.platform.runner.sampling_metadata import SamplingMetadata
-from loraplex.platform.scheduler.output import CachedRequestData, NewRequestData
 
 # Rows of the device column blocks (one tensor per dtype, a column per parameter).
 _TEMPERATURE, _TOP_P, _MIN_P, _REPETITION, _PRESENCE, _FREQUENCY = range(6)

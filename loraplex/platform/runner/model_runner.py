@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from loraplex.config import EngineConfig
+from loraplex.platform.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from loraplex.platform.models.attention_metadata import AttentionMetadata
 from loraplex.platform.models.model_loader import load_model
 from loraplex.platform.runner.batch import Batch, build_batch, fill_pending
@@ -18,7 +19,6 @@ from loraplex.platform.runner.input_batch import InputBatch, to_device
 from loraplex.platform.runner.kv_sizing import kv_block_bytes, num_kv_blocks
 from loraplex.platform.runner.sampler import Sampler, score_tokens
 from loraplex.platform.runner.step_output import StepOutput
-from loraplex.platform.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

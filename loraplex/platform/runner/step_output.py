@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from loraplex.platform.core.scheduler_output import ModelRunnerOutput
 from loraplex.platform.runner.input_batch import InputBatch
 from loraplex.platform.runner.sampling_metadata import LogprobsTensors
-from loraplex.platform.scheduler.output import ModelRunnerOutput
 
 # req_id -> [(token_id, logprob, rank)], the sampled token first, then the top-k.
 Logprobs = dict[str, list[tuple[int, float, int]]]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loraplex.platform.engine.request import Request
+from loraplex.platform.core.request import Request
 from loraplex.platform.scheduler.block_pool import BlockPool, KVBlock, hash_block_tokens
 
 

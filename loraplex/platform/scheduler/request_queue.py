@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from loraplex.platform.engine.request import Request
+from loraplex.platform.core.request import Request
 
 
 class FairRequestQueue:

@@ -26,15 +26,15 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from loraplex.config import CacheConfig, SchedulerConfig
-from loraplex.platform.engine.request import Request, RequestStatus
-from loraplex.platform.scheduler.kv_cache_manager import KVCacheManager
-from loraplex.platform.scheduler.output import (
+from loraplex.platform.core.request import Request, RequestStatus
+from loraplex.platform.core.scheduler_output import (
     CachedRequestData,
     EngineCoreOutput,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
+from loraplex.platform.scheduler.kv_cache_manager import KVCacheManager
 from loraplex.platform.scheduler.request_queue import FairRequestQueue
 
 

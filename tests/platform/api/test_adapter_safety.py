@@ -16,7 +16,7 @@ from api_helpers import wait_until_idle
 from tenant_helpers import ADMIN_KEY, start_server
 
 from loraplex.adapters.registry import AdapterRegistry
-from loraplex.platform.engine.request import RequestStatus
+from loraplex.platform.core.request import RequestStatus
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from loraplex.platform.api.logprobs import chat_logprobs, completion_logprobs
-from loraplex.platform.engine.outputs import Logprob
+from loraplex.platform.core.outputs import Logprob
 
 
 @pytest.mark.parametrize("value", [float("-inf"), float("nan")])

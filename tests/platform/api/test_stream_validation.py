@@ -83,7 +83,7 @@ def test_a_spec_too_deep_to_analyse_at_admission_is_a_400_not_a_500():
     RecursionError from a too-deep analysis) answers 400."""
     from loraplex.platform.api.errors import APIError
     from loraplex.platform.api.generation import Prompt, submit
-    from loraplex.platform.engine.sampling_params import SamplingParams
+    from loraplex.platform.core.sampling_params import SamplingParams
 
     class _Refusing:
         def __init__(self, error: Exception) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from loraplex.platform.api.generation import reservation
 from loraplex.platform.api.limits import LimitExceeded, Reservation, TenantLimiter
 from loraplex.platform.api.tenants import Tenant
-from loraplex.platform.engine.sampling_params import SamplingParams
+from loraplex.platform.core.sampling_params import SamplingParams
 
 
 def test_sequences_not_requests_count_against_the_concurrency_cap():

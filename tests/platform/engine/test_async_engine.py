@@ -9,9 +9,9 @@ import pytest
 
 from loraplex import SamplingParams
 from loraplex.config import CacheConfig, EngineConfig, ModelConfig
+from loraplex.platform.core.sampling_params import RequestOutputKind
 from loraplex.platform.engine.async_engine import AsyncEngine, EngineDeadError
 from loraplex.platform.engine.engine import PromptTooLongError
-from loraplex.platform.engine.sampling_params import RequestOutputKind
 
 DELTA = RequestOutputKind.DELTA
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from loraplex import LLM, SamplingParams
-from loraplex.platform.engine.sampling_params import RequestOutputKind
+from loraplex.platform.core.sampling_params import RequestOutputKind
 
 TEXT = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting each of "

@@ -8,9 +8,13 @@ import pytest
 import torch
 
 from loraplex import SamplingParams
+from loraplex.platform.core.scheduler_output import (
+    CachedRequestData,
+    NewRequestData,
+    SchedulerOutput,
+)
 from loraplex.platform.runner.batch import PENDING, build_batch
 from loraplex.platform.runner.input_batch import InputBatch, seed_as_int64
-from loraplex.platform.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 
 VOCAB = 50
 BLOCK = 4

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from loraplex.config import CacheConfig, SchedulerConfig
-from loraplex.platform.engine.request import Request
-from loraplex.platform.engine.sampling_params import SamplingParams
-from loraplex.platform.scheduler.output import ModelRunnerOutput
+from loraplex.platform.core.request import Request
+from loraplex.platform.core.sampling_params import SamplingParams
+from loraplex.platform.core.scheduler_output import ModelRunnerOutput
 from loraplex.platform.scheduler.scheduler import Scheduler
 
 BUDGET = 64

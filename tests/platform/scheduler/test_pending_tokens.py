@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from loraplex.config import CacheConfig, SchedulerConfig
 from loraplex.grammar.params import StructuredOutputs
-from loraplex.platform.engine.request import Request, RequestStatus
-from loraplex.platform.engine.sampling_params import SamplingParams
-from loraplex.platform.scheduler.output import ModelRunnerOutput
+from loraplex.platform.core.request import Request, RequestStatus
+from loraplex.platform.core.sampling_params import SamplingParams
+from loraplex.platform.core.scheduler_output import ModelRunnerOutput
 from loraplex.platform.scheduler.scheduler import Scheduler
 
 EOS = 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from loraplex.platform.engine.sampling_params import SamplingParams
+from loraplex.platform.core.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

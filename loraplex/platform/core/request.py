@@ -7,7 +7,7 @@ import time
 from collections.abc import Hashable
 from typing import Any
 
-from loraplex.platform.engine.sampling_params import SamplingParams
+from loraplex.platform.core.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
