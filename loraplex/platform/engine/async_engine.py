@@ -475,13 +475,9 @@ class AsyncEngine:
         logger.warning("watchdog: request %s made no progress; aborting it", request_id)
         del self._live[request_id]
         self.num_watchdog_aborted += 1
-        final = self.engine.abort_request(request_id)
+        final = self.engine.abort_request(request_id, error=RequestStalledError(message))
         if final is None:
             return
-        for sample in final.outputs:
-            if sample.finish_reason == "abort":
-                sample.finish_reason = "error"
-        final.error, final.failure = message, RequestStalledError(message)
         self._observe(live, final, now)
         self._deliver(live.command, final)
 

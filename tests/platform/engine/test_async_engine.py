@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import pytest
+from engine_configs import cpu_engine_config
 
 from loraplex import SamplingParams
 from loraplex.config import CacheConfig, EngineConfig, ModelConfig
@@ -18,13 +19,7 @@ DELTA = RequestOutputKind.DELTA
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    engine = AsyncEngine(
-        EngineConfig(
-            model=ModelConfig(model=str(model_dir), dtype="float32", max_model_len=256,
-                              device="cpu"),
-            cache=CacheConfig(num_kv_blocks=128),
-        )
-    )  # fmt: skip
+    engine = AsyncEngine(cpu_engine_config(model_dir, num_kv_blocks=128))
     timings = []
     engine.add_timing_observer(timings.append)
     engine.timings = timings

@@ -4,9 +4,9 @@ bounded number of steps, and the long one still produces what it produces alone.
 from __future__ import annotations
 
 import pytest
+from engine_configs import cpu_engine_config
 
 from loraplex import SamplingParams
-from loraplex.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from loraplex.platform.engine.engine import Engine
 
 # Small sizes keep it to a few seconds on CPU: the prompt is 8x the step's token budget.
@@ -20,13 +20,14 @@ MAX_STEPS_FOR_SHORT = 3
 @pytest.fixture(scope="module")
 def engine(model_dir):
     engine = Engine(
-        EngineConfig(
-            model=ModelConfig(model=str(model_dir), dtype="float32", max_model_len=160,
-                              device="cpu"),
-            cache=CacheConfig(num_kv_blocks=32, enable_prefix_caching=False),
-            scheduler=SchedulerConfig(max_num_batched_tokens=BUDGET),
+        cpu_engine_config(
+            model_dir,
+            num_kv_blocks=32,
+            max_model_len=160,
+            enable_prefix_caching=False,
+            max_num_batched_tokens=BUDGET,
         )
-    )  # fmt: skip
+    )
     yield engine
     engine.shutdown()
 

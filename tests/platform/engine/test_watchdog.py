@@ -8,9 +8,10 @@ import time
 from concurrent.futures import Future
 
 import pytest
+from engine_configs import cpu_engine_config
 
 from loraplex import SamplingParams, StructuredOutputs
-from loraplex.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from loraplex.config import SchedulerConfig
 from loraplex.platform.api.errors import request_failed
 from loraplex.platform.api.metrics import ServerMetrics
 from loraplex.platform.engine.async_engine import AsyncEngine, RequestStalledError
@@ -21,13 +22,8 @@ TIMEOUT_S = 1.0
 @pytest.fixture(scope="module")
 def engine(model_dir):
     engine = AsyncEngine(
-        EngineConfig(
-            model=ModelConfig(model=str(model_dir), dtype="float32", max_model_len=256,
-                              device="cpu"),
-            cache=CacheConfig(num_kv_blocks=64),
-            scheduler=SchedulerConfig(request_stall_timeout_s=TIMEOUT_S),
-        )
-    )  # fmt: skip
+        cpu_engine_config(model_dir, num_kv_blocks=64, request_stall_timeout_s=TIMEOUT_S)
+    )
     timings = []
     engine.add_timing_observer(timings.append)
     engine.timings = timings
