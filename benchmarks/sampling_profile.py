@@ -1,7 +1,7 @@
 """Where a sampled step's time goes at a full batch: wall time per step, the GPU's busy time,
 and the costliest CUDA kernels and host operations, per sampling mix beside greedy.
 
-    python -m benchmarks.sampling_profile [--mixes t1,t07_top_p09,logprobs5] [--out DIR]
+    python -m benchmarks.sampling_profile [--mixes t1,t07_top_p09,logprobs5,mixed] [--out DIR]
 
 Runs each mix on the benchmark engine of `benchmarks.sampling` (same requests), a short
 untimed run first, then `--steps` output tokens under torch.profiler. Prints one summary line
@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 
 from benchmarks.gpu_path import bench_llm, random_prompts
-from benchmarks.sampling import MIXES, mix_params, resolve_model
+from benchmarks.sampling import MIXED, MIXES, mix_params, resolve_model
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--model", default="llama-3.1-8b")
-parser.add_argument("--mixes", default="t1,t07_top_p09,logprobs5")
+parser.add_argument("--mixes", default="t1,t07_top_p09,logprobs5,mixed")
 parser.add_argument("--num-requests", type=int, default=256)
 parser.add_argument("--input-len", type=int, default=128)
 parser.add_argument("--steps", type=int, default=24)
@@ -36,8 +36,8 @@ def main() -> int:
         print("benchmarks.sampling_profile needs a CUDA GPU; skipped")
         return 0
     mixes = ["greedy"] + [m for m in args.mixes.split(",") if m != "greedy"]
-    if unknown := set(mixes) - set(MIXES):
-        parser.error(f"unknown mixes {sorted(unknown)}; choose from {list(MIXES)}")
+    if unknown := set(mixes) - {*MIXES, MIXED}:
+        parser.error(f"unknown mixes {sorted(unknown)}; choose from {[*MIXES, MIXED]}")
     llm = bench_llm(resolve_model(args.model), max_num_batched_tokens=8192)
     vocab = llm.engine.runner.arch.vocab_size
     n = args.num_requests
