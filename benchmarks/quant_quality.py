@@ -1,7 +1,7 @@
 """Quality of each quantized format on CPU (issue 5): the embedded SmolLM2-135M-Instruct is
 quantized with `loraplex quantize`'s code into every format, served by `LLM`, and scored by
 teacher-forced perplexity on a fixed text and greedy agreement with the bf16 model on 8 prompts
-(`loraplex.quant.quality`).
+(`benchmarks.quality`).
 
     python -m benchmarks.quant_quality [--max-tokens 32] [--formats awq_w4g64,fp8_channel]
 
@@ -26,16 +26,16 @@ from typing import Any
 
 import torch
 
-from benchmarks.record import write_result
-from loraplex import LLM
-from loraplex.platform.models.model_store import ensure_default_model
-from loraplex.quant.quality import (
+from benchmarks.quality import (
     GREEDY_PROMPTS,
     QUALITY_TEXT,
     greedy_agreement,
     greedy_continuations,
     perplexity,
 )
+from benchmarks.record import write_result
+from loraplex import LLM
+from loraplex.platform.models.model_store import ensure_default_model
 from loraplex.quant.quantize import quantize_model
 
 FORMATS: dict[str, dict[str, Any]] = {

@@ -1,4 +1,4 @@
-"""The quality figures of `loraplex.quant.quality`: the perplexity the engine measures is the
+"""The quality figures of `benchmarks.quality`: the perplexity the engine measures is the
 model's own, and each quantized format of the embedded model stays near the dense one."""
 
 from __future__ import annotations
@@ -9,8 +9,7 @@ from typing import Any
 
 import pytest
 
-from loraplex import LLM
-from loraplex.quant.quality import (
+from benchmarks.quality import (
     GREEDY_PROMPTS,
     QUALITY_TEXT,
     greedy_agreement,
@@ -19,6 +18,7 @@ from loraplex.quant.quality import (
     perplexity_from_logprobs,
     token_logprobs,
 )
+from loraplex import LLM
 from loraplex.quant.quantize import quantize_model
 
 # The whole fixed text is one prefill with prompt logprobs; short continuations keep the greedy

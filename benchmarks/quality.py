@@ -5,8 +5,8 @@ Two figures, both taken through the engine's public API so they measure what a u
 - agreement of greedy continuations of fixed prompts (`greedy_continuations`,
   `greedy_agreement`).
 
-This module sits on top of the engine (like the CLI): it imports `LLM`, and nothing below the
-engine imports it.
+It sits on top of the engine and imports `LLM`, so it lives with the benchmarks, not in
+`loraplex.quant` (which knows weight formats, not engines).
 """
 
 from __future__ import annotations
