@@ -101,6 +101,9 @@ _ENGINE_SERIES: tuple[tuple[str, str, str, Callable[[EngineSnapshot], float]], .
      lambda s: s.generation_tokens_total),
     ("counter", "loraplex:requests_watchdog_aborted_total", "Requests the watchdog ended for "
      "making no progress for request_stall_timeout_s.", lambda s: s.watchdog_aborted_total),
+    ("counter", "loraplex:engine_steps_total", "Engine steps run.", lambda s: s.num_steps),
+    ("counter", "loraplex:engine_step_seconds_total", "Wall time spent in engine steps.",
+     lambda s: s.step_seconds_total),
 )  # fmt: skip
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from dataclasses import dataclass
 
 from loraplex.adapters.manager import LoRAStats
 from loraplex.platform.api.limits import TenantLimiter
@@ -23,6 +24,18 @@ def adapter_label(engine_name: str | None) -> str:
     return engine_name.split("/", 1)[-1]
 
 
+@dataclass(frozen=True)
+class TenantCounts:
+    """A copy of TenantMetrics' counters at one moment (the dashboard reads these)."""
+
+    requests: dict[str, int]
+    errors: dict[str, int]
+    rate_limited: dict[str, int]  # answered 429
+    prompt_tokens: dict[tuple[str, str], int]  # (tenant, adapter label) -> tokens
+    generation_tokens: dict[tuple[str, str], int]
+    adapter_requests: dict[tuple[str, str], int]
+
+
 class TenantMetrics:
     """Counters keyed by tenant (and adapter); thread-safe."""
 
@@ -31,6 +44,7 @@ class TenantMetrics:
         self._lock = threading.Lock()
         self.requests: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
+        self.rate_limited: Counter[str] = Counter()
         self.prompt_tokens: Counter[tuple[str, str]] = Counter()
         self.generation_tokens: Counter[tuple[str, str]] = Counter()
         self.adapter_requests: Counter[tuple[str, str]] = Counter()
@@ -40,6 +54,20 @@ class TenantMetrics:
             self.requests[tenant] += 1
             if status >= 400:
                 self.errors[tenant] += 1
+            if status == 429:
+                self.rate_limited[tenant] += 1
+
+    def counts(self) -> TenantCounts:
+        """A consistent copy of every counter."""
+        with self._lock:
+            return TenantCounts(
+                dict(self.requests),
+                dict(self.errors),
+                dict(self.rate_limited),
+                dict(self.prompt_tokens),
+                dict(self.generation_tokens),
+                dict(self.adapter_requests),
+            )
 
     def observe(self, timing: RequestTiming) -> None:
         """A TimingObserver: tokens per tenant and adapter, charged to the tenant's budget."""
@@ -56,6 +84,7 @@ class TenantMetrics:
             per_tenant = (
                 ("loraplex:tenant_requests_total", "HTTP generation requests.", self.requests),
                 ("loraplex:tenant_request_errors_total", "Requests answered 4xx/5xx.", self.errors),
+                ("loraplex:tenant_rate_limited_total", "Requests answered 429.", self.rate_limited),
             )
             per_adapter = (
                 ("loraplex:tenant_prompt_tokens_total", "Prompt tokens of finished requests.",

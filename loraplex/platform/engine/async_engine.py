@@ -20,6 +20,16 @@ from dataclasses import dataclass, field
 
 from loraplex.adapters.request import LoRARequest
 from loraplex.config import EngineConfig
+from loraplex.platform.core.commands import (
+    AdapterAdded,
+    AdapterStatsReport,
+    AddAdapter,
+    EngineCommand,
+    GetAdapterStats,
+    PinAdapter,
+    RemoveAdapter,
+    SetTenantWeight,
+)
 from loraplex.platform.core.outputs import RequestOutput
 from loraplex.platform.core.request import RequestStatus
 from loraplex.platform.core.sampling_params import SamplingParams
@@ -45,6 +55,8 @@ class EngineSnapshot:
     prompt_tokens_total: int
     generation_tokens_total: int
     watchdog_aborted_total: int = 0  # requests the watchdog ended (no progress)
+    num_steps: int = 0  # engine steps run
+    step_seconds_total: float = 0.0  # wall time inside those steps
 
 
 @dataclass(frozen=True)
@@ -150,12 +162,15 @@ class AsyncEngine:
         self.served_model_name = self.engine.served_model_name
         self.max_model_len = self.engine.max_model_len
         self.tokenizer = self.engine.tokenizer
+        self.adapter_validator = self.engine.adapter_validator
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}  # engine thread only
         self._observers: list[TimingObserver] = []
         self._stall_timeout_s = config.scheduler.request_stall_timeout_s
         self._next_watchdog = 0.0
         self.num_watchdog_aborted = 0
+        self.num_steps = 0  # engine thread only, like the step time below
+        self.step_seconds_total = 0.0
         self._snapshot = self._take_snapshot()
         self._thread: threading.Thread | None = None
         self._request_counter = 0
@@ -274,34 +289,40 @@ class AsyncEngine:
         self._commands.put(_Call(fn, future))
         return await asyncio.wrap_future(future)
 
+    async def command(self, command: EngineCommand) -> object:
+        """Run an engine command (`loraplex.platform.core.commands`) on the engine thread
+        between steps; returns its result or raises its error (see `Engine.handle_command`)."""
+        return await self.call(lambda engine: engine.handle_command(command))
+
+    async def add_adapter(self, command: AddAdapter) -> AdapterAdded:
+        """Register (or replace) an adapter; its weights load ahead of its first request."""
+        return await self.command(command)  # type: ignore[return-value]
+
+    async def remove_adapter(self, name: str) -> bool:
+        """Unregister an adapter; requests already running on it finish on it."""
+        return await self.command(RemoveAdapter(name))  # type: ignore[return-value]
+
+    async def pin_adapter(self, name: str, pinned: bool = True) -> bool:
+        """Keep an adapter in a GPU slot (or let it go); False if there is none of that name."""
+        return await self.command(PinAdapter(name, pinned))  # type: ignore[return-value]
+
+    async def adapter_stats(self) -> AdapterStatsReport:
+        """Every adapter's residency, loads and requests, and the slot and cache pools."""
+        return await self.command(GetAdapterStats())  # type: ignore[return-value]
+
     async def add_lora(self, lora_request: LoRARequest) -> str:
-        """Register an adapter with the engine (loading it into the CPU cache); returns its
-        key. Raises AdapterValidationError, or ValueError when LoRA is disabled."""
-
-        def add(engine: Engine) -> str:
-            if engine.lora_manager is None:
-                raise ValueError("LoRA adapters are disabled on this engine (enable_lora=False)")
-            return engine.lora_manager.add_adapter(lora_request)
-
-        return await self.call(add)  # type: ignore[return-value]
+        """vLLM's `add_lora`: register a PEFT folder by path (hashed on the engine thread);
+        returns its key. Raises AdapterValidationError, or ValueError when LoRA is disabled."""
+        added = await self.add_adapter(AddAdapter(lora_request.lora_name, lora_request.lora_path))
+        return added.key
 
     async def remove_lora(self, lora_name: str) -> bool:
-        """Unregister an adapter; requests already running on it finish on it."""
-
-        def remove(engine: Engine) -> bool:
-            return engine.lora_manager is not None and engine.lora_manager.remove_adapter(lora_name)
-
-        return await self.call(remove)  # type: ignore[return-value]
+        """vLLM's `remove_lora`: `remove_adapter`."""
+        return await self.remove_adapter(lora_name)
 
     async def set_tenant_weight(self, tenant: str, weight: float) -> None:
         """The tenant's share in the scheduler's weighted fair queuing."""
-        if not weight > 0:
-            raise ValueError(f"weight must be positive, got {weight}")
-
-        def set_weight(engine: Engine) -> None:
-            engine.scheduler.waiting.weights[tenant] = weight
-
-        await self.call(set_weight)
+        await self.command(SetTenantWeight(tenant, weight))
 
     # -- the engine thread -----------------------------------------------------------------
 
@@ -312,11 +333,14 @@ class AsyncEngine:
                 if not self._handle_commands(block):
                     break
                 if self.engine.has_unfinished_requests():
+                    start = time.perf_counter()
                     try:
                         self._step()
                     except Exception as exc:
                         logger.exception("an engine step failed; ending the requests it held")
                         self._recover(exc)
+                    self.num_steps += 1
+                    self.step_seconds_total += time.perf_counter() - start
                 self._watchdog()
                 self._snapshot = self._take_snapshot()
         except BaseException as exc:
@@ -510,4 +534,6 @@ class AsyncEngine:
             self.engine.prompt_tokens_total,
             self.engine.generation_tokens_total,
             self.num_watchdog_aborted,
+            self.num_steps,
+            self.step_seconds_total,
         )
