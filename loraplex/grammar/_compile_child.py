@@ -1,7 +1,9 @@
-"""The compile child process: `python -I _compile_child.py MEMORY_MIB PACKAGE_PARENT`.
+"""The compile child process: `python -I _compile_child.py MEMORY_MIB PACKAGE_PARENT PATHS`.
 
 Runs as a plain script under an address-space limit. Of loraplex it imports only the schema
-analysis (`loraplex.grammar`, never the engine or torch), found under PACKAGE_PARENT. Reads
+analysis (`loraplex.grammar`, never the engine or torch), found under PACKAGE_PARENT; PATHS (a
+JSON list, the parent's sys.path) is added behind its own sys.path first, so it finds the
+packages the parent finds. Reads
 length-prefixed pickled frames on stdin: first the outlines-core `Vocabulary`, then one job dict
 per compile. A "json" job's schema is analysed here (`analyse_schema`: validation, refusals,
 rewriting), so a costly schema spends this process's time and memory, not the engine's. Answers
@@ -18,7 +20,10 @@ import struct
 import sys
 import types
 
-from outlines_core import Index
+# NOTE: before any third-party import: the parent's sys.path, which -I did not inherit.
+sys.path += [p for p in json.loads(sys.argv[3]) if p not in sys.path]
+
+from outlines_core import Index  # noqa: E402
 
 _HEADER = struct.Struct("<Q")
 

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 
 from loraplex.grammar.config import GrammarConfig
-from loraplex.grammar.params import StructuredOutputs
+from loraplex.grammar.params import StructuredOutputs, canonical_schema
 
 # Escaped in choices: every character the Rust regex syntax treats as special.
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~")
@@ -23,7 +23,8 @@ _JSON_OBJECT_DEPTH = 2
 class CompileRequest:
     """What to compile: a regex, or a JSON schema to turn into one.
 
-    kind: "regex" or "json". source: the regex, or the schema's JSON text (keys sorted).
+    kind: "regex" or "json". source: the regex, or the schema's JSON text (`canonical_schema`:
+    keys sorted, properties in the schema's order).
     A "json" job is analysed (`analyse_schema`) in the compile child, under its time and memory
     limits, not by whoever builds the job.
     whitespace_pattern / max_recursion_depth: passed to outlines-core for "json".
@@ -77,7 +78,7 @@ def build_compile_request(outputs: StructuredOutputs, config: GrammarConfig) -> 
         return CompileRequest(kind="regex", source=json_object_regex(config.whitespace_pattern))
     return CompileRequest(
         kind="json",
-        source=json.dumps(outputs.json, sort_keys=True),
+        source=json.dumps(canonical_schema(outputs.json)),
         whitespace_pattern=config.whitespace_pattern,
         max_recursion_depth=config.max_recursion_depth,
     )

@@ -56,8 +56,12 @@ class StructuredOutputs:
         return self._value(self.kind)
 
     def key(self) -> str:
-        """A stable sha256 of (kind, spec): equal specs give equal keys across processes."""
-        text = json.dumps([self.kind, self.spec], sort_keys=True, separators=(",", ":"))
+        """A stable sha256 of (kind, spec): equal specs give equal keys across processes.
+
+        Key order does not count, except the order of a schema's `properties`, which is the
+        order the output's keys are generated in."""
+        spec = canonical_schema(self.spec) if self.kind == "json" else self.spec
+        text = json.dumps([self.kind, spec], separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
 
     def __hash__(self) -> int:
@@ -66,3 +70,17 @@ class StructuredOutputs:
 
     def _value(self, kind: str) -> Any:
         return getattr(self, kind)
+
+
+def canonical_schema(node: Any, properties: bool = False) -> Any:
+    """`node` with every object's keys sorted, except the members of `properties` maps, which
+    keep the schema's order (objects are generated with their keys in that order, as OpenAI's
+    structured outputs do). Schemas that differ only in the order of other keys map to the
+    same value. `properties`: `node` is a `properties` map."""
+    if isinstance(node, list):
+        return [canonical_schema(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if properties:
+        return {name: canonical_schema(schema) for name, schema in node.items()}
+    return {key: canonical_schema(node[key], key == "properties") for key in sorted(node)}

@@ -294,8 +294,9 @@ def schema_regex(schema: dict[str, Any], whitespace_pattern: str, max_recursion_
     from outlines_core.json_schema import build_regex_from_schema
 
     analysed = analyse_schema(schema)
+    # NOTE: not sorted: outlines-core emits properties in the order the text lists them.
     regex = build_regex_from_schema(
-        json.dumps(analysed.schema, sort_keys=True),
+        json.dumps(analysed.schema),
         whitespace_pattern,
         max_recursion_depth=max_recursion_depth,
     )

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import os
 import pickle
 import select
@@ -10,8 +12,10 @@ import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import IO
 
 from outlines_core import Index
 
@@ -24,7 +28,11 @@ from loraplex.grammar.errors import (
 )
 from loraplex.grammar.vocabulary import GrammarVocabulary
 
+logger = logging.getLogger(__name__)
+
 _CHILD = Path(__file__).with_name("_compile_child.py")
+# Lines of the child's stderr quoted in the error when it dies.
+_STDERR_LINES = 8
 # The folder holding the `loraplex` package, where the child finds the schema analysis.
 _PACKAGE_PARENT = Path(__file__).resolve().parents[2]
 _HEADER = struct.Struct("<Q")
@@ -48,6 +56,7 @@ class CompileWorker:
         self.timeout_s = timeout_s
         self.memory_mib = memory_mib
         self._process: subprocess.Popen[bytes] | None = None
+        self._stderr: IO[bytes] | None = None
 
     def compile(self, request: CompileRequest) -> bytes:
         """The binary form of the outlines-core `Index` for `request` (see `load_index`).
@@ -72,7 +81,12 @@ class CompileWorker:
                 raise GrammarMemoryError(
                     f"grammar compilation exceeded the {self.memory_mib} MiB memory limit"
                 ) from None
-            raise GrammarCompileError(f"grammar compiler exited ({returncode})") from None
+            message = f"grammar compiler exited ({returncode})"
+            tail = self._stderr_tail()
+            if tail:
+                message += f": {tail}"
+            logger.warning("%s", message)
+            raise GrammarCompileError(message) from None
         if status == "ok":
             return payload
         if status == "memory":
@@ -86,7 +100,8 @@ class CompileWorker:
         raise GrammarCompileError(f"grammar compilation failed: {payload}")
 
     def close(self) -> int | None:
-        """Stop the child (if any); returns its exit code."""
+        """Stop the child (if any); returns its exit code. Its stderr is kept until the next
+        start, for `_stderr_tail`."""
         process, self._process = self._process, None
         if process is None:
             return None
@@ -98,17 +113,29 @@ class CompileWorker:
                 stream.close()
         return returncode
 
+    def _stderr_tail(self) -> str:
+        """The last lines the child wrote to stderr, joined with " | " (empty if none)."""
+        if self._stderr is None:
+            return ""
+        self._stderr.seek(0, os.SEEK_END)
+        size = self._stderr.tell()
+        self._stderr.seek(max(0, size - 8192))
+        lines = self._stderr.read().decode(errors="replace").strip().splitlines()
+        return " | ".join(line.strip() for line in lines[-_STDERR_LINES:] if line.strip())
+
     def _ensure_started(self) -> subprocess.Popen[bytes]:
         if self._process is not None and self._process.poll() is None:
             return self._process
         self.close()
-        # NOTE: -I keeps the script's folder off sys.path and ignores PYTHON* variables; the
-        # child imports outlines-core and loraplex.grammar's analysis, never torch.
+        if self._stderr is not None:
+            self._stderr.close()
+        # NOTE: a file, not a pipe: nobody reads it while the child runs, so it never blocks.
+        self._stderr = tempfile.TemporaryFile(prefix="loraplex-grammar-child-")
         self._process = subprocess.Popen(
-            [sys.executable, "-I", str(_CHILD), str(self.memory_mib), str(_PACKAGE_PARENT)],
+            child_command(self.memory_mib),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=self._stderr,
             bufsize=0,
         )
         self._send(self._process, self._vocabulary_frame, pickled=True)
@@ -136,6 +163,24 @@ class CompileWorker:
             if size is None and len(data) >= _HEADER.size:
                 size = _HEADER.size + _HEADER.unpack_from(data)[0]
         return bytes(data[_HEADER.size :])
+
+
+def child_command(memory_mib: int) -> list[str]:
+    """The compile child's command line.
+
+    NOTE: -I keeps the script's folder off sys.path and ignores PYTHON* variables; the parent's
+    own sys.path is passed explicitly instead, so the child finds every package the parent
+    does (outlines-core and llguidance included, wherever they were installed or put on
+    PYTHONPATH). The child imports those and loraplex.grammar's analysis, never torch."""
+    paths = [os.path.abspath(p) for p in sys.path if p]
+    return [
+        sys.executable,
+        "-I",
+        str(_CHILD),
+        str(memory_mib),
+        str(_PACKAGE_PARENT),
+        json.dumps(paths),
+    ]
 
 
 def load_index(data: bytes) -> Index:

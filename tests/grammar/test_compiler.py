@@ -105,3 +105,39 @@ def test_corrupt_cache_file_is_recompiled(vocabulary, tmp_path) -> None:
         assert grammar.allowed_token_ids(grammar.initial_state)
     finally:
         compiler.shutdown()
+
+
+def test_a_child_that_dies_puts_its_last_stderr_lines_in_the_error(
+    vocabulary, tmp_path, monkeypatch
+) -> None:
+    from loraplex.grammar import worker
+
+    script = tmp_path / "broken_child.py"
+    script.write_text(
+        "import sys\n"
+        "print('starting', file=sys.stderr)\n"
+        "print('ModuleNotFoundError: No module named outlines_core', file=sys.stderr)\n"
+        "sys.exit(1)\n"
+    )
+    monkeypatch.setattr(worker, "_CHILD", script)
+    compiler = GrammarCompiler(vocabulary, GrammarConfig(cache_dir=tmp_path / "cache"))
+    try:
+        with pytest.raises(GrammarCompileError, match="No module named outlines_core"):
+            compiler.compile(StructuredOutputs(regex="[0-9]{2}"))
+    finally:
+        compiler.shutdown()
+
+
+def test_the_child_is_given_the_parents_sys_path(tmp_path, monkeypatch) -> None:
+    # A package reachable only through the parent's sys.path (e.g. PYTHONPATH) must import in
+    # the child, which runs isolated (-I) and adds these paths behind its own.
+    import json
+
+    from loraplex.grammar.worker import child_command
+
+    extra = tmp_path / "only_on_parent_path"
+    extra.mkdir()
+    monkeypatch.syspath_prepend(str(extra))
+    command = child_command(512)
+    assert command[1] == "-I"
+    assert str(extra) in json.loads(command[-1])
