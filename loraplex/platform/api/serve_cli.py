@@ -10,9 +10,12 @@ import argparse
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loraplex.config import EngineConfig
+
+if TYPE_CHECKING:
+    from loraplex.platform.api.state import ServerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +79,11 @@ _OPTIONS = (
             "answers 400", int),
     _Option("--host", "127.0.0.1", "address to listen on (0.0.0.0: every interface)"),
     _Option("--port", 8000, "TCP port to listen on", int),
+    _Option("--api-server-count", None, "API server processes sharing the port (auth, "
+            "tokenization, detokenization, SSE), beside the one engine-core process (default: "
+            "one per four cores, 1 to 4)", int),
+    _Option("--shutdown-timeout", 30.0, "on SIGTERM / Ctrl-C, seconds in-flight requests may "
+            "run on; then they end with a 503 error and the server exits", float),
     _Option("--max-request-body-bytes", 4 * 1024 * 1024, "larger request bodies answer 413",
             int),
     _Option("--uvicorn-log-level", "info", "uvicorn's log level (debug, info, warning, error)"),
@@ -94,6 +102,7 @@ _OPTIONS = (
 _KEYS = {option.key for option in _OPTIONS}
 # Options the HTTP server itself uses; every other option configures the engine.
 _SERVER_KEYS = {"host", "port", "max_request_body_bytes", "uvicorn_log_level", "data_dir",
+                "api_server_count", "shutdown_timeout",
                 "tenants", "admin_key", "max_adapter_bytes", "max_n",
                 "max_prompts_per_request"}  # fmt: skip
 _ENGINE_KEYS = sorted(_KEYS - _SERVER_KEYS)
@@ -171,16 +180,11 @@ def engine_config(values: dict[str, Any]) -> EngineConfig:
     return EngineConfig.from_options(**{k: values[k] for k in _ENGINE_KEYS})
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    """Load the model, then serve until interrupted. Returns the exit status."""
-    import uvicorn
-
-    from loraplex.platform.api.app import build_app
+def server_settings(values: dict[str, Any]) -> ServerSettings:
+    """The HTTP side's settings among the resolved serve options."""
     from loraplex.platform.api.state import ServerSettings
-    from loraplex.platform.engine.async_engine import AsyncEngine
 
-    values = resolve_options(args)
-    settings = ServerSettings(
+    return ServerSettings(
         host=values["host"],
         port=values["port"],
         max_request_body_bytes=values["max_request_body_bytes"],
@@ -191,21 +195,26 @@ def run_serve(args: argparse.Namespace) -> int:
         max_n=values["max_n"],
         max_prompts_per_request=values["max_prompts_per_request"],
     )
-    config = engine_config(values)
-    engine = AsyncEngine(config)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Start the engine-core process and the API processes; serve until SIGTERM / Ctrl-C
+    (exit status 0) or a process death (1). See `launcher`."""
+    from loraplex.platform.api.launcher import Launcher, default_api_server_count
+
+    values = resolve_options(args)
+    count = values["api_server_count"]
+    launcher = Launcher(
+        engine_config(values),
+        server_settings(values),
+        api_server_count=default_api_server_count() if count is None else count,
+        shutdown_timeout_s=values["shutdown_timeout"],
+        uvicorn_options={"log_level": values["uvicorn_log_level"]},
+    )
     logger.info(
-        "serving %s (max_model_len %d) on http://%s:%d",
-        engine.served_model_name,
-        engine.max_model_len,
-        settings.host,
-        settings.port,
+        "starting the engine core and %d API process(es) for http://%s:%d",
+        launcher.api_server_count,
+        values["host"],
+        values["port"],
     )
-    app = build_app(engine, settings)
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=values["uvicorn_log_level"],
-        timeout_graceful_shutdown=5,
-    )
-    return 0
+    return launcher.run()

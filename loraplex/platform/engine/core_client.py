@@ -1,0 +1,294 @@
+"""EngineCoreClient: the API process's handle on the EngineCore process, with AsyncEngine's
+async surface (add_request, generate, abort, command, add_lora, remove_lora,
+set_tenant_weight, snapshot, timing observers), so routes do not care which one they hold.
+
+One DEALER socket per API process; one asyncio task reads the core's per-step batches and hands
+each output to its request's queue. Nothing here blocks the event loop except the handshake in
+the constructor (before the server starts), which also loads the tokenizer the API process
+tokenizes and renders chat templates with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+import uuid
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from loraplex.adapters.request import LoRARequest
+from loraplex.platform.core import commands
+from loraplex.platform.core.sampling_params import SamplingParams
+from loraplex.platform.engine.async_engine import (
+    _ACCEPTED,
+    AsyncEngine,
+    EngineDeadError,
+    EngineSnapshot,
+    RequestStream,
+    TimingObserver,
+)
+from loraplex.platform.engine.ipc import (
+    PROTOCOL_VERSION,
+    Abort,
+    AddRequest,
+    Codec,
+    CoreBatch,
+    EngineInfo,
+    Hello,
+    lora_to_wire,
+    params_to_wire,
+    rebuild_error,
+)
+from loraplex.platform.models.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCoreClient:
+    """Talks to the EngineCore bound at `address`; `start()` on the server's event loop."""
+
+    def __init__(self, address: str, handshake_timeout_s: float = 600.0) -> None:
+        self.address = address
+        self._codec = Codec()
+        self.info = self.probe(address, handshake_timeout_s)
+        self.served_model_name = self.info.served_model_name
+        self.max_model_len = self.info.max_model_len
+        self.tokenizer = load_tokenizer(Path(self.info.model_dir), self.info.vocab_size)
+        self._observers: list[TimingObserver] = []
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._results: dict[int, asyncio.Future] = {}
+        self._seq = itertools.count()
+        self._snapshot: EngineSnapshot | None = None
+        self._socket: zmq.asyncio.Socket | None = None
+        self._reader: asyncio.Task | None = None
+        self._prefix = f"{uuid.uuid4().hex[:8]}"
+        self._request_counter = itertools.count(1)
+        self.dead_reason: BaseException | None = None
+
+    @staticmethod
+    def probe(address: str, timeout_s: float) -> EngineInfo:
+        """The EngineInfo of the core at `address`; TimeoutError if it does not answer within
+        `timeout_s`, RuntimeError if it speaks another protocol version."""
+        codec = Codec()
+        socket = zmq.Context.instance().socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        try:
+            socket.connect(address)
+            socket.send(codec.encode(Hello(PROTOCOL_VERSION)))
+            deadline = time.monotonic() + timeout_s
+            while True:
+                remaining_ms = int((deadline - time.monotonic()) * 1000)
+                if remaining_ms <= 0 or not socket.poll(remaining_ms):
+                    raise TimeoutError(f"the engine core at {address} did not answer")
+                message = codec.decode_core(socket.recv())
+                if isinstance(message, EngineInfo):
+                    break
+        finally:
+            socket.close()
+        if message.version != PROTOCOL_VERSION:
+            raise RuntimeError(
+                f"the engine core speaks protocol {message.version}, this server "
+                f"{PROTOCOL_VERSION}; run one loraplex version"
+            )
+        return message
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Connect and start reading the core's batches (on the running event loop)."""
+        if self._socket is not None:
+            return
+        self._socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(self.address)
+        self._socket.send(self._codec.encode(Hello(PROTOCOL_VERSION)))
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop reading; requests still in flight here fail with EngineDeadError."""
+        self.fail_all(EngineDeadError("the server is shutting down"))
+        if self._reader is not None:
+            self._reader.cancel()
+        if self._socket is not None:
+            self._socket.close()
+
+    @property
+    def is_running(self) -> bool:
+        return self._reader is not None and not self._reader.done() and self.dead_reason is None
+
+    def fail_all(self, error: EngineDeadError) -> None:
+        """End every request and command in flight with `error`; new ones fail with it too
+        once `dead_reason` is set (see `mark_dead`)."""
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+        self._queues.clear()
+        for future in self._results.values():
+            if not future.done():
+                future.set_exception(error)
+        self._results.clear()
+
+    def mark_dead(self, reason: str) -> None:
+        """The engine core is gone: fail everything in flight, refuse everything new."""
+        error = EngineDeadError(reason)
+        self.dead_reason = error
+        self.fail_all(error)
+
+    def add_timing_observer(self, observer: TimingObserver) -> None:
+        """Call `observer` with each finished request's latencies (every API process sees
+        every request of the server, so each one's metrics describe the whole server)."""
+        self._observers.append(observer)
+
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's gauges and counters as the core last published them."""
+        if self._snapshot is None:
+            raise EngineDeadError("no snapshot from the engine core yet")
+        return self._snapshot
+
+    # -- requests --------------------------------------------------------------------------
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{self._prefix}-{next(self._request_counter)}"
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        tenant: str = "default",
+        lora_request: LoRARequest | None = None,
+    ) -> RequestStream:
+        """Send a request and wait until the engine accepts it; raises what the engine's
+        `add_request` raised (ValueError and its kinds), or EngineDeadError."""
+        self._check_alive()
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        outputs: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = outputs
+        message = AddRequest(
+            request_id,
+            prompt,
+            params_to_wire(params),
+            prompt_token_ids,
+            tenant,
+            lora_to_wire(lora_request),
+            time.monotonic(),
+        )
+        await self._send(message)
+        try:
+            ack = await outputs.get()
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        if isinstance(ack, BaseException):
+            self._queues.pop(request_id, None)
+            raise ack
+        return RequestStream(self, request_id, outputs)  # type: ignore[arg-type]
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; unknown or finished ids are ignored."""
+        if self._socket is None or self.dead_reason is not None:
+            return
+        # NOTE: keep the queue until the core's final output, so the request's last output
+        # (finish reason "abort") still reaches a reader that waits for it.
+        self._socket.send(self._codec.encode(Abort([request_id])), zmq.NOBLOCK)
+
+    generate = AsyncEngine.generate
+
+    # -- engine commands -------------------------------------------------------------------
+
+    async def command(self, command: object) -> object:
+        """Run an engine command (loraplex.platform.core.commands) between steps; returns its
+        result or raises its error."""
+        self._check_alive()
+        seq = next(self._seq)
+        future = asyncio.get_running_loop().create_future()
+        self._results[seq] = future
+        try:
+            await self._send(self._codec.command(seq, command))
+            return await future
+        finally:
+            self._results.pop(seq, None)
+
+    async def add_lora(self, lora_request: LoRARequest) -> str:
+        """Register an adapter with the engine; returns its key."""
+        added = await self.command(
+            commands.AddAdapter(lora_request.lora_name, lora_request.lora_path)
+        )
+        return added.key  # type: ignore[attr-defined]
+
+    async def remove_lora(self, lora_name: str) -> bool:
+        return bool(await self.command(commands.RemoveAdapter(lora_name)))
+
+    async def set_tenant_weight(self, tenant: str, weight: float) -> None:
+        if not weight > 0:
+            raise ValueError(f"weight must be positive, got {weight}")
+        await self.command(commands.SetTenantWeight(tenant, weight))
+
+    # -- the reader ------------------------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        if self.dead_reason is not None or self._socket is None:
+            raise EngineDeadError("the engine is not running") from self.dead_reason
+
+    async def _send(self, message: object) -> None:
+        assert self._socket is not None
+        await self._socket.send(self._codec.encode(message))
+
+    async def _read(self) -> None:
+        assert self._socket is not None
+        while True:
+            data = await self._socket.recv()
+            try:
+                message = self._codec.decode_core(data)
+            except Exception:
+                logger.exception("a malformed message from the engine core was dropped")
+                continue
+            if isinstance(message, CoreBatch):
+                self._apply(message)
+
+    def _apply(self, batch: CoreBatch) -> None:
+        # NOTE: observers (metrics, tenants' token budgets) see a finished request before its
+        # caller does, as under AsyncEngine.
+        for timing in batch.timings:
+            for observer in self._observers:
+                try:
+                    observer(timing)
+                except Exception:
+                    logger.exception("a timing observer failed")
+        if batch.snapshot is not None:
+            self._snapshot = batch.snapshot
+        for ack in batch.acks:
+            queue = self._queues.get(ack.request_id)
+            if queue is not None:
+                queue.put_nowait(_ACCEPTED if ack.error is None else rebuild_error(ack.error))
+        for output in batch.outputs:
+            queue = self._queues.get(output.request_id)
+            if queue is not None:
+                queue.put_nowait(output)
+                if output.finished:
+                    del self._queues[output.request_id]
+        for failure in batch.failures:
+            queue = self._queues.pop(failure.request_id, None)
+            if queue is not None:
+                queue.put_nowait(rebuild_error(failure.error))
+        for result in batch.results:
+            future = self._results.get(result.seq)
+            if future is None or future.done():
+                continue
+            try:
+                future.set_result(self._codec.result_of(result))
+            except Exception as error:
+                future.set_exception(error)
+
+
+def default_address() -> str:
+    """A fresh ipc:// endpoint in the temporary folder, for one server's engine core."""
+    folder = Path(os.environ.get("TMPDIR", "/tmp"))
+    return f"ipc://{folder}/loraplex-engine-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"

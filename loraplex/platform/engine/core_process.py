@@ -1,0 +1,236 @@
+"""EngineCore: the Engine in a process of its own, serving API processes over ZeroMQ.
+
+It owns the device and does nothing but steps and the messages between them: the AsyncEngine's
+engine-thread loop (commands between steps, the watchdog, recovery from a failed step, timing)
+run on the process's main thread, its command queue replaced by a ROUTER socket. Each API
+process connects a DEALER socket; per step the core sends each one a single `CoreBatch` with its
+requests' outputs, and sends every process the timings of every finished request, so each API
+process's metrics describe the whole server.
+
+SIGTERM (or a `Shutdown` from the launcher) ends the loop: requests still in flight fail with
+EngineDeadError, which their API processes answer with 503s. SIGINT is ignored: on Ctrl-C the
+launcher drains the API processes first, then stops the core.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from loraplex.config import EngineConfig
+from loraplex.platform.engine.async_engine import (
+    _ACCEPTED,
+    AsyncEngine,
+    EngineSnapshot,
+    RequestTiming,
+    _Add,
+)
+from loraplex.platform.engine.ipc import (
+    PROTOCOL_VERSION,
+    SNAPSHOT_INTERVAL_S,
+    Abort,
+    AddRequest,
+    AddResult,
+    Codec,
+    CommandRequest,
+    CommandResult,
+    CoreBatch,
+    EngineInfo,
+    Hello,
+    RequestFailure,
+    error_info,
+    lora_from_wire,
+    params_from_wire,
+)
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 50  # how long an idle core waits for a message before it looks around again
+
+
+@dataclass
+class _RemoteAdd(_Add):
+    """An add request from one API process (`client`: its ZeroMQ routing id)."""
+
+    client: bytes = b""
+    acked: bool = False
+
+
+class EngineCore(AsyncEngine):
+    """The engine loop of the EngineCore process, bound to `address` (e.g. ipc:///tmp/x)."""
+
+    def __init__(self, config: EngineConfig, address: str) -> None:
+        super().__init__(config)
+        self._codec = Codec()
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 1000)
+        self._socket.bind(address)
+        self._clients: set[bytes] = set()
+        self._batches: dict[bytes, CoreBatch] = {}
+        self._timings: list[RequestTiming] = []
+        self._last_snapshot: EngineSnapshot | None = None
+        self._snapshot_due = 0.0
+        self._stop = False
+        self.add_timing_observer(self._timings.append)
+
+    def request_stop(self) -> None:
+        """End the loop after the current step (safe from a signal handler)."""
+        self._stop = True
+
+    def run(self) -> None:
+        """Serve until stopped; the engine is shut down on return."""
+        try:
+            self._run()
+        finally:
+            self._flush(force_snapshot=True)
+            self._socket.close()
+            self._context.term()
+
+    # -- AsyncEngine's hooks --------------------------------------------------------------
+
+    def _handle_commands(self, block: bool) -> bool:
+        if self._stop:
+            return False
+        if block and not self._socket.poll(IDLE_POLL_MS):
+            return not self._stop
+        while True:
+            try:
+                client, data = self._socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return not self._stop
+            self._clients.add(client)
+            try:
+                message = self._codec.decode_client(data)
+            except msgspec.DecodeError:
+                logger.exception("a malformed message from API process %r was dropped", client)
+                continue
+            self._dispatch(client, message)
+
+    def _deliver(self, command: _Add, item: object) -> None:  # type: ignore[override]
+        assert isinstance(command, _RemoteAdd)
+        batch = self._batch(command.client)
+        if item is _ACCEPTED:
+            command.acked = True
+            batch.acks.append(AddResult(command.request_id))
+        elif isinstance(item, BaseException):
+            if command.acked:
+                batch.failures.append(RequestFailure(command.request_id, error_info(item)))
+            else:
+                batch.acks.append(AddResult(command.request_id, error_info(item)))
+        else:
+            batch.outputs.append(item)  # type: ignore[arg-type]
+
+    def _take_snapshot(self) -> EngineSnapshot:
+        snapshot = super()._take_snapshot()
+        # NOTE: the end of every loop pass: send what this pass produced, one batch per client.
+        if hasattr(self, "_socket"):
+            self._snapshot = snapshot
+            self._flush()
+        return snapshot
+
+    # -- messages --------------------------------------------------------------------------
+
+    def _dispatch(self, client: bytes, message: object) -> None:
+        if isinstance(message, AddRequest):
+            self._add_remote(client, message)
+        elif isinstance(message, Abort):
+            for request_id in message.request_ids:
+                self._abort(request_id)
+        elif isinstance(message, CommandRequest):
+            self._batch(client).results.append(self._command(message))
+        elif isinstance(message, Hello):
+            self._hello(client, message)
+
+    def _add_remote(self, client: bytes, message: AddRequest) -> None:
+        command = _RemoteAdd(
+            message.request_id,
+            message.prompt,
+            None,  # type: ignore[arg-type]
+            message.prompt_token_ids,
+            message.tenant,
+            None,  # type: ignore[arg-type]
+            None,  # type: ignore[arg-type]
+            message.arrival,
+            client=client,
+        )
+        try:
+            command.params = params_from_wire(message.params)
+            command.lora_request = lora_from_wire(message.lora)
+        except (ValueError, TypeError) as error:
+            self._deliver(command, error)
+            return
+        self._add(command)
+
+    def _command(self, message: CommandRequest) -> CommandResult:
+        try:
+            command = self._codec.command_of(message)
+            value = self.engine.handle_command(command)
+        except Exception as error:
+            return CommandResult(message.seq, error=error_info(error))
+        return self._codec.result(message.seq, value)
+
+    def _hello(self, client: bytes, message: Hello) -> None:
+        engine = self.engine
+        info = EngineInfo(
+            version=PROTOCOL_VERSION,
+            served_model_name=self.served_model_name,
+            max_model_len=self.max_model_len,
+            model_dir=str(engine.model_dir),
+            vocab_size=engine.runner.arch.vocab_size,
+            lora_enabled=engine.lora_manager is not None,
+            pid=os.getpid(),
+        )
+        if message.version != PROTOCOL_VERSION:
+            logger.error(
+                "API process %r speaks protocol %d, the engine %d",
+                client,
+                message.version,
+                PROTOCOL_VERSION,
+            )
+        self._socket.send_multipart([client, self._codec.encode(info)])
+        # A new client gets the gauges at once.
+        self._batch(client).snapshot = self._snapshot
+
+    # -- sending ---------------------------------------------------------------------------
+
+    def _batch(self, client: bytes) -> CoreBatch:
+        batch = self._batches.get(client)
+        if batch is None:
+            batch = self._batches[client] = CoreBatch()
+        return batch
+
+    def _flush(self, force_snapshot: bool = False) -> None:
+        now = time.monotonic()
+        snapshot = None
+        if self._snapshot != self._last_snapshot and (force_snapshot or now >= self._snapshot_due):
+            snapshot = self._last_snapshot = self._snapshot
+            self._snapshot_due = now + SNAPSHOT_INTERVAL_S
+        timings, self._timings[:] = list(self._timings), []
+        if timings or snapshot is not None:
+            for client in self._clients:
+                batch = self._batch(client)
+                batch.timings.extend(timings)
+                batch.snapshot = snapshot or batch.snapshot
+        batches, self._batches = self._batches, {}
+        for client, batch in batches.items():
+            try:
+                self._socket.send_multipart([client, self._codec.encode(batch)], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                logger.warning("could not send to API process %r; dropped its batch", client)
+
+
+def run_engine_core(config: EngineConfig, address: str) -> None:
+    """The EngineCore process's entry point (a multiprocessing target)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    core = EngineCore(config, address)
+    signal.signal(signal.SIGTERM, lambda *_: core.request_stop())
+    logger.info("engine core %d serving %s on %s", os.getpid(), core.served_model_name, address)
+    core.run()
