@@ -2,6 +2,7 @@
 and the costliest CUDA kernels and host operations, per sampling mix beside greedy.
 
     python -m benchmarks.sampling_profile [--mixes t1,t07_top_p09,logprobs5,mixed] [--out DIR]
+        [--cprofile]
 
 Runs each mix on the benchmark engine of `benchmarks.sampling` (same requests), a short
 untimed run first, then `--steps` output tokens under torch.profiler. Prints one summary line
@@ -25,6 +26,11 @@ parser.add_argument("--num-requests", type=int, default=256)
 parser.add_argument("--input-len", type=int, default=128)
 parser.add_argument("--steps", type=int, default=24)
 parser.add_argument("--out", default=".")
+parser.add_argument(
+    "--cprofile",
+    action="store_true",
+    help="profile the host with cProfile instead of torch.profiler, and count Triton compiles",
+)
 
 
 def main() -> int:
@@ -53,6 +59,9 @@ def main() -> int:
         while engine.scheduler.num_waiting:  # prefill outside the profile
             engine.step()
         torch.cuda.synchronize()
+        if args.cprofile:
+            host_profile(engine, mix, out_dir)
+            continue
         steps = 0
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             start = time.perf_counter()
@@ -76,6 +85,49 @@ def main() -> int:
             + "; ".join(f"{e.key[:48]} {e.self_cpu_time_total / steps / 1e3:.3f}" for e in host)
         )
     return 0
+
+
+def host_profile(engine, mix: str, out_dir: Path) -> None:
+    """The remaining steps under cProfile, counting the Triton kernels compiled (or loaded
+    from Triton's disk cache) meanwhile: a steady step should compile none."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+    from triton.runtime.jit import JITFunction
+
+    compiled: list[str] = []
+    do_compile = JITFunction._do_compile
+
+    def counting(self, *args, **kwargs):
+        compiled.append(self.fn.__name__)
+        return do_compile(self, *args, **kwargs)
+
+    JITFunction._do_compile = counting
+    steps = 0
+    prof = cProfile.Profile()
+    try:
+        start = time.perf_counter()
+        prof.enable()
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        torch.cuda.synchronize()
+        prof.disable()
+        wall = time.perf_counter() - start
+    finally:
+        JITFunction._do_compile = do_compile
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumulative").print_stats(40)
+    (out_dir / f"cprofile_{mix}.txt").write_text(text.getvalue())
+    print(
+        f"{mix}: {steps} steps, wall {wall / steps * 1e3:.2f} ms/step under cProfile; "
+        f"Triton compiles during them: {len(compiled)} {sorted(set(compiled))}"
+    )
+    print("\n".join(text.getvalue().splitlines()[:45]))
 
 
 if __name__ == "__main__":

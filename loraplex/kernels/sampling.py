@@ -210,3 +210,49 @@ def draw(
 
         return draw_triton(logits, temperature, thresholds, seeds, steps)
     return draw_ref(logits, temperature, thresholds, seeds, steps)
+
+
+def warm_up(vocab: int, device: torch.device, max_rows: int, max_logprobs: int = 20) -> int:
+    """Compile every variant of the sampler's Triton kernels for this vocabulary, so that no
+    batch compiles one while the engine serves (each compile stalls a step for ~0.1 s). A no-op
+    off CUDA. -> the number of kernel calls made"""
+    if device.type != "cuda":
+        return 0
+    if max_rows < 1 or vocab < 1:
+        raise ValueError(f"max_rows and vocab must be positive, got {max_rows}, {vocab}")
+    from loraplex.kernels.triton_truncation import NUM_PIVOTS_BY_SIZE
+
+    # One batch size per pivot-count bucket of the threshold search (the only constexpr that
+    # depends on the batch); every other batch-dependent argument is unspecialised.
+    sizes = {1, max_rows}
+    sizes |= {min(max_rows, max(1, limit // vocab)) for limit, _ in NUM_PIVOTS_BY_SIZE}
+    calls = 0
+    for n in sorted(sizes):
+        gen = torch.Generator(device=device).manual_seed(n)
+        logits = torch.randn(n, vocab, generator=gen, device=device)
+        temperature = torch.full((n,), 0.7, device=device)
+        top_k = torch.full((n,), 50, dtype=torch.int32, device=device)
+        top_p = torch.full((n,), 0.9, device=device)
+        min_p = torch.full((n,), 0.05, device=device)
+        seeds = torch.arange(n, device=device)
+        steps = torch.zeros(n, dtype=torch.int64, device=device)
+        for search, both in ((True, True), (True, False), (False, False)):
+            tau = truncation_thresholds(logits, temperature, top_k, top_p, min_p, search, both)
+            calls += 1
+        for thresholds in (None, tau):
+            tokens = draw(logits, temperature, thresholds, seeds, steps)
+            calls += 1
+        counts = torch.zeros(n, vocab, dtype=torch.int32, device=device)
+        ones = torch.ones(n, device=device)
+        for prompt in (None, torch.zeros(n, vocab, dtype=torch.bool, device=device)):
+            apply_penalties(logits, counts, prompt, ones, ones, ones)
+            calls += 1
+        k = 1
+        while True:  # the kernels round k up to a power of two
+            compute_logprobs(logits, tokens, min(k, vocab))
+            calls += 1
+            if k >= max_logprobs or k >= vocab:
+                break
+            k *= 2
+    torch.cuda.synchronize(device)
+    return calls

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.kernels.triton_sampling import num_chunks_for
+from loraplex.kernels.triton_sampling import MAX_CHUNKS, jit, num_chunks_for
 
 _BLOCK = 1024
 _BIG_INDEX = tl.constexpr(2**31 - 1)
@@ -30,7 +30,7 @@ def _take_top(values, ids, top_v, top_i, K: tl.constexpr):
     return top_v, top_i
 
 
-@triton.jit
+@jit
 def _logprobs_kernel(
     logits_ptr, stride_l, token_ptr, part_m_ptr, part_s_ptr, part_rank_ptr, part_v_ptr,
     part_i_ptr, vocab, chunk, num_chunks, K: tl.constexpr, BLOCK: tl.constexpr,
@@ -67,7 +67,7 @@ def _logprobs_kernel(
     tl.store(part_i_ptr + at * K + tl.arange(0, K), top_i)
 
 
-@triton.jit
+@jit
 def _logprobs_combine_kernel(
     logits_ptr, stride_l, token_ptr, part_m_ptr, part_s_ptr, part_rank_ptr, part_v_ptr,
     part_i_ptr, token_lp_ptr, rank_ptr, top_id_ptr, top_lp_ptr, num_chunks, k,
@@ -132,6 +132,6 @@ def logprobs_triton(
     )
     _logprobs_combine_kernel[(n,)](
         logits, logits.stride(0), tokens, *parts, token_lp, ranks, top_ids, top_lp, chunks, k,
-        K=kp, BLOCK_C=triton.next_power_of_2(chunks),
+        K=kp, BLOCK_C=MAX_CHUNKS,
     )  # fmt: skip
     return token_lp, ranks, top_ids, top_lp

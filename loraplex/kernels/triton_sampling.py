@@ -15,10 +15,33 @@ from loraplex.kernels.triton_philox import philox_uniform
 _GREEDY = tl.constexpr(GREEDY_TEMPERATURE)
 _BLOCK = 1024
 _MIN_CHUNK = 2048  # tokens per program at least, when a row is split
+# NOTE: the most programs a row is split over. Kernels that combine a row's chunks read a
+# fixed MAX_CHUNKS-wide block (masked), so no constexpr depends on the batch size: a batch of
+# a size not seen before launches the kernels already compiled (a compile stalls the engine
+# for ~0.1 s; `warm_up` compiles every variant at start-up).
+MAX_CHUNKS = 64
+# Integer arguments that change with the batch (row count, chunks a row is split over, a
+# parity bit, k): Triton would otherwise compile one variant for 1 and one for multiples of 16.
+VARYING = ("n", "num_chunks", "parity", "k")
+# Per-row parameter columns: their alignment depends on where the input batch's column block
+# starts, which need not match the warm-up's tensors; each is one scalar load per row.
+COLUMNS = ("temp_ptr", "thresh_ptr", "seed_ptr", "step_ptr", "top_k_ptr", "top_p_ptr",
+           "min_p_ptr", "max_ptr", "rep_ptr", "presence_ptr", "freq_ptr", "token_ptr")  # fmt: skip
+
+
+def jit(kernel):
+    """`triton.jit` with no specialisation on the batch-dependent arguments above."""
+    names = kernel.__code__.co_varnames[: kernel.__code__.co_argcount]
+    return triton.jit(
+        do_not_specialize=[a for a in VARYING if a in names],
+        do_not_specialize_on_alignment=[a for a in (*VARYING, *COLUMNS) if a in names],
+    )(kernel)
+
+
 _INT32_MAX = tl.constexpr(2**31 - 1)
 
 
-@triton.jit
+@jit
 def _draw_kernel(
     logits_ptr, stride_l, temp_ptr, thresh_ptr, seed_ptr, step_ptr, best_v_ptr, best_i_ptr,
     vocab, chunk, num_chunks,
@@ -64,7 +87,7 @@ def _draw_kernel(
     tl.store(best_i_ptr + row * num_chunks + part, token.to(tl.int64))
 
 
-@triton.jit
+@jit
 def _reduce_kernel(best_v_ptr, best_i_ptr, out_ptr, num_chunks, BLOCK_C: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_C)
@@ -82,7 +105,7 @@ def num_chunks_for(n: int, vocab: int, device: torch.device) -> int:
         else 8
     )
     want = triton.cdiv(2 * sms, max(n, 1))
-    return max(1, min(want, triton.cdiv(vocab, _MIN_CHUNK)))
+    return max(1, min(want, triton.cdiv(vocab, _MIN_CHUNK), MAX_CHUNKS))
 
 
 def draw_triton(
@@ -101,7 +124,7 @@ def draw_triton(
         raise ValueError(f"seeds and steps must be int64, got {seeds.dtype}, {steps.dtype}")
     if not 0 < vocab < 2**31 - _BLOCK:
         raise ValueError(f"vocab must be in [1, 2**31 - {_BLOCK}), got {vocab}")
-    chunks = num_chunks or num_chunks_for(n, vocab, logits.device)
+    chunks = min(num_chunks or num_chunks_for(n, vocab, logits.device), MAX_CHUNKS)
     chunk = triton.cdiv(triton.cdiv(vocab, chunks), _BLOCK) * _BLOCK
     chunks = triton.cdiv(vocab, chunk)  # every program starts inside the row
     best_v = torch.empty(n, chunks, dtype=torch.float32, device=logits.device)
@@ -118,14 +141,14 @@ def draw_triton(
     if chunks == 1:
         return best_i[:, 0]
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
-    _reduce_kernel[(n,)](best_v, best_i, out, chunks, BLOCK_C=triton.next_power_of_2(chunks))
+    _reduce_kernel[(n,)](best_v, best_i, out, chunks, BLOCK_C=MAX_CHUNKS)
     return out
 
 
 # -- penalties ------------------------------------------------------------------------------
 
 
-@triton.jit
+@jit
 def _penalties_kernel(
     logits_ptr, stride_l, counts_ptr, stride_c, prompt_ptr, stride_p, out_ptr, stride_o,
     rep_ptr, presence_ptr, freq_ptr, vocab,

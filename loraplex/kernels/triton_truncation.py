@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from loraplex.kernels.sampling import GREEDY_TEMPERATURE
-from loraplex.kernels.triton_sampling import num_chunks_for
+from loraplex.kernels.triton_sampling import MAX_CHUNKS, jit, num_chunks_for
 
 # Each row's top-k / top-p threshold is found by a search over the 2**32 ordered keys of fp32
 # values (`_key`: monotone in the value), NP - 1 pivots per pass: a pass counts (top-k) or sums
@@ -98,7 +98,7 @@ def _threshold(hi, searched, m, t, min_p, SEARCH: tl.constexpr):
     return tl.where(t >= _GREEDY, tl.maximum(tau, tau_m), float("-inf"))  # greedy: unused
 
 
-@triton.jit
+@jit
 def _min_p_kernel(
     logits_ptr, stride_l, temp_ptr, min_p_ptr, thresh_ptr, vocab, BLOCK: tl.constexpr
 ):
@@ -115,7 +115,7 @@ def _min_p_kernel(
     tl.store(thresh_ptr + row, _threshold(m, False, m, t, min_p, False))
 
 
-@triton.jit
+@jit
 def _search_kernel(
     logits_ptr, stride_l, max_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
     lo_ptr, hi_ptr, phase_ptr, target_ptr, part_ptr, thresh_ptr,
@@ -185,6 +185,12 @@ def _search_kernel(
             tl.store(out + tl.arange(0, NP), f)
 
 
+# Pivots per pass by the batch's logits size (n * vocab), the largest first fitting bucket; 8
+# above. NOTE: measured on the H200 (benchmarks/results/h200_sampler.json): a full batch is
+# compute-bound (8 pivots: 11 passes a phase); a small one is bound by launches.
+NUM_PIVOTS_BY_SIZE = ((2**20, 64), (2**23, 16))
+
+
 def search_passes(num_pivots: int) -> int:
     """Passes after which (NP - 1) pivots a pass have narrowed 2**32 keys to one, per phase."""
     passes, width = 0, 2**32
@@ -227,11 +233,9 @@ def truncation_thresholds_triton(
     size = n * vocab
     row_max = logits.max(dim=-1).values  # [n]
     if num_pivots is None:
-        # NOTE: measured on the H200 (benchmarks/results/h200_sampler.json): a full batch is
-        # compute-bound (8 pivots: 11 passes a phase); a small one is bound by launches
-        num_pivots = 64 if size <= 2**20 else 16 if size <= 2**23 else 8
+        num_pivots = next((np_ for limit, np_ in NUM_PIVOTS_BY_SIZE if size <= limit), 8)
     block = 16384 // num_pivots
-    chunks = num_chunks or num_chunks_for(n, vocab, dev)
+    chunks = min(num_chunks or num_chunks_for(n, vocab, dev), MAX_CHUNKS)
     chunk = triton.cdiv(triton.cdiv(vocab, chunks), block) * block
     chunks = triton.cdiv(vocab, chunk)
     lo = torch.empty(2, n, dtype=torch.int64, device=dev)
@@ -246,7 +250,7 @@ def truncation_thresholds_triton(
             logits, logits.stride(0), row_max, *columns, lo, hi, phase, target, partials, out,
             n, vocab, chunk, chunks, parity,
             FIRST=first, FINISH=finish, NP=num_pivots, BLOCK=block,
-            BLOCK_C=triton.next_power_of_2(chunks), num_warps=8,
+            BLOCK_C=MAX_CHUNKS, num_warps=8,
         )  # fmt: skip
 
     for i in range(passes):

@@ -140,3 +140,55 @@ def test_thresholds_of_known_rows() -> None:
     # top-k 4 keeps the tie at the 4th place (5); top-k = vocab is off; min-p 0.2 of 1/2
     # keeps p >= 0.1 (3 tokens)
     assert kept == [2, 2, 3, 1, 5, 3]
+
+
+def test_warm_up_is_a_no_op_off_cuda() -> None:
+    from loraplex.kernels.sampling import warm_up
+
+    assert warm_up(1000, torch.device("cpu"), 8) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles CUDA kernels")
+def test_no_batch_size_compiles_a_kernel_after_warm_up(monkeypatch) -> None:
+    """A served batch of any size, with any sampling parameters, reuses the kernels that the
+    start-up warm-up compiled: a compile would stall the engine for ~0.1 s."""
+    from triton.runtime.jit import JITFunction
+
+    from loraplex.kernels.sampling import (
+        apply_penalties,
+        compute_logprobs,
+        draw,
+        truncation_thresholds,
+        warm_up,
+    )
+
+    vocab, max_rows, dev = 32000, 96, torch.device("cuda")
+    warm_up(vocab, dev, max_rows)
+    compiled: list[str] = []
+    original = JITFunction._do_compile
+
+    def counting(self, *args, **kwargs):
+        compiled.append(self.fn.__name__)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(JITFunction, "_do_compile", counting)
+    # Parameter columns sliced out of one block, as the input batch holds them (odd offsets).
+    block = torch.rand(8, max_rows + 3, device=dev)
+    for n in (1, 2, 3, 16, 17, 33, 64, 95, 96):
+        logits = torch.randn(n, vocab, device=dev) * 3
+        temperature = block[1, 3 : 3 + n] + 0.5
+        top_k = (block[2, :n] * 100).int()
+        top_p, min_p = block[3, 1 : 1 + n], block[4, :n] * 0.1
+        seeds = torch.randint(0, 2**62, (n,), device=dev)
+        steps = torch.randint(0, 2**20, (n,), device=dev)
+        for search, both in ((True, True), (True, False), (False, False)):
+            tau = truncation_thresholds(logits, temperature, top_k, top_p, min_p, search, both)
+        tokens = draw(logits, temperature, tau, seeds, steps)
+        draw(logits, temperature, None, seeds, steps)
+        counts = torch.randint(0, 3, (n, vocab), dtype=torch.int32, device=dev)
+        apply_penalties(logits, counts, counts > 1, block[5, :n], block[6, :n], block[7, :n])
+        for k in (0, 1, 3, 5, 20):
+            compute_logprobs(logits, tokens, k)
+    torch.cuda.synchronize()
+    assert compiled == []

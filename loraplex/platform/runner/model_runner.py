@@ -4,12 +4,14 @@ samples on the device; batch building, KV sizing and output read-back live besid
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from loraplex.config import EngineConfig
+from loraplex.kernels.sampling import warm_up as warm_up_sampler
 from loraplex.platform.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from loraplex.platform.models.attention_metadata import AttentionMetadata
 from loraplex.platform.models.model_loader import load_model
@@ -83,6 +85,11 @@ class ModelRunner:
                 before_replay=self._lora_for_graph if self.lora_manager is not None else None,
             )
             self.graphs.capture()
+        if self.device.type == "cuda":
+            # NOTE: compiles the sampler's kernels now, not on the first batch of each shape
+            start = time.perf_counter()
+            calls = warm_up_sampler(self.arch.vocab_size, self.device, max_seqs)
+            logger.info("sampler warmed up: %d calls in %.1f s", calls, time.perf_counter() - start)
         logger.info(
             "model on %s in %s; %d KV blocks of %d tokens",
             self.device,
