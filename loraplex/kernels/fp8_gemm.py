@@ -9,19 +9,65 @@ Two scale layouts:
   whose shards are not multiples of the block); each K-block's partial product is scaled.
 
 Activations are quantized on the fly: dynamically (amax per token, or per token and K-block)
-or with a static per-tensor `input_scale`. On CUDA the Triton kernels run; elsewhere the torch
-references (CPU torch supports float8_e4m3fn tensors and casts).
+or with a static per-tensor `input_scale`. On CUDA `fp8_linear` runs, by token count M:
+- M <= `FP8_SMALL_M_MAX`: the decode kernel of `triton_fp8_gemm_small_m` (weight on the MMA's M
+  side, split-K, activation quantization fused in: one launch);
+- above, per-channel scales in bf16: the Triton activation quantization and `torch._scaled_mm`
+  with row-wise scales (cuBLASLt's FP8 GEMM); otherwise the Triton GEMM of this module.
+Elsewhere the torch references run (CPU torch supports float8_e4m3fn tensors and casts).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from loraplex.kernels.quant_gemm_workspace import split_k_workspace
+from loraplex.kernels.triton_fp8_gemm_small_m import _fp8_small_m_kernel
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
 _MIN_SCALE = 1e-12
+
+#: Up to this many tokens `fp8_linear` runs the fused decode kernel on CUDA.
+FP8_SMALL_M_MAX = 32
+
+
+@dataclass(frozen=True)
+class Fp8DecodeConfig:
+    """One launch of the FP8 decode kernel: output rows per program, K tile (the scale block
+    with block scales), split-K (0: about two programs per SM), warps and loop stages."""
+
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        if self.split_k < 0 or self.num_warps < 1 or self.num_stages < 1:
+            raise ValueError(f"bad split_k / num_warps / num_stages in {self}")
+
+
+#: (M bucket, N, K) -> measured best decode config on the H200 (per-channel scales), pasted
+#: from `python -m benchmarks.quant_gemm` (benchmarks/results/h200_quant.json).
+FP8_TUNED_CONFIGS: dict[tuple[int, int, int], Fp8DecodeConfig] = {}
+
+#: Token counts the FP8 decode table is keyed by; M uses the smallest bucket >= M.
+FP8_M_BUCKETS = (1, 4, 16, 32)
+
+
+def fp8_decode_config(m: int, n: int, k: int) -> Fp8DecodeConfig:
+    """The tuned decode config for M tokens of an [N, K] weight, or the default."""
+    bucket = next((b for b in FP8_M_BUCKETS if m <= b), FP8_M_BUCKETS[-1])
+    return FP8_TUNED_CONFIGS.get((bucket, n, k)) or Fp8DecodeConfig(128, 128, 0, 4, 4)
 
 
 @triton.jit
@@ -227,6 +273,95 @@ def fp8_gemm_triton(
     return out
 
 
+def fp8_small_m_reference(
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    block_k: int | None,
+    input_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """What the fused decode kernel computes, in plain torch: quantize x, then the W8A8 GEMM."""
+    if input_scale is not None:
+        x_q, x_scale = quantize_fp8_static(x, input_scale)
+    else:
+        x_q, x_scale = quantize_fp8_reference(x, x.shape[1] if block_k is None else block_k)
+    return fp8_gemm_reference(x_q, x_scale, w_q, w_scale, block_k, bias, x.dtype)
+
+
+def fp8_small_m_triton(
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    block_k: int | None,
+    input_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    config: Fp8DecodeConfig | None = None,
+) -> torch.Tensor:
+    """The fused decode kernel: x [M, K] (bf16/fp16/fp32, M <= `FP8_SMALL_M_MAX`) quantized in
+    the kernel, w_q [N, K] float8_e4m3fn -> [M, N] in x's dtype. With block scales the K tile is
+    the scale block (`block_k`, a power of two in [32, 256])."""
+    if x.dim() != 2 or x.shape[0] > FP8_SMALL_M_MAX or x.stride(1) != 1:
+        raise ValueError(
+            f"x must be [M <= {FP8_SMALL_M_MAX}, K] with contiguous rows, got {tuple(x.shape)}"
+        )
+    (m, k), n = x.shape, w_q.shape[0]
+    kb = 1 if block_k is None else triton.cdiv(k, block_k)
+    if w_q.dtype != FP8_DTYPE or w_q.dim() != 2 or w_q.shape[1] != k or w_q.stride(1) != 1:
+        raise ValueError(f"w_q must be {FP8_DTYPE} [N, {k}] row-major, got {tuple(w_q.shape)}")
+    if tuple(w_scale.shape) != (n, kb) or w_scale.dtype != torch.float32:
+        raise ValueError(f"w_scale must be float32 [{n}, {kb}], got {tuple(w_scale.shape)}")
+    if block_k is not None and (block_k < 32 or block_k > 256 or block_k & (block_k - 1)):
+        raise ValueError(f"the decode kernel takes block_k a power of two in [32, 256]: {block_k}")
+    if input_scale is not None and block_k is not None:
+        raise ValueError("block scales take dynamic activation scales, not an input_scale")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
+    config = config or fp8_decode_config(m, n, k)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    bk = block_k if block_k is not None else min(config.block_k, max(32, triton.next_power_of_2(k)))
+    k_blocks = triton.cdiv(k, bk)
+    n_tiles = triton.cdiv(n, config.block_n)
+    split = config.split_k
+    if split == 0:
+        split, sms = 1, _num_sms(x.device)
+        while n_tiles * split < 2 * sms and split * 2 <= k_blocks:
+            split *= 2
+    k_per_split = triton.cdiv(k_blocks, min(split, k_blocks)) * bk
+    split = triton.cdiv(k, k_per_split)
+    ws, locks = split_k_workspace(x.device, m * n if split > 1 else 1, n_tiles)
+    static = input_scale.float().reshape(1) if input_scale is not None else w_scale
+    _fp8_small_m_kernel[(n_tiles, split)](
+        x, w_q, w_scale, static, bias if bias is not None else w_scale, out, ws, locks,
+        m, n, k, k_per_split, x.stride(0), w_q.stride(0), w_scale.stride(0), out.stride(0),
+        FP8_MAX=FP8_MAX, MIN_SCALE=_MIN_SCALE, BLOCK_SCALES=block_k is not None,
+        STATIC_INPUT=input_scale is not None, HAS_BIAS=bias is not None, SPLIT_K=split,
+        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=config.block_n, BLOCK_K=bk,
+        NUM_STAGES=config.num_stages, num_warps=config.num_warps,
+    )  # fmt: skip
+    return out
+
+
+def _scaled_mm_fits(x: torch.Tensor, w_q: torch.Tensor, block_k: int | None) -> bool:
+    """cuBLASLt's row-wise FP8 GEMM takes per-channel scales, bf16 output, K and N % 16 == 0,
+    on compute capability 9.0+."""
+    return (
+        block_k is None
+        and x.dtype == torch.bfloat16
+        and x.shape[1] % 16 == 0
+        and w_q.shape[0] % 16 == 0
+        and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    )
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: an H200's count, so CPU tests split as the GPU does
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def fp8_linear(
     x: torch.Tensor,
     w_q: torch.Tensor,
@@ -246,6 +381,10 @@ def fp8_linear(
     if input_scale is not None and block_k is not None:
         raise ValueError("block scales take dynamic activation scales, not an input_scale")
     use_triton = x.is_cuda
+    small_m_fits = block_k is None or (32 <= block_k <= 256 and not block_k & (block_k - 1))
+    if use_triton and x.shape[0] <= FP8_SMALL_M_MAX and small_m_fits:
+        x = x if x.stride(1) == 1 else x.contiguous()
+        return fp8_small_m_triton(x, w_q, w_scale, block_k, input_scale, bias)
     group = x.shape[1] if block_k is None else block_k
     if input_scale is not None:
         x_q, x_scale = quantize_fp8_static(x, input_scale)
@@ -254,6 +393,11 @@ def fp8_linear(
         x_q, x_scale = quantize_fp8_triton(x.contiguous(), group)
     else:
         x_q, x_scale = quantize_fp8_reference(x, group)
+    if use_triton and _scaled_mm_fits(x, w_q, block_k):
+        return torch._scaled_mm(
+            x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale.t(),
+            bias=bias.to(x.dtype) if bias is not None else None, out_dtype=x.dtype,
+        )  # fmt: skip
     gemm = fp8_gemm_triton if use_triton else fp8_gemm_reference
     if not use_triton:
         _check_gemm(x_q, x_scale, w_q, w_scale, block_k, bias)

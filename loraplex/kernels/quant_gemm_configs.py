@@ -1,6 +1,6 @@
 """Launch configurations of the W4A16 / W8A16 dequant-GEMM, the one place dispatch on M lives.
 
-Five kernels (see `quant_gemm_w4a16`):
+Seven kernels (see `quant_gemm_w4a16`):
 - "gemv": one token row per program, FMA dot products, split-K (decode, M <= 2);
 - "fma": like "gemv", with a dequantization of ~2 instructions per weight and no layout change
   or cross-thread reduction in the loop (the bandwidth-bound decode kernel, M of 1 to a few);
@@ -8,6 +8,8 @@ Five kernels (see `quant_gemm_w4a16`):
   fill the GPU (M up to a few hundred);
 - "gemm_t": "gemm" with the MMA operands swapped (weight tile as the MMA's M side, tokens as
   its N side), for M = 16..64 where a token tile would waste most of a Hopper MMA;
+- "sliced" / "sliced_t": the tensor-core kernel of `triton_quant_gemm_sliced`, one dot per
+  value position of a word instead of one reshaped tile ("_t": weight on the MMA's M side);
 - "dequant": dequantize `block_n` output columns at a time into a reused buffer (it stays in L2)
   and run the dense matmul on it (prefill, M >= `DEQUANT_MATMUL_MIN_M`).
 
@@ -23,9 +25,14 @@ from dataclasses import dataclass
 DEQUANT_MATMUL_MIN_M = 1024
 
 #: Token counts the tuned table is keyed by; M uses the smallest bucket >= M.
-M_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096)
+M_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 1024, 4096)
 
-KINDS = ("gemv", "fma", "gemm", "gemm_t", "dequant")
+KINDS = ("gemv", "fma", "gemm", "gemm_t", "sliced", "sliced_t", "dequant")
+
+#: The sliced kernels take one dot per value position; a GPU dot needs a depth of >= 16 words.
+SLICED_KINDS = ("sliced", "sliced_t")
+SLICED_MIN_WORDS = 16
+
 
 #: Kinds that run one token row per program (block_m must be 1).
 ONE_ROW_KINDS = ("gemv", "fma")
@@ -144,5 +151,17 @@ def resolve(
     split = fit_split_k(fitted, m, n, k, num_sms)
     return GemmConfig(
         config.kind, config.block_m, config.block_n, block_k, split,
+        config.num_warps, config.num_stages,
+    )  # fmt: skip
+
+
+def without_shallow_slices(config: GemmConfig, bits: int) -> GemmConfig:
+    """On the GPU, a sliced config whose K tile holds < 16 words per value position (a group
+    too small) runs the reshaping kernel of the same orientation instead."""
+    if config.kind not in SLICED_KINDS or config.block_k // (32 // bits) >= SLICED_MIN_WORDS:
+        return config
+    kind = "gemm_t" if config.kind == "sliced_t" else "gemm"
+    return GemmConfig(
+        kind, config.block_m, config.block_n, config.block_k, config.split_k,
         config.num_warps, config.num_stages,
     )  # fmt: skip

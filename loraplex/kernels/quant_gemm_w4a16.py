@@ -9,10 +9,11 @@ The kernels take one weight layout, to which AWQ and GPTQ checkpoints are repack
   perm[k]; the load sorted the rows by group so groups are contiguous again.
 
 On CUDA `wna16_gemm` asks `quant_gemm_configs.select_config` (the one place that dispatches on
-the token count M) for a kernel: "gemv" or "fma" (FMA, split-K) for decode, "gemm" or "gemm_t"
-(tiled tensor-core, split-K when the tiles do not fill the GPU) for mid sizes, "dequant"
+the token count M) for a kernel: "gemv" or "fma" (FMA, split-K) for decode, "gemm", "gemm_t",
+"sliced" or "sliced_t" (tiled tensor-core, split-K when the tiles do not fill the GPU) for mid
+and large sizes (dequantization inside the main loop, no bf16 copy of the weight), "dequant"
 (chunked dequantization into an L2-resident buffer + dense matmul) for prefill. The kernels are
-in `triton_quant_gemm` and `triton_quant_gemm_small_m`.
+in `triton_quant_gemm`, `triton_quant_gemm_small_m` and `triton_quant_gemm_sliced`.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ import triton
 from loraplex.kernels.quant_gemm_configs import (
     DEQUANT_MATMUL_MIN_M,
     ONE_ROW_KINDS,
+    SLICED_KINDS,
     GemmConfig,
     resolve,
     select_config,
+    without_shallow_slices,
 )
 from loraplex.kernels.quant_gemm_workspace import dequant_buffer, split_k_workspace
 from loraplex.kernels.triton_quant_gemm import (
@@ -33,6 +36,7 @@ from loraplex.kernels.triton_quant_gemm import (
     _wna16_gemm_kernel,
     _wna16_gemv_kernel,
 )
+from loraplex.kernels.triton_quant_gemm_sliced import _wna16_sliced_kernel
 from loraplex.kernels.triton_quant_gemm_small_m import _wna16_fma_kernel, _wna16_gemm_t_kernel
 
 __all__ = [
@@ -202,6 +206,8 @@ def wna16_gemm_triton(
         config = select_config(m, n, k, group_size, bits, sms)
     else:
         config = resolve(config, m, n, k, group_size, bits, sms)
+    if x.is_cuda:
+        config = without_shallow_slices(config, bits)
     if m == 0:
         return torch.empty(0, n, dtype=x.dtype, device=x.device)
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -237,6 +243,12 @@ def wna16_gemm_triton(
         MAGIC=magic, OFFSET=offset, BLOCK_M=config.block_m,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
     )  # fmt: skip
+    if config.kind in SLICED_KINDS:
+        _wna16_sliced_kernel[(rows * n_tiles, split)](
+            *common, m, n, group_size, k_per_split, *strides, **flags, **mma, **tiles,
+            SWAP=config.kind == "sliced_t", NUM_STAGES=config.num_stages, **launch,
+        )  # fmt: skip
+        return out
     if config.kind == "gemm_t":
         _wna16_gemm_t_kernel[(rows * n_tiles, split)](
             *common, m, n, group_size, k_per_split, *strides, **flags, **mma, **tiles,

@@ -38,7 +38,7 @@ def _weights(bits: int, n: int, k: int, group_size: int, act_order: bool, seed: 
     [(4, 1, 40, 64, 32, False, 1), (4, 5, 24, 128, 64, True, 2), (8, 17, 56, 96, 96, False, 1),
      (8, 3, 8, 64, 16, True, 4), (4, 33, 72, 32, 32, False, 1)],
 )  # fmt: skip
-@pytest.mark.parametrize("kind", ["gemm", "gemv", "fma", "gemm_t"])
+@pytest.mark.parametrize("kind", ["gemm", "gemv", "fma", "gemm_t", "sliced", "sliced_t"])
 def test_fused_kernels_match_reference(bits, m, n, k, group_size, act_order, split_k, kind) -> None:
     qweight, scales, zeros, perm = _weights(bits, n, k, group_size, act_order)
     gen = torch.Generator().manual_seed(m * 1000 + n)
@@ -157,7 +157,9 @@ def test_gpu_dispatch_matches_reference(m: int, bits: int, act_order: bool) -> N
 @pytest.mark.parametrize(
     "config",
     [GemmConfig("fma", 1, 128, 128, 0, 4, 3), GemmConfig("fma", 1, 256, 64, 16, 8, 2),
-     GemmConfig("gemm_t", 16, 128, 128, 0, 4, 3), GemmConfig("gemm_t", 64, 64, 64, 0, 4, 2)],
+     GemmConfig("gemm_t", 16, 128, 128, 0, 4, 3), GemmConfig("gemm_t", 64, 64, 64, 0, 4, 2),
+     GemmConfig("sliced_t", 16, 128, 128, 0, 4, 3), GemmConfig("sliced_t", 64, 256, 128, 0, 8, 3),
+     GemmConfig("sliced", 16, 128, 128, 0, 4, 3), GemmConfig("sliced", 128, 128, 128, 1, 8, 3)],
 )  # fmt: skip
 @pytest.mark.parametrize("m", [1, 5, 16, 33])
 @pytest.mark.parametrize(("bits", "act_order", "dtype"), [(4, False, torch.bfloat16),
