@@ -110,10 +110,25 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    """An earlier assistant turn's call (`messages[i].tool_calls[j]`)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # on assistant turns
+    tool_call_id: str | None = None  # on tool turns: the call it answers
 
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content
@@ -135,6 +150,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Logprobs | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 

@@ -168,8 +168,6 @@ def _check_completion(body: CompletionRequest, limits: RequestLimits) -> None:
 def _check_chat(body: ChatCompletionRequest) -> None:
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
-    if body.tools and body.tool_choice != "none":
-        raise bad_request("tools are not supported yet", param="tools")
     if body.prompt_logprobs is not None and body.stream:
         raise bad_request(
             "prompt_logprobs is not supported with stream on chat completions",

@@ -36,6 +36,7 @@ class ServerSettings:
     max_adapter_bytes: int = DEFAULT_MAX_ADAPTER_BYTES  # per adapter upload
     max_n: int = DEFAULT_MAX_N  # samples per prompt (`n`) of one request
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST  # prompts of one completion
+    tool_call_parser: str | None = None  # vLLM's name; None: the one the chat template implies
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
