@@ -16,6 +16,7 @@ from loraplex.platform.api import (
     serving_admin,
     serving_chat,
     serving_completion,
+    serving_dashboard,
     serving_health,
     serving_models,
 )
@@ -33,7 +34,8 @@ from loraplex.platform.engine.async_engine import AsyncEngine
 logger = logging.getLogger(__name__)
 
 ROUTERS = (serving_models.router, serving_completion.router, serving_chat.router,
-           serving_health.router, serving_adapters.router, serving_admin.router)  # fmt: skip
+           serving_health.router, serving_adapters.router, serving_admin.router,
+           serving_dashboard.router)  # fmt: skip
 # The JSON bodies routes read themselves (`read_json_model`), documented in /openapi.json.
 BODY_MODELS: tuple[type[BaseModel], ...] = (
     CompletionRequest,
@@ -56,11 +58,8 @@ def build_app(
     settings = settings or ServerSettings()
     metrics = ServerMetrics(engine.served_model_name)
     engine.add_timing_observer(metrics.observe)
-    tenancy = Tenancy(
-        settings.data_dir or envs.data_dir(),
-        settings.tenants_file,
-        settings.admin_key or envs.admin_key(),
-    )
+    admin_key = settings.admin_key or envs.admin_key()
+    tenancy = Tenancy(settings.data_dir or envs.data_dir(), settings.tenants_file, admin_key)
     engine.add_timing_observer(tenancy.metrics.observe)
     for warning in tenancy.startup_warnings(settings.host):
         logger.warning("%s", warning)
@@ -71,13 +70,15 @@ def build_app(
         metrics=metrics,
         tenancy=tenancy,
     )
+    dashboard = serving_dashboard.Dashboard(state, admin_key)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
         try:
             await serving_admin.sync_weights(state)
-            yield
+            async with dashboard.stats.sampling():
+                yield
         finally:
             engine.shutdown()
             tenancy.close()
@@ -85,10 +86,11 @@ def build_app(
     app = FastAPI(title="loraplex", version=__version__, lifespan=lifespan)
     app.state.loraplex = state
     app.state.adapters = AdapterService(state)
+    app.state.dashboard = dashboard
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
-    app.add_middleware(AuthMiddleware, tenancy=tenancy)
+    app.add_middleware(AuthMiddleware, tenancy=tenancy, sessions=dashboard.sessions)
     _document_bodies(app)
     return app
 

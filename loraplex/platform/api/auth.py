@@ -13,6 +13,7 @@ from __future__ import annotations
 from fastapi import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from loraplex.platform.api.dashboard_auth import DashboardSessions
 from loraplex.platform.api.errors import APIError
 from loraplex.platform.api.limits import Reservation
 from loraplex.platform.api.tenancy import Caller, Tenancy
@@ -20,6 +21,7 @@ from loraplex.platform.api.tenants import Tenant
 
 PUBLIC_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs"})
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+DASHBOARD = "/dashboard"  # the page and its login check the key themselves (401: a login form)
 _CALLER = "loraplex.caller"
 _RESERVATIONS = "loraplex.reservations"
 ADMIN_DISABLED = (
@@ -90,12 +92,15 @@ def require_admin(request: Request) -> Caller:
 class AuthMiddleware:
     """Identify the caller of every HTTP request; admit generation requests under the caps."""
 
-    def __init__(self, app: ASGIApp, tenancy: Tenancy) -> None:
+    def __init__(
+        self, app: ASGIApp, tenancy: Tenancy, sessions: DashboardSessions | None = None
+    ) -> None:
         self.app = app
         self.tenancy = tenancy
+        self.sessions = sessions
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or _dashboard(scope["path"]):
             await self.app(scope, receive, send)
             return
         admin_route = scope["path"].startswith("/admin/")
@@ -103,6 +108,10 @@ class AuthMiddleware:
             await _reply(admin_disabled(), scope, receive, send)
             return
         caller = self.tenancy.identify(_header(scope, b"authorization"))
+        if caller is None and self.sessions is not None:
+            cookie = _header(scope, b"cookie")
+            if self.sessions.authenticates(scope["method"], scope["path"], cookie):
+                caller = Caller(None, is_admin=True)
         if caller is None:
             await _reply(unauthorized("Missing or unknown API key."), scope, receive, send)
             return
@@ -138,6 +147,10 @@ class AuthMiddleware:
             for reservation in held:
                 self.tenancy.limiter.release(reservation)
             self.tenancy.metrics.count_request(tenant.name, status)
+
+
+def _dashboard(path: str) -> bool:
+    return path == DASHBOARD or path.startswith(DASHBOARD + "/")
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
