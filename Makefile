@@ -7,7 +7,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test fuzz lint format bench clean
+.PHONY: setup browser serve test fuzz lint format bench clean
 
 setup: $(STAMP)
 
@@ -26,7 +26,17 @@ $(STAMP): pyproject.toml Makefile
 serve: $(STAMP)
 	$(VENV)/bin/loraplex serve --host $(HOST) --port $(PORT)
 
-test: $(STAMP)
+# The dashboard test drives Debian's headless chromium through chromium-driver: installed here
+# where we run as root with apt-get; elsewhere that test skips and says why.
+browser:
+	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    --no-install-recommends chromium chromium-driver fonts-dejavu-core) >/dev/null \
+	  || echo "browser: apt-get could not install chromium; the dashboard browser test skips"; \
+	else echo "browser: not root or no apt-get; the dashboard browser test skips"; fi
+
+test: $(STAMP) browser
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The API fuzz suite at length: FUZZ_EXAMPLES examples per operation (`make test` runs 15).
