@@ -51,6 +51,9 @@ class _Parent:
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
+        # token id -> its text alone, for logprobs: a full batch asking for top-5 decodes
+        # ~1,500 tokens a step, nearly all seen before (at most one entry per vocabulary id)
+        self._token_text: dict[int, str] = {}
         self._parents: dict[str, _Parent] = {}
         self._core_to_parent: dict[str, str] = {}
 
@@ -151,9 +154,13 @@ class OutputProcessor:
 
     def _decode_logprobs(self, entries: list[tuple[int, float, int]]) -> dict[int, Logprob]:
         decoded: dict[int, Logprob] = {}
+        texts = self._token_text
         for token_id, logprob, rank in entries:
             if token_id not in decoded:
-                text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+                text = texts.get(token_id)
+                if text is None:
+                    text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+                    texts[token_id] = text
                 decoded[token_id] = Logprob(logprob, rank, text)
         return decoded
 
