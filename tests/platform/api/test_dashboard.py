@@ -255,3 +255,12 @@ def test_dashboard_in_headless_chromium(world):
         driver.quit()
     for thread in threads:
         thread.join(30)
+
+
+def test_a_server_without_an_admin_key_keeps_the_dashboard_off(server):
+    page = httpx.get(f"{server.base_url}/dashboard")
+    assert page.status_code == 403 and "no admin key" in page.text
+    stats = httpx.get(f"{server.base_url}/admin/stats")
+    assert stats.status_code == 403 and stats.json()["error"]["code"] == "admin_disabled"
+    login = httpx.post(f"{server.base_url}/dashboard/login", data={"key": "anything"})
+    assert login.status_code == 403 and "set-cookie" not in login.headers
