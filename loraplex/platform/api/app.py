@@ -19,6 +19,8 @@ from loraplex.platform.api import (
     serving_dashboard,
     serving_health,
     serving_models,
+    serving_responses,
+    serving_tokenize,
 )
 from loraplex.platform.api.adapter_service import AdapterService
 from loraplex.platform.api.auth import AuthMiddleware
@@ -26,6 +28,7 @@ from loraplex.platform.api.errors import install_error_handlers
 from loraplex.platform.api.metrics import ServerMetrics
 from loraplex.platform.api.protocol import ChatCompletionRequest, CompletionRequest
 from loraplex.platform.api.request_body import body_schemas
+from loraplex.platform.api.response_store import ResponseStore
 from loraplex.platform.api.state import ModelResolver, ServerSettings, ServerState
 from loraplex.platform.api.tenancy import Tenancy
 from loraplex.platform.api.tenant_models import TenantModelResolver
@@ -35,13 +38,16 @@ logger = logging.getLogger(__name__)
 
 ROUTERS = (serving_models.router, serving_completion.router, serving_chat.router,
            serving_health.router, serving_adapters.router, serving_admin.router,
-           serving_dashboard.router)  # fmt: skip
+           serving_dashboard.router, serving_tokenize.router,
+           serving_responses.router)  # fmt: skip
 # The JSON bodies routes read themselves (`read_json_model`), documented in /openapi.json.
 BODY_MODELS: tuple[type[BaseModel], ...] = (
     CompletionRequest,
     ChatCompletionRequest,
     serving_admin.TenantCreateRequest,
     *serving_adapters.BODY_MODELS,
+    *serving_tokenize.BODY_MODELS,
+    *serving_responses.BODY_MODELS,
 )
 
 
@@ -86,6 +92,7 @@ def build_app(
     app = FastAPI(title="loraplex", version=__version__, lifespan=lifespan)
     app.state.loraplex = state
     app.state.adapters = AdapterService(state)
+    app.state.responses = ResponseStore()
     app.state.dashboard = dashboard
     install_error_handlers(app)
     for router in ROUTERS:

@@ -160,3 +160,52 @@ class ChatCompletionRequest(SamplingFields):
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens
+
+
+class TokenizeRequest(_Body):
+    """POST /tokenize (vLLM's): `prompt` text, or chat `messages` through the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize (vLLM's): token ids back to text."""
+
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class ResponsesRequest(_Body):
+    """POST /v1/responses (OpenAI's Responses API), the fields we serve.
+
+    `input` is text or a list of items: messages (`{"role", "content"}`, with or without
+    `"type": "message"`), `function_call` and `function_call_output`. Fields we do not serve
+    are refused by name in `serving_responses` rather than ignored."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: Count | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    text: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    stream: bool = False
+    previous_response_id: str | None = None
+    store: bool = True
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: Literal["disabled"] | None = None
+    background: bool | None = None
+    include: list[str] | None = None
+    reasoning: dict[str, Any] | None = None
+    top_logprobs: Logprobs | None = None

@@ -115,7 +115,7 @@ def _structured_field(value: dict[str, Any]) -> tuple[str, Any]:
     return kind, value[kind]
 
 
-def _check_token_ids(ids: list[int], limits: RequestLimits, param: str) -> None:
+def check_token_ids(ids: list[int], limits: RequestLimits, param: str) -> None:
     bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
     if bad is not None:
         raise bad_request(
@@ -129,14 +129,14 @@ def _check_common(body: SamplingFields, limits: RequestLimits) -> None:
         raise bad_request(
             f"n must be at most {limits.max_n} on this server (--max-n), got {body.n}", param="n"
         )
-    _check_token_ids(body.stop_token_ids or [], limits, "stop_token_ids")
+    check_token_ids(body.stop_token_ids or [], limits, "stop_token_ids")
     if body.logit_bias:
         keys = [key for key in body.logit_bias if not key.isdigit()]
         if keys:
             raise bad_request(
                 f"logit_bias keys must be token ids, got {keys[0]!r}", param="logit_bias"
             )
-        _check_token_ids([int(key) for key in body.logit_bias], limits, "logit_bias")
+        check_token_ids([int(key) for key in body.logit_bias], limits, "logit_bias")
         raise bad_request("logit_bias is not supported", param="logit_bias")
 
 
@@ -154,7 +154,7 @@ def _check_completion(body: CompletionRequest, limits: RequestLimits) -> None:
         )
     for prompt in prompts:
         if isinstance(prompt, list):
-            _check_token_ids(prompt, limits, "prompt")
+            check_token_ids(prompt, limits, "prompt")
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request("best_of is not supported (only best_of == n)", param="best_of")
     if body.suffix:
