@@ -83,7 +83,9 @@ def _fp8_small_m_kernel(
             acc += part * w_s[:, None] * tile_scale[None, :]
         else:
             x_q = tl.clamp(x / x_scale[:, None], -FP8_MAX, FP8_MAX).to(fp8)
-            acc = tl.dot(w, tl.trans(x_q), acc)
+            # NOTE: a fresh dot per K tile, added in fp32: Hopper's FP8 MMA accumulates with
+            # fewer bits than fp32, so the running sum is not chained through it.
+            acc += tl.dot(w, tl.trans(x_q))
     if not BLOCK_SCALES:
         w_s = tl.load(ws_ptr + offs_n * stride_wsn, mask=mask_n, other=0.0)
         acc = acc * w_s[:, None] * x_scale[None, :]
