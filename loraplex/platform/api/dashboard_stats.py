@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +30,8 @@ SAMPLE_PERIOD_S = 1.0
 HISTORY_S = 600.0  # the page's chart: the last ten minutes
 NOW_WINDOW_S = 5.0  # "now" rates: over the last few seconds
 TENANT_WINDOW_S = 60.0  # per-tenant rates and shares: over the last minute
+LATENCY_WINDOW_S = 300.0  # latency quantiles: requests finished in the last five minutes
+QUANTILES = (0.5, 0.95)
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,7 @@ class StatsSample:
     wall: float  # unix seconds
     snapshot: EngineSnapshot
     tenants: TenantCounts
+    latency: dict[str, tuple[int, ...]]  # histogram name -> its bucket counts
 
 
 def _tenant_tokens(counts: TenantCounts) -> dict[str, tuple[int, int]]:
@@ -56,6 +59,28 @@ def _tenant_tokens(counts: TenantCounts) -> dict[str, tuple[int, int]]:
 
 def _rate(new: float, old: float, seconds: float) -> float:
     return max(0.0, new - old) / seconds if seconds > 0 else 0.0
+
+
+def histogram_quantile(q: float, bounds: Sequence[float], counts: Sequence[int]) -> float | None:
+    """The q-quantile of observations counted per bucket (`counts` has one more entry than
+    `bounds`: those above every bound), interpolated linearly inside its bucket as Prometheus'
+    `histogram_quantile` does; None without observations. In the top bucket it answers the
+    highest bound."""
+    if not 0 <= q <= 1:
+        raise ValueError(f"q must be in [0, 1], got {q}")
+    total = sum(counts)
+    if total == 0:
+        return None
+    rank = q * total
+    below = 0
+    for i, count in enumerate(counts):
+        if count and below + count >= rank:
+            if i == len(bounds):
+                return bounds[-1]
+            lower = bounds[i - 1] if i else 0.0
+            return lower + (bounds[i] - lower) * (rank - below) / count
+        below += count
+    return bounds[-1]
 
 
 class StatsCollector:
@@ -77,8 +102,13 @@ class StatsCollector:
         now = time.monotonic()
         if self._samples and now - self._samples[-1].monotonic < self.period_s / 2:
             return self._samples[-1]
+        metrics = self.state.metrics
         sample = StatsSample(
-            now, time.time(), self.state.engine.snapshot(), self.state.tenancy.metrics.counts()
+            now,
+            time.time(),
+            self.state.engine.snapshot(),
+            self.state.tenancy.metrics.counts(),
+            {h.name: h.bucket_counts() for h in (metrics.ttft, metrics.itl, metrics.e2e)},
         )
         self._samples.append(sample)
         return sample
@@ -118,6 +148,7 @@ class StatsCollector:
             "time": latest.wall,
             "model": self.state.engine.served_model_name,
             "engine": self._engine(latest),
+            "latency": self._latency(latest),
             "series": self._series(),
             "tenants": self._tenants(latest, queues),
             "adapters": self._adapters(latest, adapters),
@@ -154,6 +185,25 @@ class StatsCollector:
             "num_steps": s.num_steps,
             "step_time_ms": 1000.0 * step_s / steps if steps else None,
         }
+
+    def _latency(self, latest: StatsSample) -> dict[str, Any]:
+        """p50 and p95 of TTFT, inter-token latency and end-to-end latency (seconds) over the
+        requests that finished in the last LATENCY_WINDOW_S (None when none did)."""
+        old = self._since(LATENCY_WINDOW_S)
+        metrics = self.state.metrics
+        out: dict[str, Any] = {"window_s": latest.monotonic - old.monotonic}
+        for key, histogram in (("ttft_s", metrics.ttft), ("itl_s", metrics.itl),
+                               ("e2e_s", metrics.e2e)):  # fmt: skip
+            now, before = latest.latency[histogram.name], old.latency[histogram.name]
+            counts = [a - b for a, b in zip(now, before)]
+            out[key] = {
+                "count": sum(counts),
+                **{
+                    f"p{round(100 * q)}": histogram_quantile(q, histogram.buckets, counts)
+                    for q in QUANTILES
+                },  # fmt: skip
+            }
+        return out
 
     def _series(self) -> dict[str, Any]:
         """Per sample interval: token rates and the gauges at its end."""

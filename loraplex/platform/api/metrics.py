@@ -61,6 +61,12 @@ class Histogram:
         with self._lock:
             return sum(self._counts)
 
+    def bucket_counts(self) -> tuple[int, ...]:
+        """Observations per bucket (not cumulative); the last entry counts those above every
+        bound."""
+        with self._lock:
+            return tuple(self._counts)
+
     def render(self, labels: dict[str, str]) -> list[str]:
         with self._lock:
             counts, total = list(self._counts), self._sum

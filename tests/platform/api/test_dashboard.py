@@ -118,6 +118,10 @@ def test_stats_show_each_tenant_its_adapter_and_the_engine(world):
     assert engine["generation_tokens_total"] >= 4  # alpha, beta, gamma's two
     assert engine["step_time_ms"] > 0
     assert len(doc["series"]["points"]) >= 1
+    latency = doc["latency"]
+    assert latency["ttft_s"]["count"] == 4  # alpha, beta, and gamma's two admitted requests
+    assert 0 < latency["ttft_s"]["p50"] <= latency["ttft_s"]["p95"] <= latency["e2e_s"]["p95"]
+    assert latency["itl_s"]["count"] > 0
 
 
 def _grafana_series(dashboard: dict) -> set[str]:
@@ -226,6 +230,7 @@ def test_dashboard_in_headless_chromium(world):
             assert tokens > len(PROMPT), tenants[name]
             assert float(tenants[name][4]) > 0  # generated tok/s over the last minute
         assert tenants["gamma"][7] == "1"  # rate-limited
+        assert re.fullmatch(r"[\d.,]+ m?s / [\d.,]+ m?s", driver.find_element(By.ID, "ttft").text)
         adapters = {(r[0], r[1]): r for r in _rows(driver, "adapters")}
         for tenant in ("alpha", "beta"):
             assert adapters[(tenant, f"{tenant}-support")][2] == "GPU"
@@ -239,7 +244,7 @@ def test_dashboard_in_headless_chromium(world):
         assert int(kv_busy.split()[0].replace(",", "")) > int(kv_before.split()[0].replace(",", ""))
         _wait(lambda: driver.find_elements(By.CSS_SELECTOR, "#chart polyline.gen"), what="chart")
         height = driver.execute_script("return document.documentElement.scrollHeight")
-        driver.set_window_size(1366, height + 140)  # the whole page, browser frame included
+        driver.set_window_size(1366, height + 200)  # the whole page, browser frame included
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
         driver.save_screenshot(str(SCREENSHOTS / "dashboard.png"))
         driver.execute_cdp_cmd(

@@ -66,6 +66,21 @@ function renderEngine(doc) {
   byId("steps").textContent = `${fmt(e.num_steps)} steps`;
 }
 
+function seconds(value) {
+  if (value === null || value === undefined) return "–";
+  return value < 1 ? `${fmt(1000 * value, value < 0.1 ? 1 : 0)} ms` : `${fmt(value, 2)} s`;
+}
+
+function renderLatency(latency) {
+  const minutes = fmt(latency.window_s / 60, 1);
+  for (const [id, key, what] of [["ttft", "ttft_s", "requests"], ["itl", "itl_s", "token gaps"],
+                                 ["e2e", "e2e_s", "requests"]]) {
+    const q = latency[key];
+    byId(id).textContent = q.count ? `${seconds(q.p50)} / ${seconds(q.p95)}` : "–";
+    byId(`${id}-count`).textContent = `${fmt(q.count)} ${what}, last ${minutes} min`;
+  }
+}
+
 function svg(name, attrs, text) {
   const el = document.createElementNS(SVG_NS, name);
   for (const [k, v] of Object.entries(attrs)) el.setAttribute(k, v);
@@ -204,6 +219,7 @@ async function poll() {
     if (!response.ok) throw new Error(`HTTP ${response.status}`);
     const doc = await response.json();
     renderEngine(doc);
+    renderLatency(doc.latency);
     renderChart(doc.series);
     renderTenants(doc.tenants);
     renderAdapters(doc.adapters, doc.time);
