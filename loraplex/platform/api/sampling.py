@@ -131,13 +131,12 @@ def _check_common(body: SamplingFields, limits: RequestLimits) -> None:
         )
     check_token_ids(body.stop_token_ids or [], limits, "stop_token_ids")
     if body.logit_bias:
-        keys = [key for key in body.logit_bias if not key.isdigit()]
+        keys = [key for key in body.logit_bias if not (key.isascii() and key.isdigit())]
         if keys:
             raise bad_request(
                 f"logit_bias keys must be token ids, got {keys[0]!r}", param="logit_bias"
             )
         check_token_ids([int(key) for key in body.logit_bias], limits, "logit_bias")
-        raise bad_request("logit_bias is not supported", param="logit_bias")
 
 
 def _check_completion(body: CompletionRequest, limits: RequestLimits) -> None:
@@ -204,6 +203,7 @@ def _params(
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
             structured_outputs=structured_outputs_for(body),
+            logit_bias=tuple((int(k), v) for k, v in (body.logit_bias or {}).items()),
             output_kind=RequestOutputKind.DELTA,
         )
     except ValueError as error:

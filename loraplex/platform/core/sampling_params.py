@@ -41,6 +41,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None
+    # OpenAI's logit_bias: (token id, value in [-100, 100]) pairs added to the logits before
+    # sampling; a dict {token: value} is accepted too. Ids past the vocabulary are ignored by
+    # the runner (the API refuses them with a 400).
+    logit_bias: tuple[tuple[int, float], ...] = ()
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
@@ -54,6 +58,8 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
         self._validate()
 
     def _validate(self) -> None:
@@ -98,6 +104,10 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be non-negative integers")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer")
+        if any(
+            not isinstance(t, int) or t < 0 or not -100.0 <= v <= 100.0 for t, v in self.logit_bias
+        ):
+            raise bad("logit_bias", "must map token ids >= 0 to values in [-100, 100]")
 
     @property
     def greedy(self) -> bool:

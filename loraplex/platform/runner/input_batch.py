@@ -20,7 +20,11 @@ import torch
 
 from loraplex.platform.core.sampling_params import SamplingParams
 from loraplex.platform.core.scheduler_output import CachedRequestData, NewRequestData
-from loraplex.platform.runner.sampling_metadata import SamplingMetadata
+from loraplex.platform.runner.sampling_metadata import (
+    LogitBias,
+    SamplingMetadata,
+    make_logit_bias,
+)
 
 # Rows of the device column blocks (one tensor per dtype, a column per parameter).
 _TEMPERATURE, _TOP_P, _MIN_P, _REPETITION, _PRESENCE, _FREQUENCY = range(6)
@@ -56,6 +60,7 @@ class _RowFlags:
     repetition: bool
     plain_greedy: bool  # argmax of the raw logits is all its sampling needs
     num_logprobs: int | None
+    logit_bias: bool = False
 
     @classmethod
     def of(cls, p: SamplingParams) -> _RowFlags:
@@ -68,8 +73,9 @@ class _RowFlags:
             penalties=p.needs_penalties,
             repetition=p.repetition_penalty != 1.0,
             plain_greedy=greedy and p.logprobs is None and not p.needs_penalties
-            and p.min_tokens == 0,
+            and p.min_tokens == 0 and not p.logit_bias,
             num_logprobs=p.logprobs,
+            logit_bias=bool(p.logit_bias),
         )  # fmt: skip
 
 
@@ -152,6 +158,7 @@ class InputBatch:
         c["penalties"] += sign * flags.penalties
         c["repetition"] += sign * flags.repetition
         c["not_plain"] += sign * (not flags.plain_greedy)
+        c["logit_bias"] += sign * flags.logit_bias
         if flags.num_logprobs is not None:
             self._logprob_ks[flags.num_logprobs] += sign
             if not self._logprob_ks[flags.num_logprobs]:
@@ -360,7 +367,18 @@ class InputBatch:
             any_penalties=c["penalties"] > 0,
             max_num_logprobs=max_k,
             num_logprobs=i32[_NUM_LOGPROBS] if max_k is not None else None,
+            logit_bias=self._logit_bias(rows) if c["logit_bias"] else None,
         )
+
+    def _logit_bias(self, rows: np.ndarray) -> LogitBias | None:
+        """The biases of the step's sampled `rows` (logits row i is rows[i]); ids past the
+        vocabulary are left out."""
+        entries = []
+        for i, row in enumerate(rows.tolist()):
+            flags, params = self._flags[row], self.params[row]
+            if flags is not None and flags.logit_bias and params is not None:
+                entries += [(i, t, v) for t, v in params.logit_bias if t < self.vocab_size]
+        return make_logit_bias(entries, self.device) if entries else None
 
     def _refresh_min_tokens(self) -> None:
         for req_id in list(self._below_min_tokens):

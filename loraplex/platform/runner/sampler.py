@@ -91,6 +91,9 @@ class Sampler:
         owned = False
         if metadata.any_penalties:
             logits, owned = apply_penalties(logits, metadata), True
+        if metadata.logit_bias is not None:
+            logits, owned = (logits if owned else logits.clone()), True
+            metadata.logit_bias.apply_(logits)
         if metadata.banned_token_ids is not None:
             logits = logits if owned else logits.clone()
             owned = True

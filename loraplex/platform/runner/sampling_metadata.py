@@ -15,6 +15,20 @@ import torch
 
 
 @dataclass(frozen=True)
+class LogitBias:
+    """OpenAI's logit_bias of the rows that have one, as a sparse list of entries: the value
+    is added to logits[row, token] (no dense [n, vocab] tensor)."""
+
+    rows: torch.Tensor  # [e] int64, logits row of each entry
+    token_ids: torch.Tensor  # [e] int64
+    values: torch.Tensor  # [e] fp32
+
+    def apply_(self, logits: torch.Tensor) -> None:
+        """Add the biases to `logits` [n, vocab] in place."""
+        logits.index_put_((self.rows, self.token_ids), self.values, accumulate=True)
+
+
+@dataclass(frozen=True)
 class SamplingMetadata:
     temperature: torch.Tensor  # [n] fp32; a row below 1e-5 is greedy
     top_k: torch.Tensor  # [n] int32; 0 = off
@@ -50,6 +64,8 @@ class SamplingMetadata:
     # the other, twice the launches); True is always safe, False lets the sampler skip them.
     # NOTE: added after the first version, with a default, so older constructors still work.
     any_top_k_and_top_p: bool = True
+    # Biases of the rows that have one; None when no row has (added later, with a default).
+    logit_bias: LogitBias | None = None
 
 
 @dataclass(frozen=True)
@@ -87,12 +103,13 @@ def build_sampling_metadata(
     banned_token_ids: torch.Tensor | None = None,
     min_tokens: int | Sequence[int] | torch.Tensor = 0,
     logprobs: int | Sequence[int] | torch.Tensor | None = None,
+    logit_bias: Sequence[tuple[int, int, float]] | None = None,
 ) -> SamplingMetadata:
     """SamplingMetadata from host values (scalars apply to every row), with the host flags
     derived from them: for tests and benchmarks (the InputBatch builds it in serving).
 
     Default seeds and steps differ per row; penalties get zero counts / an empty prompt mask
-    unless given; `logprobs` -1 in a row: none for it."""
+    unless given; `logprobs` -1 in a row: none for it; `logit_bias` as (row, token, value)."""
 
     def col(value, dtype: torch.dtype) -> torch.Tensor:
         if isinstance(value, torch.Tensor):
@@ -138,4 +155,17 @@ def build_sampling_metadata(
         any_penalties=any_penalties,
         max_num_logprobs=None if logprobs is None else int(num_logprobs.max()),
         num_logprobs=None if logprobs is None else num_logprobs.to(dev),
+        logit_bias=None if not logit_bias else make_logit_bias(logit_bias, dev),
+    )
+
+
+def make_logit_bias(
+    entries: Sequence[tuple[int, int, float]], device: torch.device | str
+) -> LogitBias:
+    """LogitBias from (logits row, token id, value) entries, uploaded in one copy per column."""
+    rows, tokens, values = zip(*entries, strict=True)
+    return LogitBias(
+        rows=torch.tensor(rows, dtype=torch.int64).to(device),
+        token_ids=torch.tensor(tokens, dtype=torch.int64).to(device),
+        values=torch.tensor(values, dtype=torch.float32).to(device),
     )
