@@ -10,8 +10,9 @@ Two scale layouts:
 
 Activations are quantized on the fly: dynamically (amax per token, or per token and K-block)
 or with a static per-tensor `input_scale`. On CUDA `fp8_linear` runs, by token count M:
-- M <= `FP8_SMALL_M_MAX`: the decode kernel of `triton_fp8_gemm_small_m` (weight on the MMA's M
-  side, split-K, activation quantization fused in: one launch);
+- a few tokens (`fp8_decode_config`: the tuned table, else M <= `FP8_SMALL_M_MAX`): the decode
+  kernel of `triton_fp8_gemm_small_m` (weight on the MMA's M side, split-K, activation
+  quantization fused in: one launch);
 - above, per-channel scales in bf16: the Triton activation quantization and `torch._scaled_mm`
   with row-wise scales (cuBLASLt's FP8 GEMM); otherwise the Triton GEMM of this module.
 Elsewhere the torch references run (CPU torch supports float8_e4m3fn tensors and casts).
@@ -32,8 +33,11 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
 _MIN_SCALE = 1e-12
 
-#: Up to this many tokens `fp8_linear` runs the fused decode kernel on CUDA.
-FP8_SMALL_M_MAX = 32
+#: The most tokens the fused decode kernel takes (its token tile holds up to 32 rows).
+FP8_DECODE_MAX_M = 32
+
+#: Up to this many tokens, an [N, K] without a tuned entry runs the decode kernel on CUDA.
+FP8_SMALL_M_MAX = 16
 
 
 @dataclass(frozen=True)
@@ -56,18 +60,44 @@ class Fp8DecodeConfig:
             raise ValueError(f"bad split_k / num_warps / num_stages in {self}")
 
 
-#: (M bucket, N, K) -> measured best decode config on the H200 (per-channel scales), pasted
-#: from `python -m benchmarks.quant_gemm` (benchmarks/results/h200_quant.json).
-FP8_TUNED_CONFIGS: dict[tuple[int, int, int], Fp8DecodeConfig] = {}
+#: (M bucket, N, K) -> measured best decode config on the H200 (per-channel scales), or None
+#: where Triton quantization + `torch._scaled_mm` measured faster; pasted from
+#: `python -m benchmarks.quant_gemm --sweep` (benchmarks/results/h200_quant.json, 9732be6).
+FP8_TUNED_CONFIGS: dict[tuple[int, int, int], Fp8DecodeConfig | None] = {
+    (1, 6144, 4096): Fp8DecodeConfig(64, 256, 0, 4, 3),
+    (4, 6144, 4096): Fp8DecodeConfig(64, 256, 0, 4, 3),
+    (16, 6144, 4096): Fp8DecodeConfig(64, 256, 0, 4, 3),
+    (32, 6144, 4096): None,
+    (1, 4096, 4096): None,
+    (4, 4096, 4096): None,
+    (16, 4096, 4096): None,
+    (32, 4096, 4096): None,
+    (1, 28672, 4096): Fp8DecodeConfig(256, 128, 0, 8, 3),
+    (4, 28672, 4096): Fp8DecodeConfig(256, 128, 0, 8, 3),
+    (16, 28672, 4096): Fp8DecodeConfig(64, 128, 0, 4, 4),
+    (32, 28672, 4096): None,
+    (1, 4096, 14336): Fp8DecodeConfig(256, 128, 0, 8, 3),
+    (4, 4096, 14336): Fp8DecodeConfig(256, 128, 0, 8, 3),
+    (16, 4096, 14336): None,
+    (32, 4096, 14336): None,
+}
 
 #: Token counts the FP8 decode table is keyed by; M uses the smallest bucket >= M.
 FP8_M_BUCKETS = (1, 4, 16, 32)
 
 
-def fp8_decode_config(m: int, n: int, k: int) -> Fp8DecodeConfig:
-    """The tuned decode config for M tokens of an [N, K] weight, or the default."""
-    bucket = next((b for b in FP8_M_BUCKETS if m <= b), FP8_M_BUCKETS[-1])
-    return FP8_TUNED_CONFIGS.get((bucket, n, k)) or Fp8DecodeConfig(128, 128, 0, 4, 4)
+def fp8_decode_config(m: int, n: int, k: int) -> Fp8DecodeConfig | None:
+    """The decode kernel's config for M tokens of an [N, K] weight: the tuned entry, else the
+    default up to `FP8_SMALL_M_MAX` tokens; None: the `_scaled_mm` path is the faster one."""
+    if m > FP8_DECODE_MAX_M:
+        return None
+    bucket = next(b for b in FP8_M_BUCKETS if m <= b)
+    if (bucket, n, k) in FP8_TUNED_CONFIGS:
+        return FP8_TUNED_CONFIGS[(bucket, n, k)]
+    if m > FP8_SMALL_M_MAX:
+        return None
+    # NOTE: the kinds of winners of the H200 sweep: wide tiles for 1-4 tokens, narrow above.
+    return Fp8DecodeConfig(256, 128, 0, 8, 3) if m <= 4 else Fp8DecodeConfig(64, 128, 0, 4, 4)
 
 
 @triton.jit
@@ -298,12 +328,12 @@ def fp8_small_m_triton(
     bias: torch.Tensor | None,
     config: Fp8DecodeConfig | None = None,
 ) -> torch.Tensor:
-    """The fused decode kernel: x [M, K] (bf16/fp16/fp32, M <= `FP8_SMALL_M_MAX`) quantized in
+    """The fused decode kernel: x [M, K] (bf16/fp16/fp32, M <= `FP8_DECODE_MAX_M`) quantized in
     the kernel, w_q [N, K] float8_e4m3fn -> [M, N] in x's dtype. With block scales the K tile is
     the scale block (`block_k`, a power of two in [32, 256])."""
-    if x.dim() != 2 or x.shape[0] > FP8_SMALL_M_MAX or x.stride(1) != 1:
+    if x.dim() != 2 or x.shape[0] > FP8_DECODE_MAX_M or x.stride(1) != 1:
         raise ValueError(
-            f"x must be [M <= {FP8_SMALL_M_MAX}, K] with contiguous rows, got {tuple(x.shape)}"
+            f"x must be [M <= {FP8_DECODE_MAX_M}, K] with contiguous rows, got {tuple(x.shape)}"
         )
     (m, k), n = x.shape, w_q.shape[0]
     kb = 1 if block_k is None else triton.cdiv(k, block_k)
@@ -317,7 +347,7 @@ def fp8_small_m_triton(
         raise ValueError("block scales take dynamic activation scales, not an input_scale")
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
-    config = config or fp8_decode_config(m, n, k)
+    config = config or fp8_decode_config(m, n, k) or Fp8DecodeConfig(64, 128, 0, 4, 4)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
@@ -356,6 +386,22 @@ def _scaled_mm_fits(x: torch.Tensor, w_q: torch.Tensor, block_k: int | None) -> 
     )
 
 
+def _decode_config(
+    x: torch.Tensor, w_q: torch.Tensor, block_k: int | None
+) -> Fp8DecodeConfig | None:
+    """The decode kernel's launch for this call, or None for the GEMM paths."""
+    m, k = x.shape
+    if m > FP8_DECODE_MAX_M:
+        return None
+    if block_k is not None and (block_k < 32 or block_k > 256 or block_k & (block_k - 1)):
+        return None
+    config = fp8_decode_config(m, w_q.shape[0], k)
+    if config is None and not _scaled_mm_fits(x, w_q, block_k):
+        # NOTE: the table's "use _scaled_mm" cannot hold here; the Triton GEMM is slower still.
+        return Fp8DecodeConfig(64, 128, 0, 4, 4)
+    return config
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132  # the interpreter: an H200's count, so CPU tests split as the GPU does
@@ -381,10 +427,11 @@ def fp8_linear(
     if input_scale is not None and block_k is not None:
         raise ValueError("block scales take dynamic activation scales, not an input_scale")
     use_triton = x.is_cuda
-    small_m_fits = block_k is None or (32 <= block_k <= 256 and not block_k & (block_k - 1))
-    if use_triton and x.shape[0] <= FP8_SMALL_M_MAX and small_m_fits:
-        x = x if x.stride(1) == 1 else x.contiguous()
-        return fp8_small_m_triton(x, w_q, w_scale, block_k, input_scale, bias)
+    if use_triton:
+        config = _decode_config(x, w_q, block_k)
+        if config is not None:
+            x = x if x.stride(1) == 1 else x.contiguous()
+            return fp8_small_m_triton(x, w_q, w_scale, block_k, input_scale, bias, config)
     group = x.shape[1] if block_k is None else block_k
     if input_scale is not None:
         x_q, x_scale = quantize_fp8_static(x, input_scale)

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-#: Without a tuned entry, from this many tokens on dequantize and run the dense matmul.
-DEQUANT_MATMUL_MIN_M = 1024
+#: Without a tuned entry, from this many tokens on dequantize and run the dense matmul (on the
+#: H200 it beat every fused tensor-core kernel from M = 128 on, 3 shapes of 4).
+DEQUANT_MATMUL_MIN_M = 128
 
 #: Token counts the tuned table is keyed by; M uses the smallest bucket >= M.
 M_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 1024, 4096)
@@ -66,24 +67,44 @@ class GemmConfig:
 
 
 #: (bits, M bucket, N, K) -> measured best config (H200, group size 128), pasted from
-#: `python -m benchmarks.quant_gemm --quick` (benchmarks/results/h200_quant.json).
+#: `python -m benchmarks.quant_gemm --sweep` (benchmarks/results/h200_quant.json, 9732be6).
 TUNED_CONFIGS: dict[tuple[int, int, int, int], GemmConfig] = {
     (4, 1, 6144, 4096): GemmConfig("fma", 1, 256, 64, 16, 4, 3),
+    (4, 4, 6144, 4096): GemmConfig("sliced_t", 16, 128, 128, 0, 4, 3),
     (4, 16, 6144, 4096): GemmConfig("gemm", 16, 128, 128, 0, 4, 1),
-    (4, 64, 6144, 4096): GemmConfig("gemm_t", 64, 64, 128, 0, 4, 2),
+    (4, 32, 6144, 4096): GemmConfig("gemm_t", 32, 64, 128, 0, 4, 2),
+    (4, 64, 6144, 4096): GemmConfig("gemm_t", 64, 64, 128, 4, 4, 2),
+    (4, 128, 6144, 4096): GemmConfig("dequant", 0, 0, 128, 1, 4, 1),
+    (4, 256, 6144, 4096): GemmConfig("dequant", 0, 0, 128, 1, 4, 1),
     (4, 1024, 6144, 4096): GemmConfig("dequant", 0, 0, 128, 1, 4, 1),
+    (4, 4096, 6144, 4096): GemmConfig("dequant", 0, 2048, 128, 1, 4, 1),
     (4, 1, 4096, 4096): GemmConfig("fma", 1, 64, 128, 0, 2, 3),
+    (4, 4, 4096, 4096): GemmConfig("sliced_t", 16, 128, 128, 0, 4, 3),
     (4, 16, 4096, 4096): GemmConfig("gemm", 16, 128, 128, 0, 4, 1),
-    (4, 64, 4096, 4096): GemmConfig("gemm_t", 64, 64, 64, 0, 4, 4),
+    (4, 32, 4096, 4096): GemmConfig("gemm_t", 32, 64, 128, 0, 4, 2),
+    (4, 64, 4096, 4096): GemmConfig("gemm_t", 64, 64, 64, 8, 4, 4),
+    (4, 128, 4096, 4096): GemmConfig("dequant", 0, 0, 128, 1, 4, 1),
+    (4, 256, 4096, 4096): GemmConfig("dequant", 0, 0, 128, 1, 4, 1),
     (4, 1024, 4096, 4096): GemmConfig("dequant", 0, 0, 128, 1, 4, 1),
+    (4, 4096, 4096, 4096): GemmConfig("dequant", 0, 0, 128, 1, 4, 1),
     (4, 1, 28672, 4096): GemmConfig("fma", 1, 256, 64, 16, 4, 3),
-    (4, 16, 28672, 4096): GemmConfig("gemm", 16, 128, 128, 0, 4, 1),
+    (4, 4, 28672, 4096): GemmConfig("sliced_t", 16, 128, 128, 0, 4, 3),
+    (4, 16, 28672, 4096): GemmConfig("gemm", 16, 128, 128, 2, 4, 1),
+    (4, 32, 28672, 4096): GemmConfig("gemm_t", 32, 64, 128, 0, 4, 2),
     (4, 64, 28672, 4096): GemmConfig("gemm", 64, 64, 128, 0, 4, 3),
+    (4, 128, 28672, 4096): GemmConfig("gemm", 64, 64, 128, 0, 4, 3),
+    (4, 256, 28672, 4096): GemmConfig("dequant", 0, 0, 128, 1, 4, 1),
     (4, 1024, 28672, 4096): GemmConfig("dequant", 0, 0, 128, 1, 4, 1),
+    (4, 4096, 28672, 4096): GemmConfig("dequant", 0, 1024, 128, 1, 4, 1),
     (4, 1, 4096, 14336): GemmConfig("fma", 1, 64, 128, 0, 2, 3),
-    (4, 16, 4096, 14336): GemmConfig("gemm", 16, 128, 128, 0, 4, 1),
-    (4, 64, 4096, 14336): GemmConfig("gemm_t", 64, 64, 64, 0, 4, 4),
+    (4, 4, 4096, 14336): GemmConfig("sliced_t", 16, 128, 128, 0, 4, 3),
+    (4, 16, 4096, 14336): GemmConfig("gemm", 16, 128, 128, 16, 4, 1),
+    (4, 32, 4096, 14336): GemmConfig("gemm_t", 32, 64, 128, 0, 4, 2),
+    (4, 64, 4096, 14336): GemmConfig("gemm_t", 64, 64, 64, 8, 4, 4),
+    (4, 128, 4096, 14336): GemmConfig("dequant", 0, 0, 128, 1, 4, 1),
+    (4, 256, 4096, 14336): GemmConfig("dequant", 0, 0, 128, 1, 4, 1),
     (4, 1024, 4096, 14336): GemmConfig("dequant", 0, 0, 128, 1, 4, 1),
+    (4, 4096, 4096, 14336): GemmConfig("dequant", 0, 0, 128, 1, 4, 1),
 }
 
 
@@ -93,15 +114,15 @@ def m_bucket(m: int) -> int:
 
 
 def heuristic_config(m: int) -> GemmConfig:
-    """Untuned defaults by token count."""
+    """Untuned defaults by token count (the kinds that won each bucket of the H200 sweep)."""
     if m <= 2:
-        return GemmConfig("gemv", 1, 128, 128, 0, 4, 2)
+        return GemmConfig("fma", 1, 128, 128, 0, 4, 3)
+    if m <= 4:
+        return GemmConfig("sliced_t", 16, 128, 128, 0, 4, 3)
     if m <= 16:
-        return GemmConfig("gemm", 16, 128, 128, 0, 4, 3)
-    if m <= 64:
-        return GemmConfig("gemm", 64, 128, 64, 0, 4, 3)
+        return GemmConfig("gemm", 16, 128, 128, 0, 4, 1)
     if m < DEQUANT_MATMUL_MIN_M:
-        return GemmConfig("gemm", 128, 128, 64, 0, 8, 3)
+        return GemmConfig("gemm_t", 32 if m <= 32 else 64, 64, 128, 0, 4, 2)
     return GemmConfig("dequant", 0, 0, 128, 1, 4, 1)
 
 

@@ -9,8 +9,11 @@ import torch
 from loraplex.kernels.fp8_gemm import (
     FP8_DTYPE,
     FP8_MAX,
+    FP8_SMALL_M_MAX,
+    FP8_TUNED_CONFIGS,
     Fp8DecodeConfig,
     expand_block_scales,
+    fp8_decode_config,
     fp8_gemm_reference,
     fp8_gemm_triton,
     fp8_linear,
@@ -151,3 +154,14 @@ def test_gpu_fused_decode_kernel_matches_reference(m, scales, config) -> None:
     # relative); the FP8 MMA adds up to a K tile's products with fewer bits than fp32 (outputs
     # are ~sqrt(K) = 32 here, so an absolute 0.1 is ~3e-3 of a typical one).
     torch.testing.assert_close(out.float(), expected.float(), rtol=2**-7, atol=0.1)
+
+
+def test_decode_config_follows_the_measured_table() -> None:
+    # A tuned shape takes its measured winner, or None where _scaled_mm measured faster.
+    assert fp8_decode_config(1, 28672, 4096) == FP8_TUNED_CONFIGS[(1, 28672, 4096)]
+    assert FP8_TUNED_CONFIGS[(32, 4096, 4096)] is None
+    assert fp8_decode_config(20, 4096, 4096) is None
+    # An untuned shape runs the decode kernel up to FP8_SMALL_M_MAX tokens, never above 32.
+    assert isinstance(fp8_decode_config(FP8_SMALL_M_MAX, 1000, 512), Fp8DecodeConfig)
+    assert fp8_decode_config(FP8_SMALL_M_MAX + 1, 1000, 512) is None
+    assert fp8_decode_config(33, 28672, 4096) is None

@@ -107,9 +107,11 @@ def test_one_row_kinds_reject_token_tiles() -> None:
 def test_select_config_dispatches_on_tokens_and_fills_the_gpu() -> None:
     # An untuned shape takes the heuristic, by token count.
     decode = select_config(1, 2048, 2048, 128, 4, 132)
-    assert decode.kind == "gemv" and decode.split_k > 1
+    assert decode.kind == "fma" and decode.split_k > 1
+    assert select_config(4, 2048, 2048, 128, 4, 132).kind == "sliced_t"
     assert select_config(16, 2048, 2048, 128, 4, 132).kind == "gemm"
-    assert select_config(512, 28672, 4096, 128, 4, 132).split_k == 1
+    assert select_config(64, 2048, 2048, 128, 4, 132).kind == "gemm_t"
+    assert select_config(512, 28672, 4096, 128, 4, 132).kind == "dequant"
     assert select_config(4096, 2048, 2048, 128, 4, 132).kind == "dequant"
     assert select_config(1, 2048, 2048, 32, 4, 132).block_k == 32
     # A tuned shape takes the measured winner of its token bucket, fitted to the group size.
