@@ -363,13 +363,16 @@ def fp8_small_m_triton(
     split = triton.cdiv(k, k_per_split)
     ws, locks = split_k_workspace(x.device, m * n if split > 1 else 1, n_tiles)
     static = input_scale.float().reshape(1) if input_scale is not None else w_scale
+    # The per-token amax pass reads [rows, row_cols] tiles of x: <= 64 fp32 per thread.
+    rows = triton.next_power_of_2(m)
+    row_cols = min(triton.next_power_of_2(k), max(64, 64 * 32 * config.num_warps // rows))
     _fp8_small_m_kernel[(n_tiles, split)](
         x, w_q, w_scale, static, bias if bias is not None else w_scale, out, ws, locks,
         m, n, k, k_per_split, x.stride(0), w_q.stride(0), w_scale.stride(0), out.stride(0),
         FP8_MAX=FP8_MAX, MIN_SCALE=_MIN_SCALE, BLOCK_SCALES=block_k is not None,
         STATIC_INPUT=input_scale is not None, HAS_BIAS=bias is not None, SPLIT_K=split,
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=config.block_n, BLOCK_K=bk,
-        NUM_STAGES=config.num_stages, num_warps=config.num_warps,
+        NUM_STAGES=config.num_stages, ROWS=rows, ROW_COLS=row_cols, num_warps=config.num_warps,
     )  # fmt: skip
     return out
 

@@ -10,7 +10,8 @@ must keep every SM busy and spend nothing on the activations. So:
   partial tiles are reduced through the split-K workspace of the W4A16 kernels (`_store_tile`);
 - the activations arrive in bf16/fp16 and are quantized inside the kernel, never written as
   FP8: per token (per-channel weights) each program first takes the amax of its token rows over
-  all of K (a few KB read from L2 at these M), then scales and casts each K tile in registers;
+  all of K (a few KB read from L2 at these M, in as few wide reads as registers allow), then
+  scales and casts each K tile in registers;
   with 128x128 block weights the scale of a K tile is its own amax (BLOCK_K is the scale block),
   so nothing is read twice; a static per-tensor input scale skips the amax.
 """
@@ -24,15 +25,29 @@ from loraplex.kernels.triton_quant_gemm import _store_tile
 
 
 @triton.jit
-def _row_scales(x_ptr, offs_m, mask_m, K, stride_xm, FP8_MAX, MIN_SCALE, BLOCK_K: tl.constexpr):
-    """Per-token scales [BLOCK_M]: amax over all K of each row / FP8_MAX."""
-    offs_k = tl.arange(0, BLOCK_K)
-    amax = tl.zeros((offs_m.shape[0],), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mask = mask_m[:, None] & (k0 + offs_k < K)[None, :]
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=mask)
-        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
-    return tl.maximum(amax, MIN_SCALE) / FP8_MAX
+def _row_scales(
+    x_ptr, offs_m, M, K, stride_xm, FP8_MAX, MIN_SCALE,
+    ROWS: tl.constexpr, ROW_COLS: tl.constexpr,
+):  # fmt: skip
+    """Per-token scales [BLOCK_M]: amax over all K of each row / FP8_MAX.
+
+    NOTE: this pass is a chain of dependent L2 reads ahead of the main loop, so it reads as
+    wide a [ROWS, ROW_COLS] tile as the registers allow (ROWS = M rounded up, not the padded
+    token tile): one or two reads at M = 1 instead of K / BLOCK_K."""
+    offs_r = tl.arange(0, ROWS)
+    offs_c = tl.arange(0, ROW_COLS)
+    mask_r = offs_r < M
+    amax = tl.zeros((ROWS, ROW_COLS), dtype=tl.float32)
+    for k0 in range(0, K, ROW_COLS):
+        mask = mask_r[:, None] & (k0 + offs_c < K)[None, :]
+        x = tl.load(
+            x_ptr + offs_r[:, None] * stride_xm + (k0 + offs_c)[None, :], mask=mask, other=0.0
+        )
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    rows = tl.max(amax, axis=1)  # [ROWS]
+    # Row r of the padded token tile takes rows[r] (rows past M: the minimum scale).
+    picked = tl.where(offs_m[:, None] == offs_r[None, :], rows[None, :], 0.0)  # [BLOCK_M, ROWS]
+    return tl.maximum(tl.max(picked, axis=1), MIN_SCALE) / FP8_MAX
 
 
 @triton.jit
@@ -42,7 +57,7 @@ def _fp8_small_m_kernel(
     FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, BLOCK_SCALES: tl.constexpr,
     STATIC_INPUT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, ROWS: tl.constexpr, ROW_COLS: tl.constexpr,
 ):  # fmt: skip
     """Program (n tile, split) computes out[:M, n tile] over k_per_split features.
 
@@ -59,7 +74,9 @@ def _fp8_small_m_kernel(
         if STATIC_INPUT:
             x_scale = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(in_scale_ptr)
         else:
-            x_scale = _row_scales(x_ptr, offs_m, mask_m, K, stride_xm, FP8_MAX, MIN_SCALE, BLOCK_K)
+            x_scale = _row_scales(
+                x_ptr, offs_m, M, K, stride_xm, FP8_MAX, MIN_SCALE, ROWS, ROW_COLS
+            )
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     k_begin = tl.program_id(1) * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
