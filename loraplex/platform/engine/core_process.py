@@ -209,10 +209,16 @@ class EngineCore(AsyncEngine):
     def _flush(self, force_snapshot: bool = False) -> None:
         now = time.monotonic()
         snapshot = None
-        if self._snapshot != self._last_snapshot and (force_snapshot or now >= self._snapshot_due):
+        timings, self._timings[:] = list(self._timings), []
+        # NOTE: the gauges go out at most every SNAPSHOT_INTERVAL_S while the engine is busy,
+        # and at once with a finished request or when it goes idle, so a client that reads
+        # /metrics after its response sees the counts that include it.
+        due = force_snapshot or timings or now >= self._snapshot_due
+        if self._snapshot != self._last_snapshot and (
+            due or not self.engine.has_unfinished_requests()
+        ):
             snapshot = self._last_snapshot = self._snapshot
             self._snapshot_due = now + SNAPSHOT_INTERVAL_S
-        timings, self._timings[:] = list(self._timings), []
         if timings or snapshot is not None:
             for client in self._clients:
                 batch = self._batch(client)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -44,7 +45,18 @@ def engine_config(model_dir) -> EngineConfig:
 
 
 @pytest.fixture(scope="session")
-def server(model_dir) -> Iterator[LiveServer]:
+def server(model_dir, tmp_path_factory) -> Iterator[LiveServer]:
+    """The app over an in-process AsyncEngine; with LORAPLEX_TEST_API_SERVER_COUNT=N set, the
+    `loraplex serve` processes instead (an engine core and N API processes), so every test
+    that uses this fixture runs against the multi-process server."""
+    count = os.environ.get("LORAPLEX_TEST_API_SERVER_COUNT")
+    if count:
+        from process_server import launch
+
+        served = launch(model_dir, tmp_path_factory.mktemp("serve") / "serve.log", int(count))
+        yield served  # type: ignore[misc]
+        served.stop()
+        return
     import uvicorn
 
     from loraplex.platform.api.app import build_app

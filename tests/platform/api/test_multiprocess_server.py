@@ -1,0 +1,138 @@
+"""`loraplex serve` as processes (one engine core, --api-server-count 1 and 2 API processes):
+a representative subset of the API tests, metrics that describe the whole server from every
+API process, and 64 streams with random disconnects that leave the KV pool all free.
+
+The whole API suite runs against these processes with LORAPLEX_TEST_API_SERVER_COUNT=N set
+(see conftest.py); here a subset runs both ways on every test run, to keep the suite fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import httpx
+import pytest
+from api_helpers import read_metrics, wait_until_idle
+from process_server import alive, launch
+
+from loraplex import SamplingParams
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["api1", "api2"])
+def proc_server(request, model_dir, tmp_path_factory):
+    served = launch(
+        model_dir, tmp_path_factory.mktemp("serve") / "serve.log", request.param,
+        "--shutdown-timeout", "5",
+    )  # fmt: skip
+    yield served
+    pids = served.all_pids()
+    assert served.stop() == 0, served.log()
+    assert alive(pids) == []
+
+
+def _stream_text(url: str, body: dict) -> tuple[str, list[dict]]:
+    events = []
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    return "".join(c["text"] for e in events for c in e.get("choices", [])), events
+
+
+def test_completions_streamed_and_whole_match_the_offline_api(proc_server, offline_llm):
+    body = {"model": proc_server.model, "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    whole = httpx.post(f"{proc_server.v1}/completions", json=body, timeout=120)
+    assert whole.status_code == 200
+    streamed, events = _stream_text(f"{proc_server.v1}/completions", body)
+    offline = offline_llm.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0))
+    assert whole.json()["choices"][0]["text"] == streamed == offline[0].outputs[0].text
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_chat_with_a_json_schema_returns_matching_json(proc_server):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}  # fmt: skip
+    body = {
+        "model": proc_server.model,
+        "messages": [{"role": "user", "content": "Give me a number as JSON."}],
+        "max_tokens": 24,
+        "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+    }
+    response = httpx.post(f"{proc_server.v1}/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    if choice["finish_reason"] == "stop":
+        assert isinstance(json.loads(choice["message"]["content"])["n"], int)
+
+
+def test_engine_refusals_keep_their_openai_errors(proc_server):
+    too_long = {"model": proc_server.model, "prompt": "word " * 600, "max_tokens": 4}
+    response = httpx.post(f"{proc_server.v1}/completions", json=too_long, timeout=60)
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "context_length_exceeded"
+    bad_ids = {"model": proc_server.model, "prompt": [1, 2, 10**9], "max_tokens": 4}
+    response = httpx.post(f"{proc_server.v1}/completions", json=bad_ids, timeout=60)
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_every_api_process_reports_the_whole_server(proc_server):
+    before = read_metrics(proc_server.base_url)
+    body = {"model": proc_server.model, "prompt": PROMPT, "max_tokens": 3, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    for _ in range(4):
+        assert httpx.post(f"{proc_server.v1}/completions", json=body, timeout=60).status_code == 200
+    wait_until_idle(proc_server.base_url)
+    key = "loraplex:request_success_total|length"
+    # Fresh connections: the kernel hands them to whichever API process accepts first.
+    for _ in range(8):
+        after = read_metrics(proc_server.base_url)
+        assert after[key] == before.get(key, 0) + 4
+        assert after["loraplex:e2e_request_latency_seconds_count"] == (
+            before.get("loraplex:e2e_request_latency_seconds_count", 0) + 4
+        )
+        generated = after["loraplex:generation_tokens_total"]
+        assert generated == before["loraplex:generation_tokens_total"] + 12
+
+
+def test_64_streams_with_random_disconnects_free_every_kv_block(proc_server):
+    rng = random.Random(19)
+    leave_after = [rng.choice([None, 1, 2, 4]) for _ in range(64)]
+    body = {"model": proc_server.model, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[int, bool, bool]:
+        """(status, saw [DONE], saw an error event)"""
+        chunks, done, error = 0, False, False
+        payload = {**body, "prompt": f"Stream {i} says"}
+        async with client.stream("POST", f"{proc_server.v1}/completions", json=payload) as resp:
+            async for line in resp.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    error = error or "error" in json.loads(line[6:])
+                    chunks += 1
+                    if chunks == leave_after[i]:
+                        break
+            return resp.status_code, done, error
+
+    async def run() -> list[tuple[int, bool, bool]]:
+        limits = httpx.Limits(max_connections=80)
+        async with httpx.AsyncClient(limits=limits, timeout=300) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    results = asyncio.run(run())
+    assert all(status == 200 and not error for status, _, error in results)
+    assert all(done for (_, done, _), leave in zip(results, leave_after) if leave is None)
+    metrics = wait_until_idle(proc_server.base_url)
+    assert metrics["loraplex:num_kv_blocks_free"] == metrics["loraplex:num_kv_blocks_total"]
+    assert metrics["loraplex:num_requests_running"] == 0
+    # the server still answers, and its processes all run
+    assert httpx.get(f"{proc_server.base_url}/health", timeout=10).status_code == 200
+    assert len(alive(proc_server.all_pids())) == 2 + len(proc_server.pids()[1])
