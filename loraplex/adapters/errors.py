@@ -12,6 +12,11 @@ class AdapterLoadError(AdapterValidationError):
     changed or vanished, or it no longer passes validation); only its own requests fail."""
 
 
+class AdapterNotFoundError(AdapterValidationError):
+    """A request names an adapter that was removed (or never registered) by an engine command;
+    the API answers 404."""
+
+
 def without_path(message: str, folder: object) -> str:
     """`message` with the server-side `folder` left out, fit to show a tenant."""
     text = str(folder)

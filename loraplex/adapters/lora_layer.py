@@ -73,13 +73,16 @@ class LoRABatchMeta:
     def _view(self, n: int) -> LoRAKernelMeta:
         return LoRAKernelMeta(self._slots[:n], self._order[:n], self._start, self._count)
 
-    def set(self, lora_slots: torch.Tensor, *, always_apply: bool = False) -> None:
+    def set(
+        self, lora_slots: torch.Tensor, *, always_apply: bool = False, staged: bool = False
+    ) -> None:
         """Install a step's slots (`[num_tokens]` int32, -1 = base) into the shared buffers.
 
         A CPU tensor with no adapter token switches the LoRA layers off for the step. During
         CUDA-graph capture pass `always_apply=True`, so the kernels are recorded. Never waits
         for the device: a host tensor is copied asynchronously (a pinned one is cloned first,
-        so the caller may reuse it at once)."""
+        so the caller may reuse it at once, unless `staged`: the caller keeps it unchanged
+        until the copy is done, as `LoRASlotWriter` does)."""
         n = lora_slots.shape[0]
         if lora_slots.dim() != 1:
             raise ValueError(f"lora_slots must be 1-D, got shape {tuple(lora_slots.shape)}")
@@ -87,7 +90,7 @@ class LoRABatchMeta:
             raise ValueError(f"{n} tokens in a step, LoRA buffers hold {self.max_num_tokens}")
         on_host = lora_slots.device.type == "cpu"
         self.active = always_apply or not on_host or bool((lora_slots >= 0).any())
-        if on_host and lora_slots.is_pinned():
+        if on_host and not staged and lora_slots.is_pinned():
             lora_slots = lora_slots.clone()
         self._slots[:n].copy_(lora_slots.to(torch.int32), non_blocking=True)
         self.kernel_meta = self._view(n)

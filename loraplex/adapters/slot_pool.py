@@ -12,9 +12,9 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -42,12 +42,15 @@ class _Slot:
 
 @dataclass
 class PoolCounters:
-    """Monotonic counters for metrics."""
+    """Monotonic counters for metrics, in total and per adapter key."""
 
     gpu_loads: int = 0
     gpu_evictions: int = 0
     disk_loads: int = 0
     cpu_evictions: int = 0
+    gpu_loads_by_key: Counter = field(default_factory=Counter)
+    gpu_evictions_by_key: Counter = field(default_factory=Counter)
+    disk_loads_by_key: Counter = field(default_factory=Counter)
 
 
 class LoRASlotPool:
@@ -138,6 +141,37 @@ class LoRASlotPool:
             self._load(key, slot)
             self._idle[slot] = None
 
+    def stage(self, key: Hashable) -> bool:
+        """Start copying a host-cached adapter into a slot (a free one, else the least recently
+        used idle one), without pinning it; True if it is resident afterwards. Never evicts a
+        pinned slot and never reads disk (the adapter must be in the host cache)."""
+        if key in self._where:
+            return True
+        if key not in self._host:
+            return False
+        slot = self._free_slot()
+        if slot is None:
+            if not self._idle:
+                return False
+            slot = self._evict_lru()
+        self._load(key, slot)
+        self._idle[slot] = None
+        return True
+
+    def read(self, key: Hashable) -> LoRAWeights:
+        """Read an adapter through the pool's loader, touching no cache (any thread may call
+        it; the caller hands the result to `put_host`)."""
+        return self._loader(key)
+
+    def has_host(self, key: Hashable) -> bool:
+        """Whether the adapter's weights are in the host cache."""
+        return key in self._host
+
+    def pins(self, key: Hashable) -> int:
+        """How many pins hold the adapter's slot (0 when it is not resident)."""
+        slot = self._where.get(key)
+        return 0 if slot is None else self._slots[slot].pins
+
     def load_host(self, key: Hashable) -> None:
         """Make sure the adapter's weights are in the host cache (read through the loader on a
         miss; the loader's errors propagate). Touches no slot."""
@@ -152,8 +186,12 @@ class LoRASlotPool:
 
     # -- host cache ---------------------------------------------------------------------------
 
-    def put_host(self, key: Hashable, weights: LoRAWeights) -> None:
-        """Insert an adapter already in host memory (e.g. just validated) into the CPU cache."""
+    def put_host(self, key: Hashable, weights: LoRAWeights, *, from_disk: bool = False) -> None:
+        """Insert an adapter already in host memory (e.g. just validated) into the CPU cache;
+        `from_disk` counts it as a disk load (one read by a background loader)."""
+        if from_disk:
+            self.counters.disk_loads += 1
+            self.counters.disk_loads_by_key[key] += 1
         self._host[key] = weights
         self._host.move_to_end(key)
         self._trim_host()
@@ -187,9 +225,11 @@ class LoRASlotPool:
                 f"all {self.num_slots} LoRA slots are pinned by running requests"
             )
         slot, _ = self._idle.popitem(last=False)
-        del self._where[self._slots[slot].key]
+        key = self._slots[slot].key
+        del self._where[key]
         self._slots[slot] = _Slot()
         self.counters.gpu_evictions += 1
+        self.counters.gpu_evictions_by_key[key] += 1
         return slot
 
     def _host_weights(self, key: Hashable) -> LoRAWeights:
@@ -197,6 +237,7 @@ class LoRASlotPool:
         if weights is None:
             weights = self._loader(key)
             self.counters.disk_loads += 1
+            self.counters.disk_loads_by_key[key] += 1
             self._host[key] = weights
             self._trim_host()
         self._host.move_to_end(key)
@@ -222,3 +263,4 @@ class LoRASlotPool:
         self._slots[slot] = state
         self._where[key] = slot
         self.counters.gpu_loads += 1
+        self.counters.gpu_loads_by_key[key] += 1

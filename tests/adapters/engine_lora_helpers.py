@@ -234,7 +234,7 @@ class TokenRecord:
 
 
 class SlotRecorder:
-    """Wraps an engine's runner, LoRA manager and slot pool (instance attributes, through
+    """Wraps an engine's runner slot writer and slot pool (instance attributes, through
     pytest's monkeypatch) to record every token's slot and to check, at each slot acquisition,
     that no adapter of a running request left its slot."""
 
@@ -250,27 +250,30 @@ class SlotRecorder:
         runner, manager = engine.runner, engine.lora_manager
         assert manager is not None
         self._pool = manager.pool
-        monkeypatch.setattr(runner, "execute", self._wrap_execute(runner.execute))
-        monkeypatch.setattr(manager, "set_batch", self._wrap_set_batch(manager.set_batch))
+        # NOTE: every step, however the runner launches it, starts by applying its output.
+        monkeypatch.setattr(runner, "_update_states", self._wrap_update(runner._update_states))
+        writer = runner.lora_writer
+        monkeypatch.setattr(writer, "write", self._wrap_write(writer.write))
         monkeypatch.setattr(self._pool, "acquire", self._wrap_acquire(self._pool.acquire))
+        monkeypatch.setattr(self._pool, "stage", self._wrap_acquire(self._pool.stage, count=False))
 
     def _resident(self) -> dict[int, str]:
         slots = {key: self._pool.slot_of(key) for key in self._keys}
         return {slot: key for key, slot in slots.items() if slot is not None}
 
-    def _wrap_execute(self, execute):
-        def wrapped(so, bitmasks=None):
+    def _wrap_update(self, update):
+        def wrapped(so):
             requests = self._engine.scheduler.requests
             self._scheduled = [
                 (rid, n, requests[rid].adapter_key) for rid, n in so.num_scheduled_tokens.items()
             ]
             self._step += 1
-            return execute(so, bitmasks)
+            return update(so)
 
         return wrapped
 
-    def _wrap_set_batch(self, set_batch):
-        def wrapped(lora_slots: torch.Tensor, *, always_apply: bool = False) -> None:
+    def _wrap_write(self, write):
+        def wrapped(lora_slots, num_padded=None, *, always_apply: bool = False) -> None:
             resident = self._resident()
             slots = lora_slots.tolist()  # [num_tokens], the runner's order of requests
             owners = [(rid, key) for rid, n, key in self._scheduled for _ in range(n)]
@@ -280,16 +283,16 @@ class SlotRecorder:
                 self.tokens.append(TokenRecord(self._step, rid, key, slot, slot_key))
             if len({s for s in slots if s >= 0}) > self._pool.pinned():
                 self.unpinned_in_batch.append(self._step)
-            set_batch(lora_slots, always_apply=always_apply)
+            write(lora_slots, num_padded, always_apply=always_apply)
 
         return wrapped
 
-    def _wrap_acquire(self, acquire):
+    def _wrap_acquire(self, acquire, count: bool = True):
         def wrapped(key):
             running = [r for r in self._engine.scheduler.running if r.adapter_key is not None]
             before = {r.request_id: self._pool.slot_of(r.adapter_key) for r in running}
             slot = acquire(key)
-            self.acquisitions += 1
+            self.acquisitions += count
             for r in running:
                 held = before[r.request_id]
                 if held is not None and self._pool.slot_of(r.adapter_key) != held:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from lora_fixtures import HF_CONFIG, make_peft_adapter, tiny_llama
@@ -13,6 +14,7 @@ from loraplex.adapters.manager import LoRAManager
 from loraplex.adapters.peft_format import AdapterValidationError, BaseModelSpec
 from loraplex.adapters.request import LoRARequest
 from loraplex.config import LoRAConfig
+from loraplex.platform.runner.lora_slots import LoRASlotWriter
 
 
 @pytest.fixture
@@ -20,11 +22,12 @@ def manager_and_model():
     config = LoRAConfig(max_loras=2, max_lora_rank=8, max_cpu_loras=2)
     model = TinyProjections(tiny_llama())
     state = attach_lora_layers(model, config, "cpu", torch.float32, max_num_tokens=32)
-    return LoRAManager(config, BaseModelSpec.from_hf_config(HF_CONFIG), state, torch.float32), model
+    manager = LoRAManager(config, BaseModelSpec.from_hf_config(HF_CONFIG), state, torch.float32)
+    return manager, model, LoRASlotWriter(state.meta, torch.device("cpu"))
 
 
 def test_keys_identify_adapter_contents(manager_and_model, tmp_path):
-    manager, _ = manager_and_model
+    manager, *_ = manager_and_model
     a = make_peft_adapter(tmp_path / "a", seed=1)
     b = make_peft_adapter(tmp_path / "b", seed=2)
     key_a = manager.adapter_key(LoRARequest("alpha", str(a)))
@@ -38,7 +41,7 @@ def test_keys_identify_adapter_contents(manager_and_model, tmp_path):
 
 
 def test_bad_adapter_is_refused_at_registration(manager_and_model, tmp_path):
-    manager, _ = manager_and_model
+    manager, *_ = manager_and_model
     folder = make_peft_adapter(tmp_path / "big", r=16)
     with pytest.raises(AdapterValidationError, match="max_lora_rank=8"):
         manager.add_adapter(LoRARequest("big", str(folder)))
@@ -48,7 +51,7 @@ def test_bad_adapter_is_refused_at_registration(manager_and_model, tmp_path):
 def test_requests_pin_slots_and_the_batch_applies_them(manager_and_model, tmp_path):
     from peft import PeftModel
 
-    manager, model = manager_and_model
+    manager, model, writer = manager_and_model
     folders = [make_peft_adapter(tmp_path / n, seed=s) for n, s in (("a", 1), ("b", 2), ("c", 3))]
     keys = [manager.adapter_key(LoRARequest(f.name, str(f))) for f in folders]
     slot_a = manager.acquire_for_request("r1", keys[0])
@@ -59,7 +62,7 @@ def test_requests_pin_slots_and_the_batch_applies_them(manager_and_model, tmp_pa
     manager.prefetch(keys[2])  # no free slot: host cache only, nothing evicted
     assert manager.stats().gpu_resident == 2
 
-    manager.set_batch(torch.tensor([slot_b, -1, slot_a], dtype=torch.int32))
+    writer.write(np.array([slot_b, -1, slot_a], dtype=np.int32))
     x = torch.randn(3, 64)
     linear = model.linear(1, "self_attn.o_proj")
     with torch.no_grad():
@@ -76,7 +79,7 @@ def test_requests_pin_slots_and_the_batch_applies_them(manager_and_model, tmp_pa
 
 
 def test_removed_adapter_is_dropped_once_idle(manager_and_model, tmp_path):
-    manager, _ = manager_and_model
+    manager, *_ = manager_and_model
     folder = make_peft_adapter(tmp_path / "a")
     key = manager.adapter_key(LoRARequest("a", str(folder)))
     manager.acquire_for_request("r1", key)
@@ -101,7 +104,7 @@ def _failing_loads(manager: LoRAManager, key: str) -> None:
 
 @pytest.mark.parametrize("where", ["prefetch", "can_schedule"])
 def test_an_adapter_that_fails_to_load_fails_alone(manager_and_model, tmp_path, where):
-    manager, _ = manager_and_model
+    manager, *_ = manager_and_model
     folders = [make_peft_adapter(tmp_path / n, seed=s) for n, s in (("a", 1), ("b", 2))]
     key_a, key_b = (manager.adapter_key(LoRARequest(f.name, str(f))) for f in folders)
     _failing_loads(manager, key_a)
@@ -135,7 +138,9 @@ def test_side_stream_loads_serve_the_next_forward_on_gpu(tmp_path):
     ]
     keys = [manager.adapter_key(LoRARequest(f.name, str(f))) for f in folders]
     slots = [manager.acquire_for_request(f"r{i}", key) for i, key in enumerate(keys)]
-    manager.set_batch(torch.tensor([slots[1], slots[0], -1], dtype=torch.int32))
+    LoRASlotWriter(state.meta, torch.device("cuda")).write(
+        np.array([slots[1], slots[0], -1], dtype=np.int32)
+    )
     x = torch.randn(3, 96)
     linear = model.linear(0, "mlp.down_proj")
     with torch.no_grad():

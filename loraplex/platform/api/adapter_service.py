@@ -1,5 +1,7 @@
 """Installing and removing a tenant's adapters: stage, validate (off the event loop and off the
-engine thread), commit to the registry, then register with the engine through its command queue.
+engine thread), commit to the registry, then register with the engine by an `AddAdapter`
+command (the content digest and folder of the stored files: the engine reads nothing on its
+step thread; its loader reads the weights ahead of the first request).
 
 Replacing an adapter installs the new version under a new engine name and unregisters the old
 one: requests already admitted keep the old version (its slot and files stay until they
@@ -17,10 +19,10 @@ from pathlib import Path
 from loraplex.adapters.errors import without_path
 from loraplex.adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE, AdapterValidationError
 from loraplex.adapters.registry import AdapterRecord
-from loraplex.adapters.request import LoRARequest
 from loraplex.adapters.upload import UploadedFile, UploadTooLargeError, unpack_upload
 from loraplex.platform.api.errors import APIError, bad_request
 from loraplex.platform.api.state import ServerState
+from loraplex.platform.core.commands import AddAdapter
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 
@@ -94,8 +96,8 @@ class AdapterService:
         self, tenant: str, name: str, write_files: Callable[[Path, int], None]
     ) -> tuple[AdapterRecord, bool]:
         """Validate and store an adapter under (tenant, name); returns (record, replaced)."""
-        manager = self.state.engine.engine.lora_manager
-        if manager is None:
+        validator = self.state.engine.adapter_validator
+        if validator is None:
             raise bad_request("LoRA adapters are disabled on this server")
         registry = self.state.tenancy.registry
         limit = self.state.settings.max_adapter_bytes
@@ -103,7 +105,7 @@ class AdapterService:
 
         def stage_and_validate():
             write_files(staging, limit)
-            return manager.validate(staging)  # the same checks as every later load
+            return validator.validate(staging)  # the same checks as every later load
 
         try:
             weights = await asyncio.to_thread(stage_and_validate)
@@ -116,7 +118,10 @@ class AdapterService:
         async with self._lock(tenant, name):
             record, old = await asyncio.to_thread(registry.commit, tenant, name, staging, weights)
             try:
-                await self.state.engine.add_lora(LoRARequest(record.engine_name, record.path))
+                await self.state.engine.add_adapter(
+                    AddAdapter(record.engine_name, record.path, record.digest,
+                               tenant=tenant, label=name)
+                )  # fmt: skip
             except AdapterValidationError as error:  # its stored files changed since staging
                 if old is None:
                     await asyncio.to_thread(registry.delete, tenant, name)
@@ -124,7 +129,7 @@ class AdapterService:
                     _public(error, Path(record.path)), code="invalid_adapter"
                 ) from None
             if old is not None and old.engine_name != record.engine_name:
-                await self.state.engine.remove_lora(old.engine_name)
+                await self.state.engine.remove_adapter(old.engine_name)
         return record, old is not None
 
     async def remove(self, tenant: str, name: str) -> AdapterRecord:
@@ -133,7 +138,7 @@ class AdapterService:
             record = await asyncio.to_thread(self.state.tenancy.registry.delete, tenant, name)
             if record is None:
                 raise adapter_not_found(name)
-            await self.state.engine.remove_lora(record.engine_name)
+            await self.state.engine.remove_adapter(record.engine_name)
         return record
 
     def get(self, tenant: str, name: str) -> AdapterRecord:

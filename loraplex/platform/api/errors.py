@@ -14,7 +14,11 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from loraplex.adapters.errors import AdapterLoadError, AdapterValidationError
+from loraplex.adapters.errors import (
+    AdapterLoadError,
+    AdapterNotFoundError,
+    AdapterValidationError,
+)
 from loraplex.grammar.errors import (
     GrammarError,
     GrammarMemoryError,
@@ -110,6 +114,9 @@ def from_engine_error(error: ValueError) -> APIError:
         return bad_request(str(error), param=error.param, code="context_length_exceeded")
     if isinstance(error, GrammarError):
         return bad_request(str(error), code=_grammar_code(error))
+    if isinstance(error, AdapterNotFoundError):  # removed by the time the engine saw it
+        return APIError(404, str(error), type="not_found_error", param="model",
+                        code="model_not_found")  # fmt: skip
     if isinstance(error, AdapterValidationError):  # the request's adapter cannot be served
         code = "adapter_load_failed" if isinstance(error, AdapterLoadError) else "invalid_adapter"
         return bad_request(str(error), param="model", code=code)

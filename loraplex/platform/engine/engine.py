@@ -6,12 +6,22 @@ import itertools
 import logging
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 
 from loraplex.adapters.errors import AdapterLoadError
-from loraplex.adapters.manager import LoRAStats
+from loraplex.adapters.manager import LoRAManager, LoRAStats
+from loraplex.adapters.peft_format import BaseModelSpec
 from loraplex.adapters.request import LoRARequest
 from loraplex.config import EngineConfig
+from loraplex.platform.core.commands import (
+    AddAdapter,
+    EngineCommand,
+    GetAdapterStats,
+    PinAdapter,
+    RemoveAdapter,
+    SetTenantWeight,
+)
 from loraplex.platform.core.outputs import RequestOutput
 from loraplex.platform.core.request import Request, RequestStatus
 from loraplex.platform.core.sampling_params import SamplingParams
@@ -67,7 +77,9 @@ class Engine:
         self.eos_token_ids = eos
         self.runner.eos_token_ids = eos
         self.max_model_len = self.runner.max_model_len
-        self.lora_manager = self.runner.lora_manager
+        self.lora_manager = self._build_lora_manager()
+        # Set once, read-only: the API validates uploads with it before adding them.
+        self.adapter_validator = self.lora_manager.validator if self.lora_manager else None
         self.scheduler = Scheduler(
             config.scheduler,
             config.cache,
@@ -154,6 +166,48 @@ class Engine:
             self.scheduler.add_request(request)
         self.prompt_tokens_total += len(token_ids)
         return request_id
+
+    def _build_lora_manager(self) -> LoRAManager | None:
+        """The engine's adapter manager, the one owner of adapters: over the runner's LoRA
+        layers, reading adapters on its loader thread."""
+        state = self.runner.lora_state
+        if state is None:
+            return None
+        spec = BaseModelSpec.from_hf_config(self.runner.arch.raw, name_or_path=str(self.model_dir))
+        return LoRAManager(self.config.lora, spec, state, self.runner.dtype, background_loads=True)
+
+    # -- commands --------------------------------------------------------------------------
+
+    def handle_command(self, command: EngineCommand) -> object:
+        """Run an adapter or tenant command (`loraplex.platform.core.commands`, which lists
+        each command's result); call it on the thread that steps this engine, between steps.
+
+        Raises ValueError for a command the engine refuses (LoRA disabled, pinning every slot)
+        and `AdapterValidationError` for an adapter that cannot be served."""
+        if isinstance(command, SetTenantWeight):
+            self.scheduler.waiting.weights[command.tenant] = float(command.weight)
+            return None
+        manager = self.lora_manager
+        if isinstance(command, GetAdapterStats):
+            if manager is None:
+                raise ValueError("LoRA adapters are disabled on this engine (enable_lora=False)")
+            waiting = Counter(
+                r.adapter_key
+                for r in self.scheduler.requests.values()
+                if r.adapter_key is not None and r.status != RequestStatus.RUNNING
+            )
+            return manager.stats_report(waiting)
+        if manager is None:
+            if isinstance(command, RemoveAdapter):
+                return False
+            raise ValueError("LoRA adapters are disabled on this engine (enable_lora=False)")
+        if isinstance(command, AddAdapter):
+            return manager.register(command)
+        if isinstance(command, RemoveAdapter):
+            return manager.remove_adapter(command.name)
+        if isinstance(command, PinAdapter):
+            return manager.pin(command.name, command.pinned)
+        raise ValueError(f"unknown engine command {command!r}")
 
     def _adapter_key(self, lora_request: LoRARequest | None) -> str | None:
         if lora_request is None:
@@ -263,7 +317,19 @@ class Engine:
     def _poll_adapters(self) -> list[RequestOutput]:
         """End, with the reason, the requests on adapters that failed to load since the last
         step; every other request carries on."""
-        failures = self.lora_manager.take_failures() if self.lora_manager is not None else {}
+        manager = self.lora_manager
+        if manager is None:
+            return []
+        if (
+            not self.scheduler.num_running
+            and self._in_flight is None
+            and self.scheduler.num_waiting
+        ):
+            # NOTE: nothing runs and requests wait (maybe for an adapter being read): wait a
+            # little for the loader instead of spinning empty steps.
+            manager.wait_for_loads(0.01)
+        manager.poll()
+        failures = manager.take_failures()
         if not failures:
             return []
         reasons: dict[str, str] = {}  # parent request id -> why
@@ -290,6 +356,8 @@ class Engine:
 
     def shutdown(self) -> None:
         self.structured.shutdown()
+        if self.lora_manager is not None:
+            self.lora_manager.shutdown()
 
     def stats(self) -> EngineStats:
         kv = self.scheduler.kv

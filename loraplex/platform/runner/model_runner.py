@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from loraplex.adapters.lora_layer import LoRAModelState, attach_lora_layers
 from loraplex.config import EngineConfig
 from loraplex.kernels.sampling import warm_up as warm_up_sampler
 from loraplex.platform.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -19,6 +20,7 @@ from loraplex.platform.runner.batch import Batch, build_batch, fill_pending
 from loraplex.platform.runner.cuda_graph import CudaGraphRunner
 from loraplex.platform.runner.input_batch import InputBatch, to_device
 from loraplex.platform.runner.kv_sizing import kv_block_bytes, num_kv_blocks
+from loraplex.platform.runner.lora_slots import LoRASlotWriter
 from loraplex.platform.runner.sampler import Sampler, score_tokens
 from loraplex.platform.runner.step_output import StepOutput
 
@@ -50,7 +52,12 @@ class ModelRunner:
             random_seed=config.model.seed,
         )
         # NOTE: LoRA slots are allocated before the KV cache is sized from what memory is left.
-        self.lora_manager = self._init_lora(model_dir) if config.lora.enable_lora else None
+        # The engine builds the adapter manager over `lora_state`; the runner only writes each
+        # step's per-token slots (`lora_writer`).
+        self.lora_state = self._init_lora() if config.lora.enable_lora else None
+        self.lora_writer = (
+            LoRASlotWriter(self.lora_state.meta, self.device) if self.lora_state else None
+        )
         self.kv_block_bytes = kv_block_bytes(self.arch, self.block_size, self.dtype)
         self.num_blocks = num_kv_blocks(config.cache, self.device, self.kv_block_bytes)
         shape = (self.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
@@ -82,7 +89,7 @@ class ModelRunner:
                 min(config.runner.cuda_graph_max_bs, max_seqs),
                 self.max_blocks_per_seq,
                 self.device,
-                before_replay=self._lora_for_graph if self.lora_manager is not None else None,
+                before_replay=self._lora_for_graph if self.lora_writer is not None else None,
             )
             self.graphs.capture()
         if self.device.type == "cuda":
@@ -107,25 +114,17 @@ class ModelRunner:
     def eos_token_ids(self, ids: tuple[int, ...]) -> None:
         self.input_batch.eos_token_ids = tuple(ids)
 
-    def _init_lora(self, model_dir: Path):
-        from loraplex.adapters.lora_layer import attach_lora_layers
-        from loraplex.adapters.manager import LoRAManager
-        from loraplex.adapters.peft_format import BaseModelSpec
-
+    def _init_lora(self) -> LoRAModelState:
         cfg = self.config
         max_tokens = max(cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs)
-        state = attach_lora_layers(
+        return attach_lora_layers(
             self.model, cfg.lora, self.device, self.dtype, max_num_tokens=max_tokens
         )
-        spec = BaseModelSpec.from_hf_config(self.arch.raw, name_or_path=str(model_dir))
-        return LoRAManager(cfg.lora, spec, state, self.dtype)
 
     def _lora_for_graph(self, padded_bs: int, lora_slots: np.ndarray | None) -> None:
-        assert self.lora_manager is not None
-        slots = torch.full((padded_bs,), -1, dtype=torch.int32)
-        if lora_slots is not None:
-            slots[: len(lora_slots)] = torch.from_numpy(lora_slots)
-        self.lora_manager.set_batch(slots, always_apply=True)
+        assert self.lora_writer is not None
+        slots = lora_slots if lora_slots is not None else np.empty(0, dtype=np.int32)
+        self.lora_writer.write(slots, padded_bs, always_apply=True)
 
     # -- one step ------------------------------------------------------------------------
 
@@ -197,9 +196,8 @@ class ModelRunner:
             logits = self.graphs.run(batch, lambda ids: fill_pending(ids, batch, last_token))
             return logits, {}
         dev = self.device
-        if self.lora_manager is not None:
-            slots = torch.from_numpy(batch.lora_slots)
-            self.lora_manager.set_batch(slots.to(dev) if batch.any_lora else slots)
+        if self.lora_writer is not None:
+            self.lora_writer.write(batch.lora_slots)
         meta = AttentionMetadata(
             slot_mapping=to_device(batch.slot_mapping, dev),
             query_start_loc=to_device(batch.query_start_loc, dev),

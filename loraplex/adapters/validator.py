@@ -1,0 +1,36 @@
+"""`AdapterValidator`: the checks every adapter passes, as a plain value any process may hold.
+
+The engine publishes one at start-up (`Engine.adapter_validator`): the API validates an upload
+with it off the event loop and off the engine thread, before any command reaches the engine,
+and the engine's loader runs the same checks when it reads the adapter later.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.adapters.peft_format import BaseModelSpec, LoRAWeights, load_peft_adapter
+
+
+@dataclass(frozen=True)
+class AdapterValidator:
+    """What an adapter must fit: the base model's spec, `max_lora_rank`, the serving dtype."""
+
+    spec: BaseModelSpec
+    max_lora_rank: int
+    dtype: str  # the serving dtype's torch name, e.g. "bfloat16"
+
+    def __post_init__(self) -> None:
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
+            raise ValueError(f"dtype must name a torch dtype, got {self.dtype!r}")
+
+    def validate(self, path: str | os.PathLike[str]) -> LoRAWeights:
+        """Load and validate a PEFT folder (fp32 tensors come back); any thread may call it.
+
+        Raises `AdapterValidationError` naming the field, tensor or module at fault."""
+        return load_peft_adapter(path, self.spec, self.max_lora_rank, getattr(torch, self.dtype))

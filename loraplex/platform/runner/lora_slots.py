@@ -1,0 +1,66 @@
+"""`LoRASlotWriter`: the runner's one view of adapters — it writes each step's per-token slots.
+
+The scheduler gives each new request its adapter's slot (`NewRequestData.lora_slot`); the
+persistent `InputBatch` keeps it as a per-row column, and `build_batch` expands it per token.
+Before the forward pass (eager) or before a graph replay, this writer copies those slots into
+the LoRA layers' shared batch metadata on the device, and regroups tokens by slot there.
+
+No host synchronisation: the slots go through one of two pinned staging buffers (alternating,
+like the graph inputs), copied with `non_blocking=True`; a buffer is refilled only after the
+event recorded behind its previous copy has passed (one step back, long done under async
+scheduling). The runner never learns which adapter sits in a slot, and never loads one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from loraplex.adapters.lora_layer import LoRABatchMeta
+
+
+class LoRASlotWriter:
+    """Installs a step's `[num_tokens]` slots (-1 = base) into `LoRABatchMeta`."""
+
+    def __init__(self, meta: LoRABatchMeta, device: torch.device) -> None:
+        self.meta = meta
+        self._cuda = device.type == "cuda"
+        n = meta.max_num_tokens
+        self._staging = [
+            torch.full((n,), -1, dtype=torch.int32, pin_memory=self._cuda) for _ in range(2)
+        ]  # 2 x [max_num_tokens] int32, host
+        self._done = [torch.cuda.Event() if self._cuda else None for _ in range(2)]
+        self._num_writes = 0
+
+    def write(
+        self,
+        lora_slots: np.ndarray,  # [num_tokens] int32, -1 = base model
+        num_padded: int | None = None,
+        *,
+        always_apply: bool = False,
+    ) -> None:
+        """Install the slots of the step's tokens; `num_padded` (>= num_tokens) pads with -1
+        rows (graph replay). Without `always_apply` a step with no adapter token switches the
+        LoRA layers off; CUDA-graph capture and replay pass it, so the kernels are recorded
+        and replayed whatever the batch holds."""
+        n = len(lora_slots)
+        total = n if num_padded is None else num_padded
+        if total < n or total > self.meta.max_num_tokens:
+            raise ValueError(
+                f"{n} slots padded to {total}: the LoRA buffers hold {self.meta.max_num_tokens}"
+            )
+        active = always_apply or bool((lora_slots >= 0).any())
+        if not active:
+            self.meta.active = False
+            return
+        i = self._num_writes % 2
+        self._num_writes += 1
+        done = self._done[i]
+        if done is not None:
+            done.synchronize()  # the copy of two writes ago (finished long since)
+        host = self._staging[i].numpy()
+        host[:n] = lora_slots
+        host[n:total] = -1
+        self.meta.set(self._staging[i][:total], always_apply=True, staged=True)
+        if done is not None:
+            done.record()
