@@ -6,7 +6,9 @@ so they get the same compile cache, limits and refusals (a 400 naming the featur
 
 - a named function: the output is the arguments object itself (`function_schema`);
 - `tool_choice: "required"`: a JSON array of `{"name": <one of the tools>, "arguments": {...}}`,
-  at least one item, at most one without parallel calls (`required_calls_schema`).
+  at least one item, at most one without parallel calls (`required_calls_schema`);
+- one call object in a template's own format, once `auto` generation has opened a call
+  (`call_object_schema`, e.g. `{"name", "parameters"}` for Llama 3).
 
 A function's `$defs` / `definitions` move to the root under `<function>.<name>`, and its local
 `$ref`s follow them, so functions with equal definition names do not collide.
@@ -43,11 +45,7 @@ def function_schema(function: ToolFunction) -> dict[str, Any]:
 def required_calls_schema(functions: list[ToolFunction], parallel: bool) -> dict[str, Any]:
     """An array of one or more calls `{"name", "arguments"}` to any of `functions` (exactly one
     when not `parallel`)."""
-    if not functions:
-        raise ValueError("required tool calls need at least one function")
-    defs: dict[str, Any] = {}
-    branches = [_call_schema(f, defs) for f in functions]
-    items = branches[0] if len(branches) == 1 else {"anyOf": branches}
+    items, defs = _calls(functions, "arguments")
     schema: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
     if not parallel:
         schema["maxItems"] = 1
@@ -56,12 +54,29 @@ def required_calls_schema(functions: list[ToolFunction], parallel: bool) -> dict
     return schema
 
 
-def _call_schema(function: ToolFunction, defs: dict[str, Any]) -> dict[str, Any]:
+def call_object_schema(
+    functions: list[ToolFunction], arguments_key: str = "arguments"
+) -> dict[str, Any]:
+    """One call `{"name", <arguments_key>}` to any of `functions`."""
+    schema, defs = _calls(functions, arguments_key)
+    return {**schema, "$defs": defs} if defs else schema
+
+
+def _calls(functions: list[ToolFunction], key: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the schema of one call to any of `functions`, the definitions it refers to)."""
+    if not functions:
+        raise ValueError("tool calls need at least one function")
+    defs: dict[str, Any] = {}
+    branches = [_call_schema(f, defs, key) for f in functions]
+    return (branches[0] if len(branches) == 1 else {"anyOf": branches}), defs
+
+
+def _call_schema(function: ToolFunction, defs: dict[str, Any], key: str) -> dict[str, Any]:
     parameters = function_schema(function)
     local: dict[str, Any] = {}
-    for key in ("$defs", "definitions"):
-        for name, definition in (parameters.pop(key, None) or {}).items():
-            local[f"#/{key}/{name}"] = (f"{function.name}.{name}", definition)
+    for section in ("$defs", "definitions"):
+        for name, definition in (parameters.pop(section, None) or {}).items():
+            local[f"#/{section}/{name}"] = (f"{function.name}.{name}", definition)
     if local:
         renames = {old: f"#/$defs/{new}" for old, (new, _) in local.items()}
         parameters = _rename_refs(parameters, renames)
@@ -69,8 +84,8 @@ def _call_schema(function: ToolFunction, defs: dict[str, Any]) -> dict[str, Any]
             defs[new] = _rename_refs(definition, renames)
     return {
         "type": "object",
-        "properties": {"name": {"const": function.name}, "arguments": parameters},
-        "required": ["name", "arguments"],
+        "properties": {"name": {"const": function.name}, key: parameters},
+        "required": ["name", key],
     }
 
 

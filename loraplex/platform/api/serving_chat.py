@@ -33,7 +33,8 @@ from loraplex.platform.api.logprobs import chat_logprobs, vllm_prompt_logprobs
 from loraplex.platform.api.protocol import ChatCompletionRequest
 from loraplex.platform.api.request_body import json_body, read_json_model
 from loraplex.platform.api.sampling import chat_sampling_params
-from loraplex.platform.api.state import ServerState, server_state
+from loraplex.platform.api.state import ServedModel, ServerState, server_state
+from loraplex.platform.api.tool_auto import submit_auto
 from loraplex.platform.api.tool_call_stream import ToolCallStream
 from loraplex.platform.api.tool_calls import (
     ToolRequest,
@@ -116,6 +117,28 @@ def assistant_message(
     return message, True
 
 
+async def submit_chat(
+    state: ServerState,
+    prompt: Prompt,
+    params: SamplingParams,
+    request_id: str,
+    tenant: str,
+    served: ServedModel,
+    tools: ToolRequest | None,
+    parser: ToolParser,
+) -> list[RequestStream]:
+    """The engine requests of one chat prompt: one request, or under `tool_choice: "auto"` a
+    chain per choice that enforces a call once the model opens one (`tool_auto`)."""
+    if tools is not None and tools.mode == "auto":
+        streams = await submit_auto(
+            state.engine, prompt, params, request_id, tools, parser, tenant, served.lora_request
+        )
+        return streams  # type: ignore[return-value]
+    return await submit(
+        state.engine, [prompt], params, request_id, tenant, lora_request=served.lora_request
+    )
+
+
 def finish_reason(reason: str | None, has_calls: bool) -> str | None:
     """A choice that ended by itself with calls finishes with "tool_calls", as OpenAI's do."""
     return "tool_calls" if has_calls and reason == "stop" else reason
@@ -136,9 +159,7 @@ async def create_chat_completion(request: Request) -> Response:
     )
     admit(request, *reservation(state.engine.max_model_len, params, [len(prompt.token_ids)]))
     request_id = new_id("chatcmpl")
-    streams = await submit(
-        state.engine, [prompt], params, request_id, tenant, lora_request=served.lora_request
-    )
+    streams = await submit_chat(state, prompt, params, request_id, tenant, served, tools, parser)
     if body.stream:
         poll_s = state.settings.disconnect_poll_s
         outputs = await first_output_then_rest(request, streams, poll_s)

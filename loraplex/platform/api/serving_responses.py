@@ -28,7 +28,6 @@ from loraplex.platform.api.generation import (
     new_id,
     now_s,
     reservation,
-    submit,
 )
 from loraplex.platform.api.protocol import ResponsesRequest
 from loraplex.platform.api.request_body import json_body, read_json_model
@@ -44,6 +43,7 @@ from loraplex.platform.api.sampling import chat_sampling_params
 from loraplex.platform.api.serving_chat import (
     assistant_message,
     render_chat_prompt,
+    submit_chat,
     tool_parser,
     with_tool_grammar,
 )
@@ -121,9 +121,7 @@ async def create_response(request: Request) -> Response:
         if body.store:
             store.put(tenant, response_id, StoredResponse(final, (*conversation, message)))
 
-    streams = await submit(
-        state.engine, [prompt], params, response_id, tenant, lora_request=served.lora_request
-    )
+    streams = await submit_chat(state, prompt, params, response_id, tenant, served, tools, parser)
     if body.stream:
         outputs = await first_output_then_rest(request, streams, state.settings.disconnect_poll_s)
         base = response_json(response_id, created, served.name, _echoed(body), [], "in_progress",

@@ -59,8 +59,8 @@ def _required(client, server, tools, **kwargs):
 
 
 def test_required_calls_validate_over_all_twenty_schemas(client, server):
-    groups = [TOOLS[i : i + 4] for i in range(0, len(TOOLS), 4)]
-    with ThreadPoolExecutor(5) as pool:
+    groups = [TOOLS[i : i + 3] for i in range(0, len(TOOLS), 3)]
+    with ThreadPoolExecutor(7) as pool:
         replies = list(pool.map(lambda g: _required(client, server, g), groups))
     for group, reply in zip(groups, replies, strict=True):
         choice = reply.choices[0]
@@ -160,3 +160,28 @@ def test_auto_call_in_the_template_format_reaches_tool_calls(client, server):
     calls, finish, content = _streamed_calls(client.chat.completions.create(**kwargs, stream=True))
     assert finish == "tool_calls" and content == (choice.message.content or "")
     assert [(n, a) for _, n, a in calls] == [("get_weather", made.function.arguments)]
+
+
+def test_auto_call_is_enforced_once_the_model_opens_one(client, server):
+    # The history shows get_weather calls; the request offers only transfer_funds, whose
+    # account must match ^[A-Z]{2}[0-9]{4}$. Once the model writes <tool_call>, the grammar
+    # holds it to a valid transfer_funds call.
+    weather = {"id": "call_1", "type": "function",
+               "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+    history = [
+        {"role": "user", "content": "Do it."},
+        {"role": "assistant", "content": None, "tool_calls": [weather]},
+        {"role": "user", "content": "Do it."},
+        {"role": "assistant", "content": None, "tool_calls": [weather]},
+        {"role": "user", "content": "Do it."},
+    ]
+    (transfer,) = [t for t in TOOLS if t["function"]["name"] == "transfer_funds"]
+    reply = client.chat.completions.create(
+        model=server.model, messages=history, tools=[transfer], temperature=0,
+        parallel_tool_calls=False, max_completion_tokens=64,
+    )  # fmt: skip
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice.message
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "transfer_funds"
+    _valid("transfer_funds", call.function.arguments)

@@ -12,6 +12,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
+from loraplex.grammar.tool_grammar import ToolFunction, call_object_schema
+
 
 @dataclass(frozen=True)
 class ParsedToolCall:
@@ -68,10 +70,19 @@ class ToolParser(ABC):
 
     Contract: `parse` never raises; text that does not hold well-formed calls is content.
     `marker` opens a call in the text (streaming holds content back while it may be starting).
+    Under `auto`, once the model writes `marker`, `call_prefix` follows, then a JSON value of
+    `call_schema` generated under its grammar, then `call_suffix`; `parse` reads that back.
     """
 
     name: str
     marker: str
+    call_prefix: str = ""
+    call_suffix: str = ""
+    arguments_key: str = "arguments"
+
+    def call_schema(self, functions: list[ToolFunction], parallel: bool) -> dict[str, Any]:
+        """The JSON schema of what follows `marker` + `call_prefix`: one call by default."""
+        return call_object_schema(functions, self.arguments_key)
 
     @abstractmethod
     def parse(self, text: str) -> ParsedOutput:

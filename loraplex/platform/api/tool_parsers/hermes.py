@@ -20,6 +20,8 @@ _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 class HermesToolParser(ToolParser):
     name = "hermes"
     marker = "<tool_call>"
+    call_prefix = "\n"
+    call_suffix = "\n</tool_call>"
 
     def parse(self, text: str) -> ParsedOutput:
         start = text.find(self.marker)

@@ -17,6 +17,7 @@ from loraplex.platform.api.tool_parsers.base import (
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
     marker = "<|python_tag|>"
+    arguments_key = "parameters"
 
     def parse(self, text: str) -> ParsedOutput:
         at = text.find(self.marker)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
+from loraplex.grammar.tool_grammar import ToolFunction, required_calls_schema
 from loraplex.platform.api.tool_parsers.base import (
     ParsedOutput,
     ParsedToolCall,
@@ -16,6 +18,10 @@ from loraplex.platform.api.tool_parsers.base import (
 class MistralToolParser(ToolParser):
     name = "mistral"
     marker = "[TOOL_CALLS]"
+
+    def call_schema(self, functions: list[ToolFunction], parallel: bool) -> dict[str, Any]:
+        """Mistral writes its calls as one JSON array."""
+        return required_calls_schema(functions, parallel)
 
     def parse(self, text: str) -> ParsedOutput:
         at = text.find(self.marker)
