@@ -13,6 +13,11 @@ metrics named with a `t1_` prefix.
     python benchmarks/serving.py --offline
     # launch a server, run concurrency 1, 8 and 32 and offline, write the results JSON
     python benchmarks/serving.py --record --concurrency 1 8 32
+    # the GPU record (issue 19): the 8B shape with random weights served by `loraplex serve`
+    # (engine-core process + API processes), a lean aiohttp streaming client in its own
+    # process at concurrency 1, 64 and 256, then the offline LLM on the same engine options;
+    # greedy and t1; writes benchmarks/results/h200_serving.json
+    python -m benchmarks.serving --gpu-record
 """
 
 from __future__ import annotations
@@ -234,6 +239,196 @@ def record(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     return metrics
 
 
+# The engine options of both sides of the GPU record (`bench_llm`'s, plus the batch limits).
+GPU_ENGINE = dict(dtype="bfloat16", max_model_len=4096, gpu_memory_utilization=0.55,
+                  enable_lora=False, seed=0, max_num_seqs=256, max_num_batched_tokens=2048)  # fmt: skip
+CPU_ENGINE = dict(dtype="float32", device="cpu", max_model_len=512, enable_lora=False, seed=0,
+                  max_num_seqs=64, max_num_batched_tokens=2048)  # fmt: skip
+
+
+def serve_flags(options: dict) -> list[str]:
+    """`loraplex serve` flags for LLM keyword options (`enable_lora=False` -> --no-enable-lora)."""
+    flags = []
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else f"--no-{flag[2:]}")
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+async def _lean_load(
+    base_url: str, model: str, prompts: list[list[int]], output_len: int, concurrency: int,
+    sampling: str,
+) -> dict[str, float]:  # fmt: skip
+    """Stream every prompt through /v1/completions, at most `concurrency` at a time, with
+    aiohttp and nothing else per event than a timestamp and a JSON parse."""
+    import aiohttp
+
+    temperature, top_p = SAMPLINGS[sampling]
+    url = f"{base_url}/v1/completions"
+    limit = asyncio.Semaphore(concurrency)
+
+    async def one(session: aiohttp.ClientSession, prompt: list[int]) -> RequestResult:
+        body = {"model": model, "prompt": prompt, "max_tokens": output_len,
+                "temperature": temperature, "top_p": top_p, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        async with limit:
+            start = last = time.perf_counter()
+            result: RequestResult | None = None
+            async with session.post(url, json=body) as response:
+                if response.status != 200:
+                    raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
+                async for line in response.content:
+                    if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                        continue
+                    now = time.perf_counter()
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        raise RuntimeError(f"stream error: {event['error']}")
+                    if event.get("usage") and result is not None:
+                        result.output_tokens = event["usage"]["completion_tokens"]
+                    if not event["choices"] or not event["choices"][0]["text"]:
+                        continue
+                    if result is None:
+                        result = RequestResult(ttft_s=now - start)
+                    else:
+                        result.itl_s.append(now - last)
+                    last = now
+            if result is None:
+                raise RuntimeError("a request produced no output")
+            result.e2e_s = time.perf_counter() - start
+            return result
+
+    connector = aiohttp.TCPConnector(limit=concurrency + 8)
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        await one(session, prompts[0][:8])  # warm-up (and this sampling's first request)
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one(session, p) for p in prompts))
+        duration = time.perf_counter() - start
+    return summarize(list(results), duration)
+
+
+def _lean_client_main(conn, *args) -> None:
+    try:
+        conn.send(asyncio.run(_lean_load(*args)))
+    except BaseException as error:  # reported to the parent, which raises it
+        conn.send(error)
+
+
+def lean_client_run(*args) -> dict[str, float]:
+    """`_lean_load(*args)` in a process of its own (the client shares no core's GIL with the
+    benchmark driver)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    parent, child = context.Pipe()
+    process = context.Process(target=_lean_client_main, args=(child, *args))
+    process.start()
+    result = parent.recv()
+    process.join()
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def offline_runs(
+    llm, prompts: list[list[int]], output_len: int, concurrency: int, sampling: str
+) -> float:
+    """Offline output tok/s with at most `concurrency` requests in flight: waves of that many
+    (every request has the same lengths, so waves are what continuous batching runs too)."""
+    from benchmarks.gpu_path import cuda_timed
+    from loraplex import SamplingParams
+
+    temperature, top_p = SAMPLINGS[sampling]
+    params = SamplingParams(max_tokens=output_len, temperature=temperature, top_p=top_p,
+                            ignore_eos=True)  # fmt: skip
+    llm.generate(prompts[:concurrency], SamplingParams(max_tokens=4, temperature=temperature,
+                                                       ignore_eos=True))  # fmt: skip
+    llm.engine.scheduler.kv.reset_prefix_cache()
+    waves = [prompts[i : i + concurrency] for i in range(0, len(prompts), concurrency)]
+    seconds = cuda_timed(lambda: [llm.generate(w, params, use_tqdm=False) for w in waves])
+    return len(prompts) * output_len / seconds
+
+
+def offline_tpot(llm, prompts: list[list[int]], output_len: int, sampling: str) -> float:
+    """Seconds per output token of one request alone: (time of output_len tokens - time of
+    one) / (output_len - 1), the median over `prompts` (the server's c1 TPOT, offline)."""
+    from benchmarks.gpu_path import cuda_timed
+    from loraplex import SamplingParams
+
+    temperature, top_p = SAMPLINGS[sampling]
+
+    def timed(prompt: list[int], n: int) -> float:
+        params = SamplingParams(max_tokens=n, temperature=temperature, top_p=top_p,
+                                ignore_eos=True)  # fmt: skip
+        return cuda_timed(lambda: llm.generate([prompt], params, use_tqdm=False))
+
+    timed(prompts[0], 8)
+    tpots = [(timed(p, output_len) - timed(p, 1)) / (output_len - 1) for p in prompts]
+    return float(np.median(tpots))
+
+
+def record_gpu(args: argparse.Namespace) -> dict[str, float]:
+    """The issue-19 record: server (lean client, concurrency args.concurrency) and offline,
+    greedy and t1; flat metrics, t1's with a `_t1` suffix (`server_vs_offline_c256_t1`)."""
+    import torch
+
+    from benchmarks.gpu_path import bench_llm
+    from benchmarks.sampling import resolve_model
+
+    on_cpu = not torch.cuda.is_available()
+    model = resolve_model(args.model or (None if on_cpu else "llama-3.1-8b"))
+    options = dict(CPU_ENGINE if on_cpu else GPU_ENGINE)
+    flags = serve_flags(options) + (["--model", model] if model else [])
+    if args.api_server_count:
+        flags += ["--api-server-count", str(args.api_server_count)]
+    metrics: dict[str, float] = {}
+    sets = iter(range(1, 1000))  # a fresh prompt set per run: no prefix-cache hits across runs
+
+    def prompts_for(c: int) -> list[list[int]]:
+        num = args.c1_prompts if c == 1 else args.num_prompts
+        return make_prompts(num, args.input_len, args.seed + 1000 * next(sets))
+
+    proc, base_url = launch_server(flags)
+    try:
+        import httpx
+
+        served = httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"][0]["id"]
+        for sampling in SAMPLINGS:
+            for c in args.concurrency:
+                run = lean_client_run(base_url, served, prompts_for(c), args.output_len, c,
+                                      sampling)  # fmt: skip
+                print(f"server {sampling} c{c}: {json.dumps(run)}", flush=True)
+                metrics.update({f"{_prefix(sampling)}c{c}_{k}": v for k, v in run.items()})
+    finally:
+        proc.terminate()
+        proc.wait(120)
+    llm = bench_llm(model, **options)
+    for sampling in SAMPLINGS:
+        pre = _prefix(sampling)
+        for c in args.concurrency:
+            if c == 1:
+                tpot = offline_tpot(llm, prompts_for(1)[:3], args.output_len, sampling)
+                metrics[f"{pre}offline_tpot_c1_ms"] = tpot * 1000
+                metrics[f"{pre}tpot_c1_over_offline"] = metrics[f"{pre}c1_tpot_p50_ms"] / (
+                    tpot * 1000
+                )
+                continue
+            tok_s = offline_runs(llm, prompts_for(c), args.output_len, c, sampling)
+            metrics[f"{pre}offline_c{c}_output_tok_s"] = tok_s
+            metrics[f"{pre}server_vs_offline_c{c}"] = metrics[f"{pre}c{c}_output_tok_s"] / tok_s
+            metrics[f"{pre}ttft_p99_over_p50_c{c}"] = (
+                metrics[f"{pre}c{c}_ttft_p99_ms"] / metrics[f"{pre}c{c}_ttft_p50_ms"]
+            )
+        print(f"offline {sampling}: " + json.dumps({k: v for k, v in metrics.items()
+                                                   if k.startswith(f"{pre}offline")}))  # fmt: skip
+    return {k.replace("t1_", "", 1) + "_t1" if k.startswith("t1_") else k: v
+            for k, v in metrics.items()}  # fmt: skip
+
+
 def _prefix(sampling: str) -> str:
     return "" if sampling == "greedy" else f"{sampling}_"
 
@@ -264,7 +459,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="launch a server, run --concurrency levels and offline, write --out",
     )
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=None,
+        help="concurrency levels of --record (1 8 32) or --gpu-record (1 64 256)",
+    )
+    p.add_argument(
+        "--gpu-record",
+        action="store_true",
+        help="the GPU record: launch the 8B shape (random weights) as a server, a lean "
+        "client in its own process, then offline; writes h200_serving.json",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="--gpu-record's model: a path or a config of "
+        "configs/models/ (default: llama-3.1-8b; on --device cpu the embedded model)",
+    )
+    p.add_argument(
+        "--api-server-count",
+        type=int,
+        default=None,
+        help="--gpu-record's API processes (default: the server's own default)",
+    )
+    p.add_argument(
+        "--c1-prompts",
+        type=int,
+        default=8,
+        help="requests of the concurrency-1 run of --gpu-record",
+    )
     p.add_argument(
         "--server-arg",
         action="append",
@@ -277,6 +502,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.gpu_record:
+        return main_gpu_record(args)
+    args.concurrency = args.concurrency or [1, 8, 32]
     prompts = make_prompts(args.num_prompts, args.input_len, args.seed)
     if args.record:
         load = os.getloadavg()
@@ -304,6 +532,27 @@ def main(argv: list[str] | None = None) -> int:
                                                    args.max_concurrency, args.request_rate,
                                                    args.seed, args.sampling))  # fmt: skip
     print(json.dumps(metrics, indent=2))
+    return 0
+
+
+def main_gpu_record(args: argparse.Namespace) -> int:
+    from benchmarks.record import write_result
+
+    args.concurrency = args.concurrency or [1, 64, 256]
+    metrics = record_gpu(args)
+    name = args.out.name if args.out != RESULTS else "h200_serving.json"
+    write_result(
+        name,
+        "serving (engine-core process, API processes, lean streaming client)",
+        metrics,
+        {"offline": "the same workload through LLM.generate on the same engine options, in the "
+         "same run: server_vs_offline_cN = server output tok/s at concurrency N over offline "
+         "tok/s with N requests in flight; tpot_c1_over_offline = the server's median TPOT of "
+         "one stream over offline (time of N tokens - time of 1) / (N - 1)"},
+        workload={"num_prompts": args.num_prompts, "c1_prompts": args.c1_prompts,
+                  "input_len": args.input_len, "output_len": args.output_len,
+                  "concurrency": args.concurrency, "api_server_count": args.api_server_count},
+    )  # fmt: skip
     return 0
 
 
