@@ -24,7 +24,7 @@ hypothesis = pytest.importorskip("hypothesis", reason="hypothesis comes with sch
 EXAMPLES = int(os.environ.get("LORAPLEX_FUZZ_EXAMPLES", "15"))
 REQUEST_TIMEOUT_S = 60.0
 MAX_TOKENS = 2  # generation stays short: every generated body is clamped to this
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def _headers(path: str, tenant_key: str) -> dict[str, str]:
 def _bound(case) -> None:
     """Keep generation short: cap max_tokens (and OpenAI's newer name) of a generation body."""
     if case.path in GENERATION_PATHS and isinstance(case.body, dict):
-        for key in ("max_tokens", "max_completion_tokens"):
+        for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             value = case.body.get(key)
             if not isinstance(value, int) or isinstance(value, bool) or value > MAX_TOKENS:
                 case.body[key] = MAX_TOKENS
