@@ -98,13 +98,15 @@ _OPTIONS = (
             "answers 400", int),
     _Option("--max-prompts-per-request", 64, "the most prompts one /v1/completions request may "
             "hold; more answers 400", int),
+    _Option("--tool-call-parser", None, "how the model writes tool calls: hermes, qwen, "
+            "llama3_json or mistral (default: the one its chat template shows, else hermes)"),
 )  # fmt: skip
 _KEYS = {option.key for option in _OPTIONS}
 # Options the HTTP server itself uses; every other option configures the engine.
 _SERVER_KEYS = {"host", "port", "max_request_body_bytes", "uvicorn_log_level", "data_dir",
                 "api_server_count", "shutdown_timeout",
                 "tenants", "admin_key", "max_adapter_bytes", "max_n",
-                "max_prompts_per_request"}  # fmt: skip
+                "max_prompts_per_request", "tool_call_parser"}  # fmt: skip
 _ENGINE_KEYS = sorted(_KEYS - _SERVER_KEYS)
 
 
@@ -194,6 +196,7 @@ def server_settings(values: dict[str, Any]) -> ServerSettings:
         max_adapter_bytes=values["max_adapter_bytes"],
         max_n=values["max_n"],
         max_prompts_per_request=values["max_prompts_per_request"],
+        tool_call_parser=values["tool_call_parser"],
     )
 
 

@@ -16,6 +16,7 @@ from loraplex.platform.api.sampling import (
 )
 from loraplex.platform.api.tenancy import Tenancy
 from loraplex.platform.api.tenants import OPEN_TENANT
+from loraplex.platform.api.tool_parsers import TOOL_PARSERS
 from loraplex.platform.engine.async_engine import AsyncEngine
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
@@ -52,6 +53,11 @@ class ServerSettings:
         for name in ("max_n", "max_prompts_per_request"):
             if not 1 <= getattr(self, name) <= 2**31 - 1:
                 raise ValueError(f"{name} must be in [1, 2**31 - 1], got {getattr(self, name)}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}, "
+                f"got {self.tool_call_parser!r}"
+            )
 
 
 @dataclass(frozen=True)

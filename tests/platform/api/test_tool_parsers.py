@@ -116,3 +116,15 @@ def test_named_stream_sends_the_name_first_then_the_arguments():
     assert first[0]["tool_calls"][0]["function"] == {"name": "get_time", "arguments": ""}
     again = ToolCallStream("named", get_tool_parser("hermes"), "get_time", _ids())
     assert _run(again, '{"x": 1}') == ("", [("get_time", '{"x": 1}')])
+
+
+def test_tool_call_parser_option_is_checked_when_the_server_is_configured():
+    from loraplex.cli import build_parser
+    from loraplex.platform.api.serve_cli import resolve_options
+    from loraplex.platform.api.state import ServerSettings
+
+    args = build_parser().parse_args(["serve", "--tool-call-parser", "llama3_json"])
+    assert resolve_options(args)["tool_call_parser"] == "llama3_json"
+    assert ServerSettings(tool_call_parser="llama3_json").tool_call_parser == "llama3_json"
+    with pytest.raises(ValueError, match="tool_call_parser must be one of"):
+        ServerSettings(tool_call_parser="pythonic")
