@@ -151,6 +151,16 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI fields we do not serve: refused with a 400 naming them (`sampling`), never
+    # ignored. (`store`, `metadata`, `service_tier`, `prompt_cache_key`, `safety_identifier`
+    # and `user` are accepted and ignored, as they change no output.)
+    functions: list[Any] | None = None
+    function_call: Any = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    modalities: list[str] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -209,3 +219,6 @@ class ResponsesRequest(_Body):
     include: list[str] | None = None
     reasoning: dict[str, Any] | None = None
     top_logprobs: Logprobs | None = None
+    conversation: Any = None
+    prompt: Any = None
+    max_tool_calls: Any = None

@@ -27,6 +27,9 @@ def refuse_unsupported(body: ResponsesRequest) -> None:
         raise bad_request("reasoning options are not supported by this model", param="reasoning")
     if body.top_logprobs is not None:
         raise bad_request("top_logprobs is not supported on responses", param="top_logprobs")
+    for name in ("conversation", "prompt", "max_tool_calls"):
+        if getattr(body, name) is not None:
+            raise bad_request(f"{name} is not supported", param=name)
 
 
 def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
@@ -104,6 +107,11 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     if not isinstance(spec, dict):
         raise bad_request("text.format must be an object", param="text.format")
     if spec.get("type") == "json_schema":
+        if not isinstance(spec.get("schema"), dict):
+            raise bad_request(
+                "text.format of type 'json_schema' needs schema, a JSON object",
+                param="text.format.schema",
+            )
         schema = {"name": spec.get("name", "response"), "schema": spec.get("schema")}
         return {"type": "json_schema", "json_schema": schema}
     return {"type": spec.get("type")}

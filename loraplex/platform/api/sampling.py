@@ -164,7 +164,20 @@ def _check_completion(body: CompletionRequest, limits: RequestLimits) -> None:
         )
 
 
+# Chat fields we do not serve, and what to use instead (None: nothing).
+_UNSERVED_CHAT = {
+    "functions": "use tools", "function_call": "use tool_choice", "audio": None,
+    "prediction": None, "web_search_options": None, "reasoning_effort": None,
+}  # fmt: skip
+
+
 def _check_chat(body: ChatCompletionRequest) -> None:
+    for name, instead in _UNSERVED_CHAT.items():
+        if getattr(body, name) is not None:
+            hint = f"; {instead}" if instead else ""
+            raise bad_request(f"{name} is not supported{hint}", param=name)
+    if body.modalities is not None and set(body.modalities) - {"text"}:
+        raise bad_request("only the text modality is supported", param="modalities")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
     if body.prompt_logprobs is not None and body.stream:
