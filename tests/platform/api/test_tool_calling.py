@@ -110,7 +110,7 @@ def test_a_tool_result_turn_reaches_the_model(client, server):
     call = first.choices[0].message.tool_calls[0]
     history = [
         *ASK,
-        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        first.choices[0].message,  # the SDK's own message object, sent back as it is
         {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 21}'},
     ]
     kwargs = dict(model=server.model, tools=[TOOLS[0]], tool_choice="none", seed=1)
