@@ -9,7 +9,7 @@ as Responses output items (`responses_output`), streamed with the Responses even
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -47,9 +47,11 @@ from loraplex.platform.api.serving_chat import (
     tool_parser,
     with_tool_grammar,
 )
-from loraplex.platform.api.state import server_state
+from loraplex.platform.api.state import ServerState, server_state
 from loraplex.platform.api.tool_call_stream import ToolCallStream
 from loraplex.platform.api.tool_calls import new_call_id, tool_request_for
+from loraplex.platform.core.outputs import RequestOutput
+from loraplex.platform.engine.async_engine import RequestStream
 
 router = APIRouter()
 BODY_MODELS = (ResponsesRequest,)
@@ -144,13 +146,14 @@ async def create_response(request: Request) -> Response:
 
 async def _events(
     request: Request,
-    state,
-    streams,
-    outputs,
+    state: ServerState,
+    streams: list[RequestStream],
+    outputs: AsyncIterator[tuple[int, RequestOutput]],
     events: ResponseEventStream,
     calls: ToolCallStream,
-    save,
+    save: Callable[[dict[str, Any], dict[str, Any]], None],
 ) -> AsyncIterator[str]:
+    """The Responses events of one streamed response; stores it once it completes."""
     usage = UsageCounter()
     finish = None
     try:
