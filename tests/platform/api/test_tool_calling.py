@@ -38,7 +38,7 @@ def _named(client, server, tool: dict, **kwargs):
 
 
 def test_named_function_calls_validate_for_each_of_twenty_schemas(client, server):
-    with ThreadPoolExecutor(8) as pool:
+    with ThreadPoolExecutor(len(TOOLS)) as pool:
         replies = list(pool.map(lambda t: _named(client, server, t), TOOLS))
     for tool, reply in zip(TOOLS, replies, strict=True):
         choice = reply.choices[0]
