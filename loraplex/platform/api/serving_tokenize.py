@@ -25,6 +25,7 @@ from loraplex.platform.api.sampling import check_token_ids
 from loraplex.platform.api.serving_chat import render_chat_prompt, tool_parser
 from loraplex.platform.api.state import server_state
 from loraplex.platform.api.tool_calls import tool_request_for
+from loraplex.platform.models.tokenizer import TokenIdsOnlyTokenizer, Tokenizer
 
 router = APIRouter()
 BODY_MODELS = (TokenizeRequest, DetokenizeRequest)
@@ -56,12 +57,15 @@ async def tokenize(request: Request) -> JSONResponse:
             ids = tokenizer.encode(prompt.text, add_special_tokens=True)
     else:
         add = True if body.add_special_tokens is None else body.add_special_tokens
-        ids = await asyncio.to_thread(tokenizer.encode, body.prompt or "", add)
+        try:
+            ids = await asyncio.to_thread(tokenizer.encode, body.prompt or "", add)
+        except ValueError as error:  # a model served without a tokenizer
+            raise bad_request(str(error), param="prompt") from None
     response: dict[str, Any] = {
         "count": len(ids),
         "max_model_len": state.engine.max_model_len,
         "tokens": ids,
-        "token_strs": [tokenizer.id_to_token(i) for i in ids] if body.return_token_strs else None,
+        "token_strs": _token_strs(tokenizer, ids) if body.return_token_strs else None,
     }
     return JSONResponse(response)
 
@@ -75,3 +79,9 @@ async def detokenize(request: Request) -> JSONResponse:
     check_token_ids(body.tokens, state.request_limits, "tokens")
     text = await asyncio.to_thread(state.engine.tokenizer.decode, body.tokens, False)
     return JSONResponse({"prompt": text})
+
+
+def _token_strs(tokenizer: Tokenizer | TokenIdsOnlyTokenizer, ids: list[int]) -> list[str | None]:
+    """Each id's vocabulary entry (None where the model has no tokenizer)."""
+    lookup = getattr(tokenizer, "id_to_token", None)
+    return [lookup(i) if lookup is not None else None for i in ids]
