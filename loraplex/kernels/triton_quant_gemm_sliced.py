@@ -15,6 +15,11 @@ BLOCK_K >= 128 at 4 bits and >= 64 at 8 bits.
 SWAP puts the weight on the MMA's M side (acc^T [BLOCK_N, BLOCK_M] += W_p^T x_p^T): for a few
 tokens, 64..256 weight columns fill a Hopper warpgroup MMA, the dequantized weight is its
 register operand, and only the small x tile goes through shared memory.
+
+Measured on the H200 (benchmarks/results/h200_quant.json): "sliced_t" is the fastest kernel at
+M = 4 (1.3-1.9x the FMA kernel, 1.1-1.5x "gemm"), within ~10% of "gemm" at M = 16, and behind
+"gemm_t" from M = 32; the non-swapped form loses everywhere above M = 16 (its strided x gathers
+cost more than the layout change it saves).
 """
 
 from __future__ import annotations
