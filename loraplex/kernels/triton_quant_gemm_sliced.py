@@ -17,7 +17,7 @@ tokens, 64..256 weight columns fill a Hopper warpgroup MMA, the dequantized weig
 register operand, and only the small x tile goes through shared memory.
 
 Measured on the H200 (benchmarks/results/h200_quant.json): "sliced_t" is the fastest kernel at
-M = 4 (1.3-1.9x the FMA kernel, 1.1-1.5x "gemm"), within ~10% of "gemm" at M = 16, and behind
+M = 4 (1.5-1.8x the FMA kernel, 1.3-1.6x "gemm"), 5-16% behind "gemm" at M = 16, and behind
 "gemm_t" from M = 32; the non-swapped form loses everywhere above M = 16 (its strided x gathers
 cost more than the layout change it saves).
 """
