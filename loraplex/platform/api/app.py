@@ -77,6 +77,7 @@ def build_app(
         tenancy=tenancy,
     )
     dashboard = serving_dashboard.Dashboard(state, admin_key)
+    responses = ResponseStore(settings.data_dir or envs.data_dir())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -88,11 +89,12 @@ def build_app(
         finally:
             engine.shutdown()
             tenancy.close()
+            responses.close()
 
     app = FastAPI(title="loraplex", version=__version__, lifespan=lifespan)
     app.state.loraplex = state
     app.state.adapters = AdapterService(state)
-    app.state.responses = ResponseStore()
+    app.state.responses = responses
     app.state.dashboard = dashboard
     install_error_handlers(app)
     for router in ROUTERS:

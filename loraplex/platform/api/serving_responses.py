@@ -102,7 +102,7 @@ async def create_response(request: Request) -> Response:
     store = response_store(request)
     history: tuple[dict[str, Any], ...] = ()
     if body.previous_response_id is not None:
-        previous = store.get(tenant, body.previous_response_id)
+        previous = await asyncio.to_thread(store.get, tenant, body.previous_response_id)
         if previous is None:
             raise _not_found(body.previous_response_id)
         history = previous.messages
@@ -140,7 +140,7 @@ async def create_response(request: Request) -> Response:
     final = response_json(response_id, created, served.name, _echoed(body),
                           output_items(message), "completed", choice.finish_reason,
                           usage_json(usage))  # fmt: skip
-    save(final, message)
+    await asyncio.to_thread(save, final, message)
     return JSONResponse(final)
 
 
@@ -171,7 +171,7 @@ async def _events(
                         for event in events.delta(piece):
                             yield event
             closing, final = events.finish(finish, usage_json(usage))
-            save(final, _message_of(final["output"]))
+            await asyncio.to_thread(save, final, _message_of(final["output"]))
             for event in closing:
                 yield event
     except Exception as error:
@@ -197,7 +197,9 @@ def _message_of(items: list[dict[str, Any]]) -> dict[str, Any]:
 
 @router.get("/v1/responses/{response_id}")
 async def get_response(request: Request, response_id: str) -> JSONResponse:
-    stored = response_store(request).get(tenant_of(request).name, response_id)
+    stored = await asyncio.to_thread(
+        response_store(request).get, tenant_of(request).name, response_id
+    )
     if stored is None:
         error = _not_found(response_id)
         error.param = "response_id"
