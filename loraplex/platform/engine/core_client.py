@@ -22,7 +22,6 @@ import zmq
 import zmq.asyncio
 
 from loraplex.adapters.request import LoRARequest
-from loraplex.platform.core import commands
 from loraplex.platform.core.sampling_params import SamplingParams
 from loraplex.platform.engine.async_engine import (
     _ACCEPTED,
@@ -59,6 +58,7 @@ class EngineCoreClient:
         self.served_model_name = self.info.served_model_name
         self.max_model_len = self.info.max_model_len
         self.tokenizer = load_tokenizer(Path(self.info.model_dir), self.info.vocab_size)
+        self.adapter_validator = self.info.adapter_validator
         self._observers: list[TimingObserver] = []
         self._queues: dict[str, asyncio.Queue] = {}
         self._results: dict[int, asyncio.Future] = {}
@@ -216,20 +216,14 @@ class EngineCoreClient:
         finally:
             self._results.pop(seq, None)
 
-    async def add_lora(self, lora_request: LoRARequest) -> str:
-        """Register an adapter with the engine; returns its key."""
-        added = await self.command(
-            commands.AddAdapter(lora_request.lora_name, lora_request.lora_path)
-        )
-        return added.key  # type: ignore[attr-defined]
-
-    async def remove_lora(self, lora_name: str) -> bool:
-        return bool(await self.command(commands.RemoveAdapter(lora_name)))
-
-    async def set_tenant_weight(self, tenant: str, weight: float) -> None:
-        if not weight > 0:
-            raise ValueError(f"weight must be positive, got {weight}")
-        await self.command(commands.SetTenantWeight(tenant, weight))
+    # The same coroutines as AsyncEngine's, over `command`.
+    add_adapter = AsyncEngine.add_adapter
+    remove_adapter = AsyncEngine.remove_adapter
+    pin_adapter = AsyncEngine.pin_adapter
+    adapter_stats = AsyncEngine.adapter_stats
+    add_lora = AsyncEngine.add_lora
+    remove_lora = AsyncEngine.remove_lora
+    set_tenant_weight = AsyncEngine.set_tenant_weight
 
     # -- the reader ------------------------------------------------------------------------
 

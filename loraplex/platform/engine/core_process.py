@@ -184,8 +184,8 @@ class EngineCore(AsyncEngine):
             max_model_len=self.max_model_len,
             model_dir=str(engine.model_dir),
             vocab_size=engine.runner.arch.vocab_size,
-            lora_enabled=engine.lora_manager is not None,
             pid=os.getpid(),
+            adapter_validator=self.adapter_validator,
         )
         if message.version != PROTOCOL_VERSION:
             logger.error(

@@ -23,6 +23,7 @@ import msgspec
 
 from loraplex.adapters import errors as adapter_errors
 from loraplex.adapters.request import LoRARequest
+from loraplex.adapters.validator import AdapterValidator
 from loraplex.grammar import errors as grammar_errors
 from loraplex.grammar.params import StructuredOutputs
 from loraplex.platform.core import commands
@@ -58,8 +59,8 @@ class EngineInfo(msgspec.Struct, tag=True, frozen=True):
     max_model_len: int
     model_dir: str
     vocab_size: int
-    lora_enabled: bool
     pid: int
+    adapter_validator: AdapterValidator | None  # None: LoRA disabled
 
 
 class AddRequest(msgspec.Struct, tag=True, frozen=True):
@@ -96,10 +97,13 @@ class RequestFailure(msgspec.Struct, frozen=True):
     error: ErrorInfo
 
 
+_NIL = msgspec.Raw(b"\xc0")  # msgpack's nil
+
+
 class CommandResult(msgspec.Struct, frozen=True):
     seq: int
     kind: str | None = None  # the result's class name; None for a plain value (bool, None)
-    body: msgspec.Raw | None = None
+    body: msgspec.Raw = _NIL  # the msgpack of the result
     error: ErrorInfo | None = None
 
 
@@ -151,13 +155,27 @@ def rebuild_error(info: ErrorInfo) -> BaseException:
     return error
 
 
+_TUPLE_FIELDS = frozenset(
+    f.name for f in dataclasses.fields(SamplingParams) if str(f.type).startswith("tuple")
+)
+
+
+def _as_tuples(value: Any) -> Any:
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, list) else value
+
+
 def params_to_wire(params: SamplingParams) -> dict[str, Any]:
     return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
 
 
 def params_from_wire(fields: dict[str, Any]) -> SamplingParams:
     """SamplingParams from `params_to_wire`'s dict, validated again (ValueError)."""
-    fields = dict(fields)
+    # NOTE: msgpack has no tuple: the tuple-typed fields (stop, logit_bias, ...) come back as
+    # lists, turned back here so the params compare and hash as the sender's did.
+    fields = {
+        name: _as_tuples(value) if name in _TUPLE_FIELDS else value
+        for name, value in fields.items()
+    }
     structured = fields.pop("structured_outputs", None)
     if structured is not None:
         fields["structured_outputs"] = StructuredOutputs(**structured)
@@ -228,8 +246,6 @@ class Codec:
         """The command's return value, or raises its error."""
         if result.error is not None:
             raise rebuild_error(result.error)
-        if result.body is None:
-            return None
         if result.kind is None:
             return msgspec.msgpack.decode(result.body)
         return msgspec.msgpack.decode(result.body, type=_COMMAND_TYPES[result.kind])

@@ -97,7 +97,8 @@ def launch(
            "--dtype", "float32", "--device", "cpu", "--max-model-len", str(max_model_len),
            "--num-kv-blocks", str(num_kv_blocks), "--max-num-seqs", "64", "--host", "127.0.0.1",
            "--port", str(port), "--api-server-count", str(api_server_count),
-           "--uvicorn-log-level", "warning", *extra]  # fmt: skip
+           "--data-dir", str(log_path.parent / "data"), "--uvicorn-log-level", "warning",
+           *extra]  # fmt: skip
     log = log_path.open("w")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{port}"

@@ -16,6 +16,7 @@ import httpx
 import pytest
 from api_helpers import read_metrics, wait_until_idle
 from process_server import alive, launch
+from tenant_helpers import complete, load_hf_model, make_adapter, peft_greedy, upload
 
 from loraplex import SamplingParams
 
@@ -80,6 +81,21 @@ def test_engine_refusals_keep_their_openai_errors(proc_server):
     response = httpx.post(f"{proc_server.v1}/completions", json=bad_ids, timeout=60)
     assert response.status_code == 400
     assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_an_uploaded_adapter_runs_as_peft_runs_it(proc_server, model_dir, tmp_path):
+    # uploads validate in the API process, register through an engine command, and serve
+    base = load_hf_model(model_dir)
+    folder = make_adapter(base, tmp_path / "adapter", seed=19)
+    ids = proc_server.engine.tokenizer.encode(PROMPT)
+    expected = proc_server.engine.tokenizer.decode(peft_greedy(base, folder, ids, 8))
+    with httpx.Client(base_url=proc_server.base_url, timeout=120) as client:
+        assert upload(client, "mp-lora", folder).status_code in (200, 201)
+        response = complete(client, "mp-lora", ids, 8)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == expected
+        assert client.delete("/v1/adapters/mp-lora").status_code == 200
+        assert complete(client, "mp-lora", ids, 8).status_code == 404
 
 
 def test_every_api_process_reports_the_whole_server(proc_server):

@@ -12,11 +12,19 @@ import time
 import httpx
 from process_server import alive, launch
 
+# SIGTERM's grace period, and streams that fit in it and that do not (1500 steps take longer
+# than 30 s even on a fast CPU)
+GRACE_S, SHORT, LONG = 30, 3, 1500
+
 
 async def _stream(client: httpx.AsyncClient, url: str, body: dict, started: asyncio.Event):
-    """(text events, error event or None, saw [DONE], seconds from `started` to the end)."""
-    texts, error, done = 0, None, False
+    """(finish reason or None, error or None, saw [DONE], the time it ended). The error is the
+    error event's, or the body's of a 503 answered before the stream began (it had no token
+    yet); [DONE] counts as seen then too."""
+    error, done, finish = None, False, None
     async with client.stream("POST", url, json={**body, "stream": True}) as response:
+        if response.status_code == 503:
+            return None, json.loads(await response.aread())["error"], True, time.monotonic()
         assert response.status_code == 200
         async for line in response.aiter_lines():
             if line == "data: [DONE]":
@@ -26,9 +34,9 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, started: asyn
                 if "error" in event:
                     error = event["error"]
                 else:
-                    texts += 1
+                    finish = event["choices"][0]["finish_reason"] or finish
                     started.set()
-    return texts, error, done, time.monotonic()
+    return finish, error, done, time.monotonic()
 
 
 def _body(model: str, max_tokens: int, i: int) -> dict:
@@ -62,7 +70,7 @@ def test_killing_the_engine_mid_stream_fails_every_stream_fast(model_dir, tmp_pa
             return killed_at, results, health.status_code
 
         killed_at, results, health = asyncio.run(run())
-        for _texts, error, done, ended_at in results:
+        for _finish, error, done, ended_at in results:
             assert error is not None and error["code"] == "engine_dead" and done
             assert ended_at - killed_at < 5.0
         assert health == 503
@@ -76,7 +84,9 @@ def test_killing_the_engine_mid_stream_fails_every_stream_fast(model_dir, tmp_pa
 def test_sigterm_drains_16_streams_then_every_process_exits(model_dir, tmp_path):
     # 12 streams short enough to finish within the grace period; 4 far longer ones end with a
     # clean 503 error event when it is over.
-    served = launch(model_dir, tmp_path / "serve.log", 2, "--shutdown-timeout", "8")
+    served = launch(
+        model_dir, tmp_path / "serve.log", 2, "--shutdown-timeout", str(GRACE_S), max_model_len=2048
+    )
     pids = served.all_pids()
     try:
 
@@ -88,7 +98,7 @@ def test_sigterm_drains_16_streams_then_every_process_exits(model_dir, tmp_path)
                         _stream(
                             client,
                             f"{served.v1}/completions",
-                            _body(served.model, 6 if i < 12 else 2000, i),
+                            _body(served.model, SHORT if i < 12 else LONG, i),
                             started,
                         )  # fmt: skip
                     )
@@ -103,11 +113,13 @@ def test_sigterm_drains_16_streams_then_every_process_exits(model_dir, tmp_path)
 
         signalled_at, results = asyncio.run(run())
         short, long = results[:12], results[12:]
-        assert all(error is None and done and texts == 6 for texts, error, done, _ in short)
-        for texts, error, done, ended_at in long:
+        assert all(
+            error is None and done and finish == "length" for finish, error, done, _ in short
+        ), short
+        for finish, error, done, ended_at in long:
             assert error is not None and error["code"] == "engine_dead" and done
             assert "shutting down" in error["message"]
-            assert texts < 2000 and ended_at - signalled_at < 8 + 5
+            assert finish is None and ended_at - signalled_at < GRACE_S + 10
         assert served.proc.wait(60) == 0
         time.sleep(0.5)
         assert alive(pids) == []
