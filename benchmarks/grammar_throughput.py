@@ -1,17 +1,22 @@
-"""Throughput under a JSON schema against the same workload unconstrained (issue 7).
+"""Throughput under a JSON schema against the same workload unconstrained (issues 7 and 16).
 
-64 requests of 64 random prompt tokens, temperature 0.7 with a seed each, max_tokens 256, all
-under one realistic JSON schema, on random Llama-3.1-8B-shaped weights with a 49,152-token
-vocabulary and SmolLM2's tokenizer (a grammar needs a tokenizer, and random weights have none).
+Random Llama-3.1-8B-shaped weights with a 49,152-token vocabulary and SmolLM2's tokenizer (a
+grammar needs a tokenizer, and random weights have none); prompts of 64 random tokens;
+temperature 1.0 with a seed per request (the `openai` SDK's default temperature).
 
-The headline ratio compares equal work: the unconstrained run generates, with ignore_eos, exactly
-as many tokens per request as its constrained twin did, so both runs see the same batch sizes
-step by step and only the grammar's cost differs. The run the issue names (every unconstrained
-request to max_tokens) is recorded beside it.
+- schema: 256 sequences, all under one realistic JSON schema (max_tokens 256), against the same
+  requests unconstrained with ignore_eos, each generating exactly as many tokens as its
+  constrained twin, so both runs see the same batch sizes step by step and only the grammar's
+  cost differs: `json_schema_throughput_ratio`. The same with grammar overlap off (grammar
+  requests lock the engine's steps) beside it, and the host time of the mask fills per step and
+  per row (`mask_fill_us_per_row`).
+- mixed: 512 requests (max_tokens 128), every tenth under the schema, against the same 512 with
+  no schema (equal lengths as above): `mixed_json_throughput_ratio`, and the TPOT p50 of the
+  unconstrained requests in both runs.
 
     python -m benchmarks.grammar_throughput --tokenizer-dir .bench_tokenizer
     python -m benchmarks.grammar_throughput --tokenizer-dir .bench_tokenizer --device cpu \\
-        --model-config /tmp/tiny-llama.json --num-requests 4 --max-tokens 48   # a path check
+        --model-config /tmp/tiny-llama.json --num-seqs 4 --mixed-requests 10 --max-tokens 48
 """
 
 from __future__ import annotations
@@ -21,10 +26,10 @@ import json
 import os
 import random
 import shutil
+import statistics
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +37,7 @@ import torch
 
 from benchmarks.record import write_result
 from loraplex import LLM, RequestOutput, SamplingParams, StructuredOutputs
+from loraplex.platform.engine.structured_output import MaskFillStats
 
 VOCAB_SIZE = 49152
 CATEGORIES = ["book", "film", "music", "game", "podcast"]
@@ -112,38 +118,63 @@ def count_valid(outputs: list[RequestOutput]) -> tuple[int, int]:
     return len(completed), valid
 
 
-class MaskFillTimer:
-    """Wraps the engine's bitmask fill to time it: one call per step with constrained rows."""
+@dataclass(frozen=True)
+class Run:
+    """One timed batch: outputs in request order, wall seconds, output tokens, TPOT per
+    request (seconds between its first and last token over its tokens after the first)."""
 
-    def __init__(self, fill: Callable[..., dict]) -> None:
-        self._fill = fill
-        self.calls = 0
-        self.rows = 0
-        self.seconds = 0.0
+    outputs: list[RequestOutput]
+    seconds: float
+    tokens: int
+    tpot_s: list[float]
 
-    def __call__(self, requests: list) -> dict:
-        if not requests:
-            return self._fill(requests)
-        start = time.perf_counter()
-        out = self._fill(requests)
-        self.seconds += time.perf_counter() - start
-        self.calls += 1
-        self.rows += len(requests)
-        return out
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds
 
 
-def timed_generate(
-    llm: LLM, prompts: list[list[int]], params: list[SamplingParams]
-) -> tuple[list[RequestOutput], float, int]:
-    """(outputs, seconds, output tokens) of one batch."""
+def drive(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> Run:
+    """Add every request, step the engine until all finish, timing each request's tokens."""
+    engine = llm.engine
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(str(i), prompt, sp)
+    first: dict[str, float] = {}
+    done: dict[str, tuple[RequestOutput, float]] = {}
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            if out.outputs and out.outputs[0].token_ids:
+                first.setdefault(out.request_id, now)
+            if out.finished:
+                done[out.request_id] = (out, now)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    return outputs, seconds, sum(len(o.outputs[0].token_ids) for o in outputs)
+    ordered = [done[str(i)] for i in range(len(prompts))]
+    tpot = []
+    for out, end in ordered:
+        n = len(out.outputs[0].token_ids)
+        tpot.append((end - first[out.request_id]) / (n - 1) if n > 1 else 0.0)
+    tokens = sum(len(out.outputs[0].token_ids) for out, _ in ordered)
+    return Run([out for out, _ in ordered], seconds, tokens, tpot)
+
+
+def matched(params: list[SamplingParams], run: Run) -> list[SamplingParams]:
+    """The same requests with no schema, each generating exactly as many tokens as it did."""
+    return [
+        replace(p, structured_outputs=None, ignore_eos=True, max_tokens=len(o.outputs[0].token_ids))
+        for p, o in zip(params, run.outputs, strict=True)
+    ]
+
+
+def set_overlap(llm: LLM, overlap: bool) -> None:
+    """Grammar overlap on or off for requests added from now on (the engine reads it at add)."""
+    config = llm.engine.config
+    llm.engine.config = replace(config, grammar=replace(config.grammar, overlap=overlap))
 
 
 def main() -> int:
@@ -158,9 +189,14 @@ def main() -> int:
         "--model-config", type=Path, default=Path("configs/models/llama-3.1-8b.json")
     )
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--num-seqs", type=int, default=256, help="schema scenario's requests")
+    parser.add_argument("--mixed-requests", type=int, default=512)
+    parser.add_argument("--mixed-every", type=int, default=10, help="every n-th under a schema")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--mixed-max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=2, help="timed runs; the best counts")
     parser.add_argument(
         "--out",
@@ -189,16 +225,18 @@ def main() -> int:
 
 def run(args: argparse.Namespace, config: Path) -> dict[str, Any]:
     cpu = args.device == "cpu"
+    longest = args.prompt_len + max(args.max_tokens, args.mixed_max_tokens)
     llm = LLM(
         str(config),
         dtype="float32" if cpu else "bfloat16",
         device=args.device,
-        max_model_len=args.prompt_len + args.max_tokens + 64,
-        max_num_seqs=args.num_requests,
-        max_num_batched_tokens=max(2048, args.num_requests * args.prompt_len),
+        max_model_len=longest + 64,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=max(2048, args.max_num_seqs * args.prompt_len),
         num_kv_blocks=2048 if cpu else None,
-        gpu_memory_utilization=0.5,
+        gpu_memory_utilization=0.6,
         enable_lora=False,
+        async_scheduling=True,
         seed=0,
     )
     spec = StructuredOutputs(json=SCHEMA)
@@ -211,55 +249,101 @@ def run(args: argparse.Namespace, config: Path) -> dict[str, Any]:
     cached_ms = (time.perf_counter() - start) * 1e3
 
     rng = random.Random(0)
+    num_prompts = max(args.num_seqs, args.mixed_requests)
     prompts = [
         [rng.randrange(100, VOCAB_SIZE - 100) for _ in range(args.prompt_len)]
-        for _ in range(args.num_requests)
+        for _ in range(num_prompts)
     ]
 
-    def sampling(i: int, **kw: Any) -> SamplingParams:
-        return SamplingParams(temperature=0.7, seed=1000 + i, **kw)
+    def sampling(i: int, max_tokens: int, schema: bool) -> SamplingParams:
+        return SamplingParams(
+            temperature=args.temperature,
+            seed=1000 + i,
+            max_tokens=max_tokens,
+            ignore_eos=not schema,
+            structured_outputs=spec if schema else None,
+        )
 
-    constrained = [
-        sampling(i, max_tokens=args.max_tokens, structured_outputs=spec)
-        for i in range(len(prompts))
+    schema_prompts = prompts[: args.num_seqs]
+    constrained = [sampling(i, args.max_tokens, True) for i in range(args.num_seqs)]
+    mixed_prompts = prompts[: args.mixed_requests]
+    is_schema = [i % args.mixed_every == 0 for i in range(args.mixed_requests)]
+    mixed = [
+        sampling(i, args.max_tokens if s else args.mixed_max_tokens, s)
+        for i, s in enumerate(is_schema)
     ]
-    full = [sampling(i, max_tokens=args.max_tokens, ignore_eos=True) for i in range(len(prompts))]
-    for params in (constrained, full):  # warm-up: kernels, graphs, the grammar's states
-        llm.generate(prompts[:8], [replace(p, max_tokens=16) for p in params[:8]])
+    warm = [replace(p, max_tokens=16) for p in constrained[:8]]
+    drive(llm, schema_prompts[:8], warm)  # kernels, graphs, the grammar's states
+    drive(llm, schema_prompts[:8], [replace(p, structured_outputs=None) for p in warm])
 
-    timer = MaskFillTimer(llm.engine.structured.fill_bitmasks)
-    llm.engine.structured.fill_bitmasks = timer  # type: ignore[method-assign]
-    best: dict[str, float] = {"constrained": 0.0, "matched": 0.0, "full": 0.0}
+    best: dict[str, Run] = {}
+
+    def keep(name: str, result: Run) -> Run:
+        if name not in best or result.tok_s > best[name].tok_s:
+            best[name] = result
+        return result
+
+    stats = MaskFillStats()
     for _ in range(args.repeats):
-        outputs, seconds, tokens = timed_generate(llm, prompts, constrained)
-        best["constrained"] = max(best["constrained"], tokens / seconds)
-        matched = [
-            sampling(i, max_tokens=len(o.outputs[0].token_ids), ignore_eos=True)
-            for i, o in enumerate(outputs)
-        ]
-        _, seconds, tokens = timed_generate(llm, prompts, matched)
-        best["matched"] = max(best["matched"], tokens / seconds)
-        _, seconds, tokens = timed_generate(llm, prompts, full)
-        best["full"] = max(best["full"], tokens / seconds)
-    completed, valid = count_valid(outputs)
-    lengths = sorted(len(o.outputs[0].token_ids) for o in outputs)
+        llm.engine.structured.stats = MaskFillStats()
+        first = keep("schema", drive(llm, schema_prompts, constrained))
+        if first is best["schema"]:
+            stats = llm.engine.structured.stats  # the mask fills of the best run
+        keep("schema_matched", drive(llm, schema_prompts, matched(constrained, first)))
+        set_overlap(llm, False)
+        locked = keep("schema_lock_step", drive(llm, schema_prompts, constrained))
+        set_overlap(llm, True)
+        keep("schema_lock_step_matched", drive(llm, schema_prompts, matched(constrained, locked)))
+        with_schema = keep("mixed", drive(llm, mixed_prompts, mixed))
+        keep("mixed_matched", drive(llm, mixed_prompts, matched(mixed, with_schema)))
+
+    schema_run = best["schema"]
+    completed, valid = count_valid(schema_run.outputs)
+    mixed_completed, mixed_valid = count_valid(
+        [o for o, s in zip(best["mixed"].outputs, is_schema, strict=True) if s]
+    )
+    lengths = sorted(len(o.outputs[0].token_ids) for o in schema_run.outputs)
+
+    def free_tpot_ms(name: str) -> float:
+        values = [t for t, s in zip(best[name].tpot_s, is_schema, strict=True) if not s]
+        return statistics.median(values) * 1e3
+
+    tpot_with, tpot_without = free_tpot_ms("mixed"), free_tpot_ms("mixed_matched")
     return {
-        "json_schema_throughput_ratio": round(best["constrained"] / best["matched"], 4),
-        "json_schema_throughput_ratio_vs_full_length": round(best["constrained"] / best["full"], 4),
-        "constrained_output_tok_s": round(best["constrained"], 1),
-        "unconstrained_matched_output_tok_s": round(best["matched"], 1),
-        "unconstrained_full_length_output_tok_s": round(best["full"], 1),
-        "mask_fill_ms_per_step": round(timer.seconds / max(timer.calls, 1) * 1e3, 4),
-        "mask_fill_us_per_row": round(timer.seconds / max(timer.rows, 1) * 1e6, 3),
-        "num_requests": len(prompts),
+        "json_schema_throughput_ratio": round(
+            best["schema"].tok_s / best["schema_matched"].tok_s, 4
+        ),
+        "json_schema_throughput_ratio_lock_step": round(
+            best["schema_lock_step"].tok_s / best["schema_lock_step_matched"].tok_s, 4
+        ),
+        "mixed_json_throughput_ratio": round(best["mixed"].tok_s / best["mixed_matched"].tok_s, 4),
+        "mixed_unconstrained_tpot_p50_ms": round(tpot_with, 3),
+        "mixed_unconstrained_tpot_p50_ms_without_schemas": round(tpot_without, 3),
+        "mixed_unconstrained_tpot_ratio": round(tpot_with / tpot_without, 4),
+        "constrained_output_tok_s": round(best["schema"].tok_s, 1),
+        "unconstrained_matched_output_tok_s": round(best["schema_matched"].tok_s, 1),
+        "lock_step_constrained_output_tok_s": round(best["schema_lock_step"].tok_s, 1),
+        "mixed_output_tok_s": round(best["mixed"].tok_s, 1),
+        "mixed_matched_output_tok_s": round(best["mixed_matched"].tok_s, 1),
+        "mask_fill_ms_per_step": round(stats.seconds / max(stats.calls, 1) * 1e3, 4),
+        "mask_fill_us_per_row": round(stats.seconds / max(stats.rows, 1) * 1e6, 3),
+        "mask_rows_reused_share": round(stats.reused / max(stats.rows, 1), 4),
+        "num_seqs": args.num_seqs,
+        "mixed_requests": args.mixed_requests,
+        "mixed_every": args.mixed_every,
+        "max_num_seqs": args.max_num_seqs,
+        "temperature": args.temperature,
         "completed_json_outputs": completed,
         "valid_json_outputs": valid,
+        "mixed_completed_json_outputs": mixed_completed,
+        "mixed_valid_json_outputs": mixed_valid,
         "constrained_output_len_median": lengths[len(lengths) // 2],
         "constrained_output_len_max": lengths[-1],
         "schema_compile_cold_ms": round(cold_ms, 2),
         "schema_compile_cached_ms": round(cached_ms, 4),
         "model": f"{args.model_config.name} with vocab_size {VOCAB_SIZE}, random weights",
         "max_tokens": args.max_tokens,
+        "mixed_max_tokens": args.mixed_max_tokens,
         "prompt_len": args.prompt_len,
     }
 

@@ -162,6 +162,7 @@ class EngineConfig:
     _ALIASES = {
         "grammar_compile_timeout": "compile_timeout_s",
         "grammar_compile_memory_mib": "compile_memory_mib",
+        "grammar_overlap": "overlap",
     }
 
     @classmethod

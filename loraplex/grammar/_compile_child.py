@@ -8,7 +8,10 @@ length-prefixed pickled frames on stdin: first the outlines-core `Vocabulary`, t
 per compile. A "json" job's schema is analysed here (`analyse_schema`: validation, refusals,
 rewriting), so a costly schema spends this process's time and memory, not the engine's. Answers
 each job with `("ok", Index binary)`, `("unsupported", (feature, detail))`, `("invalid",
-message)`, or `(kind, message)` where kind is "error" or "memory". outlines-core aborts the
+message)`, or `(kind, message)` where kind is "error" or "memory". A schema the analysis refuses
+for outlines-core goes to llguidance (when installed), whose grammar text comes back as
+`("ok", packed text)`; refused by both, the answer names outlines-core's feature and adds
+llguidance's reason. outlines-core aborts the
 process when an allocation fails; the parent reads that as running out of memory.
 """
 
@@ -57,10 +60,10 @@ def _import_analysis(package_parent: str):
     package = types.ModuleType("loraplex")
     package.__path__ = [os.path.join(package_parent, "loraplex")]
     sys.modules["loraplex"] = package
-    from loraplex.grammar import errors
+    from loraplex.grammar import errors, llguidance_compile
     from loraplex.grammar.schema_analysis import schema_regex
 
-    return schema_regex, errors
+    return schema_regex, errors, llguidance_compile
 
 
 def _regex(job: dict, schema_regex) -> str:
@@ -74,7 +77,8 @@ def _regex(job: dict, schema_regex) -> str:
 
 
 def main() -> None:
-    schema_regex, errors = _import_analysis(sys.argv[2])
+    schema_regex, errors, llguidance = _import_analysis(sys.argv[2])
+    has_llguidance = llguidance.llguidance_available()
     limit = int(sys.argv[1]) * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     requests = sys.stdin.buffer
@@ -90,7 +94,16 @@ def main() -> None:
             # the parent and the disk cache load it without unpickling.
             _write_frame(replies, ("ok", index.__reduce__()[1][0]))
         except errors.UnsupportedSchemaError as error:
-            _write_frame(replies, ("unsupported", (error.feature, error.detail)))
+            # NOTE: outlines-core cannot enforce it exactly; llguidance may (the second backend).
+            grammar, why = None, "llguidance is not installed"
+            if has_llguidance and job["kind"] == "json":
+                schema = json.loads(job["source"])
+                grammar, why = llguidance.json_schema_grammar(schema, job["whitespace_pattern"])
+            if grammar is not None:
+                _write_frame(replies, ("ok", llguidance.pack(grammar)))
+            else:
+                detail = f"{error.detail}; llguidance: {why}" if error.detail else why
+                _write_frame(replies, ("unsupported", (error.feature, detail)))
         except errors.GrammarError as error:
             _write_frame(replies, ("invalid", str(error)))
         except MemoryError as error:

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 import numpy as np
 from outlines_core import Index
 
 from loraplex.grammar.bitmask import bitmask_words
 from loraplex.grammar.vocabulary import GrammarVocabulary
+
+if TYPE_CHECKING:
+    from loraplex.grammar.matcher import GrammarMatcher
 
 
 class CompiledGrammar:
@@ -18,6 +22,8 @@ class CompiledGrammar:
     allowed. Stop tokens are allowed exactly in final states. Masks are built once per state on
     first use and kept (up to `max_cached_states`), so a step costs one row copy.
     """
+
+    backend = "outlines"
 
     def __init__(
         self,
@@ -43,6 +49,12 @@ class CompiledGrammar:
     @property
     def num_words(self) -> int:
         return bitmask_words(self.vocab_size)
+
+    def new_matcher(self) -> GrammarMatcher:
+        """A matcher at the start of this grammar."""
+        from loraplex.grammar.matcher import GrammarMatcher
+
+        return GrammarMatcher(self)
 
     def is_final(self, state: int) -> bool:
         """True when the output so far is a complete match (a stop token may end it)."""

@@ -12,11 +12,15 @@ from loraplex.grammar.compile_request import CompileRequest, build_compile_reque
 from loraplex.grammar.compiled import CompiledGrammar
 from loraplex.grammar.config import GrammarConfig
 from loraplex.grammar.errors import GrammarError
+from loraplex.grammar.llguidance_backend import LLGuidanceGrammar
+from loraplex.grammar.llguidance_compile import is_packed
 from loraplex.grammar.params import StructuredOutputs
 from loraplex.grammar.schema_limits import check_schema_limits
 from loraplex.grammar.vocabulary import GrammarVocabulary
 from loraplex.grammar.worker import CompileWorker, load_index
 
+# A compiled grammar of either backend: both give `new_matcher()`.
+Grammar = CompiledGrammar | LLGuidanceGrammar
 # Compiled grammars kept live (index loaded, state masks built) for immediate reuse.
 _MAX_LIVE_GRAMMARS = 32
 # Analysed specs remembered (spec key -> compile job and grammar key).
@@ -53,8 +57,8 @@ class GrammarCompiler:
             )
         # NOTE: reentrant, because a future that is already done runs its callback at once.
         self._lock = threading.RLock()
-        self._in_flight: dict[str, Future[CompiledGrammar]] = {}
-        self._live: OrderedDict[str, CompiledGrammar] = OrderedDict()
+        self._in_flight: dict[str, Future[Grammar]] = {}
+        self._live: OrderedDict[str, Grammar] = OrderedDict()
         self._failures: OrderedDict[str, GrammarError] = OrderedDict()
         self._requests: OrderedDict[str, tuple[CompileRequest, str]] = OrderedDict()
         self.num_compiles = 0
@@ -83,7 +87,7 @@ class GrammarCompiler:
                 self._requests.popitem(last=False)
         return known
 
-    def submit(self, outputs: StructuredOutputs) -> Future[CompiledGrammar]:
+    def submit(self, outputs: StructuredOutputs) -> Future[Grammar]:
         """A future of the compiled grammar for `outputs`; done at once when cached.
 
         Raises `SchemaTooLargeError` right away for a schema over the size limits; every other
@@ -102,7 +106,7 @@ class GrammarCompiler:
                 future.add_done_callback(lambda _, key=key: self._finish(key))
             return future
 
-    def compile(self, outputs: StructuredOutputs, timeout: float | None = None) -> CompiledGrammar:
+    def compile(self, outputs: StructuredOutputs, timeout: float | None = None) -> Grammar:
         """Compile `outputs` and wait (for offline use and tests)."""
         return self.submit(outputs).result(timeout)
 
@@ -112,12 +116,12 @@ class GrammarCompiler:
         while not self._workers.empty():
             self._workers.get().close()
 
-    def _done_future(self, key: str) -> Future[CompiledGrammar] | None:
+    def _done_future(self, key: str) -> Future[Grammar] | None:
         grammar = self._live.get(key)
         failure = self._failures.get(key)
         if grammar is None and failure is None:
             return None
-        future: Future[CompiledGrammar] = Future()
+        future: Future[Grammar] = Future()
         if grammar is not None:
             self._live.move_to_end(key)
             future.set_result(grammar)
@@ -138,11 +142,11 @@ class GrammarCompiler:
                 if len(self._live) > _MAX_LIVE_GRAMMARS:
                     self._live.popitem(last=False)
 
-    def _compile(self, request: CompileRequest, key: str) -> CompiledGrammar:
+    def _compile(self, request: CompileRequest, key: str) -> Grammar:
         data = self.cache.get(key)
         if data is not None:
             try:
-                return CompiledGrammar(load_index(data), self.vocabulary, key)
+                return self._load(data, key)
             except Exception:  # noqa: BLE001 - a corrupt cache file is recompiled
                 data = None
         worker = self._workers.get()
@@ -152,5 +156,12 @@ class GrammarCompiler:
             self._workers.put(worker)
         with self._lock:
             self.num_compiles += 1
+        grammar = self._load(data, key)
         self.cache.put(key, data)
+        return grammar
+
+    def _load(self, data: bytes, key: str) -> Grammar:
+        """The grammar in compiled bytes: an llguidance grammar or an outlines-core index."""
+        if is_packed(data):
+            return LLGuidanceGrammar(data, self.vocabulary, key)
         return CompiledGrammar(load_index(data), self.vocabulary, key)

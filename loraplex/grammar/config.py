@@ -25,6 +25,10 @@ class GrammarConfig:
         booleans, nulls; keys not counted), and its size as compact JSON text (UTF-8). Checked
         on submission, in time proportional to the limits, before any analysis; a schema over
         one is refused with `SchemaTooLargeError` (a 400) naming it.
+    overlap: fill a step's grammar masks on the host while the device runs its forward pass,
+        so grammar requests run ahead under async scheduling like any other (`grammar_overlap`
+        as an engine option). False puts the engine in lock step while one runs (same tokens,
+        slower; for comparison).
     """
 
     compile_timeout_s: float = 30.0
@@ -38,6 +42,7 @@ class GrammarConfig:
     max_schema_depth: int = 64
     max_schema_nodes: int = 10_000
     max_schema_bytes: int = 512 * 1024
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_schema_depth", "max_schema_nodes", "max_schema_bytes"):

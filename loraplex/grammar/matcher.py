@@ -63,6 +63,11 @@ class GrammarMatcher:
         if bitmask.shape[1] > words:
             bitmask[row, words:] = 0
 
+    def mask_key(self) -> tuple[str, int]:
+        """Equal for two matchers exactly when `fill_bitmask` writes the same row: a batch
+        bitmask slot that holds this key's mask need not be written again."""
+        return (self.grammar.key, self.state)
+
     def is_final(self) -> bool:
         """True when the output so far is complete: a stop token is allowed now."""
         return not self._terminated and self.grammar.is_final(self.state)

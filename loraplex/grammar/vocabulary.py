@@ -13,6 +13,8 @@ from typing import Any
 from outlines_core import Vocabulary
 from tokenizers import Tokenizer
 
+from loraplex.grammar.llguidance_compile import llguidance_version
+
 _SENTENCEPIECE_SPACE = "\u2581"
 # Unicode noncharacters: candidates for the end marker, which no real token may contain.
 _END_MARKERS = ("\uffff", "\ufffe", "\U0010ffff", "\U0010fffe")
@@ -33,6 +35,7 @@ class GrammarVocabulary:
         a state is complete exactly when the marker may follow.
     marker_token_ids: real tokens sharing a byte with the marker; only they could spell it
         out, so only they are checked when masks are built (see `CompiledGrammar`).
+    tokenizer_json: the tokenizer's JSON, from which the llguidance backend builds its own.
 
     NOTE: outlines-core 0.2.14 drops every transition from a complete state into an incomplete
     one (regex `[0-9]+(\.[0-9]+)?` cannot continue "12" with "."; choice ["a", "abc"] cannot
@@ -47,6 +50,7 @@ class GrammarVocabulary:
     end_marker: str
     end_marker_id: int
     marker_token_ids: frozenset[int]
+    tokenizer_json: str = ""
 
 
 @cache
@@ -125,8 +129,9 @@ def build_vocabulary(
     by_bytes[end_marker.encode()] = [vocab_size]
     stops = tuple(dict.fromkeys(stop_token_ids))
     digest = hashlib.sha256(text.encode())
-    # NOTE: the compiler's version is part of the key: the index binary format is its own.
-    digest.update(json.dumps([stops, end_marker, version("outlines_core")]).encode())
+    # NOTE: the compilers' versions are part of the key: each stores its own format.
+    backends = [version("outlines_core"), llguidance_version()]
+    digest.update(json.dumps([stops, end_marker, *backends]).encode())
     return GrammarVocabulary(
         vocabulary=Vocabulary(stops[0], by_bytes),
         eos_token_id=stops[0],
@@ -136,6 +141,7 @@ def build_vocabulary(
         end_marker=end_marker,
         end_marker_id=vocab_size,
         marker_token_ids=marker_token_ids,
+        tokenizer_json=text,
     )
 
 

@@ -19,7 +19,6 @@ if not torch.cuda.is_available():
 from loraplex.grammar.bitmask import allocate_token_bitmask  # noqa: E402
 from loraplex.grammar.compiler import GrammarCompiler  # noqa: E402
 from loraplex.grammar.config import GrammarConfig  # noqa: E402
-from loraplex.grammar.matcher import GrammarMatcher  # noqa: E402
 from loraplex.grammar.vocabulary import GrammarVocabulary, build_vocabulary  # noqa: E402
 
 # Single characters a finishing walk prefers: they close strings, objects and arrays.
@@ -72,7 +71,7 @@ def random_walk(closer_ids: dict[int, str], short_ids: np.ndarray) -> Callable:
 
     def walk(grammar, seed: int, explore_steps: int = 24, max_steps: int = 600) -> list[int]:
         rng = np.random.default_rng(seed)
-        matcher = GrammarMatcher(grammar)
+        matcher = grammar.new_matcher()
         bitmask = allocate_token_bitmask(1, grammar.vocab_size).numpy()
         is_short = np.zeros(grammar.vocab_size, dtype=bool)
         is_short[short_ids[short_ids < grammar.vocab_size]] = True

@@ -69,10 +69,11 @@ def test_invalid_regex_is_a_compile_error(fresh) -> None:
 
 
 def test_unsupported_schema_is_refused_by_the_analysis_in_the_child(fresh) -> None:
-    future = fresh.submit(StructuredOutputs(json={"type": "integer", "multipleOf": 3}))
-    with pytest.raises(UnsupportedSchemaError, match="multipleOf") as caught:
+    # NOTE: `not` is enforced by neither backend (outlines-core, llguidance).
+    future = fresh.submit(StructuredOutputs(json={"type": "integer", "not": {"const": 3}}))
+    with pytest.raises(UnsupportedSchemaError, match="feature: not") as caught:
         future.result(timeout=30)
-    assert caught.value.feature == "multipleOf"
+    assert caught.value.feature == "not"
     assert fresh.num_compiles == 0
     with pytest.raises(GrammarCompileError, match="invalid JSON schema"):
         fresh.compile(StructuredOutputs(json={"type": "object", "required": 3}), timeout=30)

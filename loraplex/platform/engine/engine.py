@@ -9,6 +9,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from loraplex.adapters.errors import AdapterLoadError
 from loraplex.adapters.manager import LoRAManager, LoRAStats
 from loraplex.adapters.peft_format import BaseModelSpec
@@ -27,11 +29,11 @@ from loraplex.platform.core.request import Request, RequestStatus
 from loraplex.platform.core.sampling_params import SamplingParams
 from loraplex.platform.core.scheduler_output import SchedulerOutput
 from loraplex.platform.engine.output_processor import OutputProcessor
-from loraplex.platform.engine.structured_output import StructuredOutputManager
+from loraplex.platform.engine.structured_output import StepBitmask, StructuredOutputManager
 from loraplex.platform.models.model_loader import generation_eos_ids
 from loraplex.platform.models.model_store import resolve_model_path
 from loraplex.platform.models.tokenizer import load_tokenizer
-from loraplex.platform.runner.model_runner import ModelRunner, StepOutput
+from loraplex.platform.runner.model_runner import LaunchedStep, ModelRunner, StepOutput
 from loraplex.platform.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -162,6 +164,9 @@ class Engine:
                 adapter_key=adapter_key,
             )
             if grammar is not None:
+                # NOTE: its masks are filled while the device runs the step's forward pass, so
+                # it runs ahead like any request; `GrammarConfig.overlap=False` locks the step.
+                request.async_ok = self.config.grammar.overlap
                 self.structured.add_request(request, grammar)
             self.scheduler.add_request(request)
         self.prompt_tokens_total += len(token_ids)
@@ -262,21 +267,26 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the outputs it produced.
 
-        With async scheduling, step N+1 is scheduled and launched before step N's sampled
-        tokens are read, and this returns step N's outputs while the device runs step N+1.
-        Penalties, min_tokens, logprobs and seeds read only device state, so they run ahead
-        too; while any request has a grammar (its mask is filled on the host from its accepted
-        tokens), steps run in lock step."""
+        With async scheduling, step N+1 is scheduled and its forward pass launched before step
+        N's sampled tokens are read, and this returns step N's outputs while the device runs
+        step N+1. Penalties, min_tokens, logprobs and seeds read only device state, so they run
+        ahead too. A grammar's mask is filled on the host from its accepted tokens: step N+1's
+        masks are filled after step N's tokens are read, while the device computes step N+1's
+        forward pass, and its sampling is launched after them."""
         failed = self._poll_grammars() + self._poll_adapters()
-        if not self.async_scheduling or self.scheduler.num_lock_step:
-            outputs = self._finish_in_flight()
-            so = self.scheduler.schedule()
-            step = self.runner.execute(so, self._grammar_bitmasks(so))
-            return failed + outputs + self._process(so, step)
+        lock_step = not self.async_scheduling or bool(self.scheduler.num_lock_step)
+        outputs = self._finish_in_flight() if lock_step else []
         so = self.scheduler.schedule()
-        step = self.runner.execute(so)
-        outputs = self._finish_in_flight()
-        if so.is_empty:  # nothing launched
+        constrained = self.structured.num_active > 0
+        launched = self.runner.launch(so, need_sampler=constrained)
+        if not lock_step:
+            outputs = self._finish_in_flight()
+        bitmask = self._grammar_bitmask(launched) if constrained else None
+        if bitmask is None:
+            step = self.runner.sample(launched)
+        else:
+            step = self.runner.sample(launched, bitmask.bitmask, bitmask.rows)
+        if lock_step or so.is_empty:  # nothing left in flight
             return failed + outputs + self._process(so, step)
         self._in_flight = (so, step)
         return failed + outputs
@@ -345,14 +355,19 @@ class Engine:
                 outputs.append(out)
         return outputs
 
-    def _grammar_bitmasks(self, so) -> dict:
-        constrained = []
-        for req_id in so.num_scheduled_tokens:
-            request = self.scheduler.requests[req_id]
-            # In lock step a request has a pending token exactly when this step samples it.
-            if request.grammar is not None and request.num_pending:
-                constrained.append(request)
-        return self.structured.fill_bitmasks(constrained)
+    def _grammar_bitmask(self, launched: LaunchedStep) -> StepBitmask | None:
+        """Fill the masks of the launched step's constrained rows. Every token sampled before
+        this step has been accepted by its matcher by now (in lock step before the launch,
+        under async scheduling just before this call)."""
+        requests = self.structured.active_requests()
+        if not requests:
+            return None
+        index = self.runner.input_batch.req_index
+        batch_rows = np.fromiter(
+            (index.get(r.request_id, -1) for r in requests), np.int64, len(requests)
+        )
+        logits_rows = np.where(batch_rows >= 0, launched.logits_rows(batch_rows), -1)
+        return self.structured.fill_bitmask(requests, logits_rows)
 
     def shutdown(self) -> None:
         self.structured.shutdown()

@@ -47,6 +47,7 @@ class LLM:
         enforce_eager: bool = False,
         enable_lora: bool = True,
         async_scheduling: bool | None = None,
+        grammar_overlap: bool = True,
     ) -> None:
         config = EngineConfig.from_options(
             model=model, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
@@ -56,6 +57,7 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization, enable_lora=enable_lora,
             max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
             enforce_eager=enforce_eager, async_scheduling=async_scheduling,
+            grammar_overlap=grammar_overlap,
         )  # fmt: skip
         self.engine = Engine(config)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,31 @@ from loraplex.platform.runner.step_output import StepOutput
 logger = logging.getLogger(__name__)
 
 _SCORE_CHUNK = 1024  # prompt rows whose logits are materialised at once for prompt logprobs
+
+
+@dataclass(frozen=True)
+class LaunchedStep:
+    """A step whose forward pass is launched and whose sampling is not (`ModelRunner.sample`).
+
+    `batch` and `logits` are None for an empty step."""
+
+    batch: Batch | None
+    logits: torch.Tensor | None  # [num_sampled, vocab] on the device
+    prompt_logprobs: dict
+
+    @property
+    def sample_req_ids(self) -> list[str]:
+        """The requests that sample, in logits row order."""
+        return self.batch.sample_req_ids if self.batch is not None else []
+
+    def logits_rows(self, batch_rows: np.ndarray) -> np.ndarray:
+        """The logits row of each input-batch row, -1 where that row does not sample.
+        [k] int64 -> [k] int64"""
+        if self.batch is None or not len(self.batch.sample_rows):
+            return np.full(len(batch_rows), -1, dtype=np.int64)
+        sample_rows = self.batch.sample_rows  # ascending
+        at = np.searchsorted(sample_rows, batch_rows).clip(max=len(sample_rows) - 1)
+        return np.where(sample_rows[at] == batch_rows, at, -1)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -146,19 +172,41 @@ class ModelRunner:
         return build_batch(self.input_batch, so, self.block_size, self._scoring, need_sampler)
 
     @torch.inference_mode()
-    def execute(
-        self, so: SchedulerOutput, bitmasks: dict[str, torch.Tensor] | None = None
-    ) -> StepOutput:
-        """Launch one step. `bitmasks` maps req_id -> packed allowed-token row for grammars.
+    def execute(self, so: SchedulerOutput) -> StepOutput:
+        """Launch one step, sampling without a grammar mask: `sample(launch(so))`.
 
         The device may still be running the step when this returns, and the next step may be
         launched before `get()` reads its sampled tokens (async scheduling): a request's pending
         token is then the next step's input, taken on the device."""
+        return self.sample(self.launch(so))
+
+    @torch.inference_mode()
+    def launch(self, so: SchedulerOutput, need_sampler: bool = False) -> LaunchedStep:
+        """Apply `so` and launch its forward pass; `sample` completes the step.
+
+        Between the two the host may fill grammar masks while the device computes.
+        `need_sampler`: a grammar row may sample, so even a plain-greedy step goes through the
+        sampler (which applies the mask)."""
         self._update_states(so)
         if so.is_empty:
-            return StepOutput.ready(ModelRunnerOutput(sampled={}))
-        batch = self.prepare(so, need_sampler=bool(bitmasks))
+            return LaunchedStep(None, None, {})
+        batch = self.prepare(so, need_sampler=need_sampler)
         logits, prompt_logprobs = self._forward(batch)
+        return LaunchedStep(batch, logits, prompt_logprobs)
+
+    @torch.inference_mode()
+    def sample(
+        self,
+        launched: LaunchedStep,
+        bitmask: torch.Tensor | None = None,  # [k, words] int32, host (pinned on CUDA)
+        bitmask_rows: torch.Tensor | None = None,  # [k] int64 host: logits row of each
+    ) -> StepOutput:
+        """Sample a launched step on the device; `bitmask` row i masks logits row
+        `bitmask_rows[i]` (the step launched with need_sampler=True)."""
+        batch, logits = launched.batch, launched.logits
+        if batch is None or logits is None:
+            return StepOutput.ready(ModelRunnerOutput(sampled={}))
+        prompt_logprobs = launched.prompt_logprobs
         if not batch.sample_req_ids:
             return StepOutput.ready(ModelRunnerOutput(sampled={}, prompt_logprobs=prompt_logprobs))
         ib = self.input_batch
@@ -168,12 +216,13 @@ class ModelRunner:
             # NOTE: the common decode case: one argmax, read back when the engine asks.
             tokens = logits.argmax(dim=-1)
         else:
-            mask = None
-            if bitmasks:
-                mask = _stack_bitmasks(
-                    bitmasks, batch.sample_req_ids, logits.shape[1], logits.device
-                )
-            out = self.sampler(logits, batch.sampling, mask)
+            mask = rows = None
+            if bitmask is not None and bitmask_rows is not None and len(bitmask_rows):
+                # NOTE: the host buffer is refilled only after this step's tokens were read
+                # back (the engine's order), which follows this copy on the stream.
+                mask = bitmask.to(logits.device, non_blocking=True)
+                rows = bitmask_rows.to(logits.device, non_blocking=True)
+            out = self.sampler(logits, batch.sampling, mask, rows)
             tokens, logprobs = out.token_ids, out.logprobs
             if logprobs is not None:
                 params = ib.params
@@ -226,16 +275,3 @@ class ModelRunner:
             return self.model.compute_logits(hidden), prompt_logprobs
         indices = to_device(batch.logits_indices, dev)
         return self.model.compute_logits(hidden[indices]), prompt_logprobs
-
-
-def _stack_bitmasks(
-    bitmasks: dict[str, torch.Tensor], req_ids: list[str], vocab: int, device: torch.device
-) -> torch.Tensor:
-    """One packed row per sampled request; unconstrained rows allow everything (all ones)."""
-    words = -(-vocab // 32)
-    mask = torch.full((len(req_ids), words), -1, dtype=torch.int32)
-    for i, req_id in enumerate(req_ids):
-        row = bitmasks.get(req_id)
-        if row is not None:
-            mask[i, : row.shape[-1]] = row
-    return mask.to(device, non_blocking=True)

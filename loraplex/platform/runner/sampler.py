@@ -1,8 +1,9 @@
 """Sampler: one step of sampling for the whole batch, on the logits' device.
 
 Stages, in vLLM's order: the raw logprobs (log_softmax of the model's logits, before any
-processing: what `logprobs` returns), penalties, min_tokens bans, the grammar bitmask, then
-greedy rows take the argmax and sampled rows draw from softmax(logits / T) truncated by top-k,
+processing: what `logprobs` returns, except that a grammar's bitmask is applied first, as vLLM
+does: a constrained row's logprobs are those of the masked distribution), penalties, min_tokens
+bans, then greedy rows take the argmax and sampled rows draw from softmax(logits / T) truncated by top-k,
 top-p and min-p. Every stage is a batched tensor op over all rows: no per-row Python, no host
 tensors, no read of the device (the host flags of SamplingMetadata decide which stages run).
 Noise is counter-based (Philox keyed by each row's seed, counted by its step and the token), so
@@ -56,27 +57,33 @@ def apply_min_tokens_(
 class Sampler:
     """Samples one token per row from logits that each row's SamplingMetadata columns shape.
 
-    Call: `sampler(logits, metadata, bitmask)` -> SamplerOutput, everything on the logits'
-    device; the caller reads tokens (and logprobs) back when it needs them. The logits are
-    not modified.
+    Call: `sampler(logits, metadata, bitmask, bitmask_rows)` -> SamplerOutput, everything on
+    the logits' device; the caller reads tokens (and logprobs) back when it needs them. The
+    logits are not modified.
     """
 
     def __call__(
         self,
         logits: torch.Tensor,  # [n, vocab] fp32
         metadata: SamplingMetadata,
-        bitmask: torch.Tensor | None = None,  # [n, ceil(vocab / 32)] int32, or None
+        bitmask: torch.Tensor | None = None,  # [k, ceil(vocab / 32)] int32, or None
+        bitmask_rows: torch.Tensor | None = None,  # [k] int64: logits row of each mask row
     ) -> SamplerOutput:
         if logits.dim() != 2:
             raise ValueError(f"logits must be [n, vocab], got {tuple(logits.shape)}")
         raw = logits.float()
         if raw.stride(1) != 1:
             raw = raw.contiguous()
-        token_ids = self.sample(self.process_logits(raw, metadata, bitmask), metadata)
+        if bitmask is not None:
+            # NOTE: before the logprobs, as vLLM (which masks the logits before its sampler):
+            # a constrained row reports the distribution it was allowed to sample from.
+            raw = raw.clone() if raw is logits else raw
+            apply_token_bitmask_(raw, bitmask, bitmask_rows)
+        token_ids = self.sample(self.process_logits(raw, metadata), metadata)
         logprobs = None
         if metadata.max_num_logprobs is not None:
-            # NOTE: of the raw logits (the model's distribution), as vLLM returns by default;
-            # process_logits never writes into them.
+            # NOTE: of the raw logits (the model's distribution, grammar-masked), as vLLM
+            # returns by default; process_logits never writes into them.
             logprobs = LogprobsTensors(*compute_logprobs(raw, token_ids, metadata.max_num_logprobs))
         return SamplerOutput(token_ids, logprobs)
 
@@ -84,10 +91,9 @@ class Sampler:
     def process_logits(
         logits: torch.Tensor,  # [n, vocab] fp32
         metadata: SamplingMetadata,
-        bitmask: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Penalties, min_tokens bans and the grammar mask. -> [n, vocab] (the input itself
-        when no stage runs, else a new tensor)"""
+        """Penalties and min_tokens bans. -> [n, vocab] (the input itself when no stage
+        runs, else a new tensor)"""
         owned = False
         if metadata.any_penalties:
             logits, owned = apply_penalties(logits, metadata), True
@@ -100,9 +106,6 @@ class Sampler:
             apply_min_tokens_(
                 logits, metadata.banned_token_ids, metadata.steps, metadata.min_tokens
             )
-        if bitmask is not None:
-            logits = logits if owned else logits.clone()
-            apply_token_bitmask_(logits, bitmask)
         return logits
 
     @staticmethod

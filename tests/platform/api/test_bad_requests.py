@@ -59,7 +59,7 @@ CASES = [
     ("too many stop strings", C, _json({"prompt": "a", "stop": ["x"] * 20}), 400, "stop", None),
     ("unsupported schema feature", CHAT,
      _json({"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
-         "name": "n", "schema": {"type": "integer", "multipleOf": 7}}}}), 400,
+         "name": "n", "schema": {"type": "integer", "not": {"const": 7}}}}}), 400,
      None, "unsupported_schema_feature"),
     ("empty guided_choice", C, _json({"prompt": "a", "guided_choice": []}), 400,
      "guided_choice", None),
