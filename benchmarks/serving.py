@@ -371,6 +371,24 @@ def offline_tpot(llm, prompts: list[list[int]], output_len: int, sampling: str) 
     return float(np.median(tpots))
 
 
+def with_word_tokenizer(config: str) -> str:
+    """A copy of a random-weight model config beside a tokenizer.json of one word per token id
+    ("t<id>"), so streamed text (and detokenization, on both sides) is real: a bare config's
+    stand-in tokenizer decodes every token to "", and the server sends no empty chunk."""
+    import tempfile
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab_size = json.loads(Path(config).read_text())["vocab_size"]
+    folder = Path(tempfile.mkdtemp(prefix="loraplex-serving-"))
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, "t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    target = folder / Path(config).name
+    target.write_text(Path(config).read_text())
+    return str(target)
+
+
 def record_gpu(args: argparse.Namespace) -> dict[str, float]:
     """The issue-19 record: server (lean client, concurrency args.concurrency) and offline,
     greedy and t1; flat metrics, t1's with a `_t1` suffix (`server_vs_offline_c256_t1`)."""
@@ -381,6 +399,8 @@ def record_gpu(args: argparse.Namespace) -> dict[str, float]:
 
     on_cpu = not torch.cuda.is_available()
     model = resolve_model(args.model or (None if on_cpu else "llama-3.1-8b"))
+    if model is not None and model.endswith(".json"):
+        model = with_word_tokenizer(model)
     options = dict(CPU_ENGINE if on_cpu else GPU_ENGINE)
     flags = serve_flags(options) + (["--model", model] if model else [])
     if args.api_server_count:
