@@ -184,10 +184,12 @@ def _wait(predicate, timeout_s: float = 60.0, what: str = "the page"):
 
 
 def _rows(driver, table: str) -> list[list[str]]:
-    from selenium.webdriver.common.by import By
-
-    rows = driver.find_elements(By.CSS_SELECTOR, f"#{table} tbody tr")
-    return [[td.text for td in row.find_elements(By.TAG_NAME, "td")] for row in rows]
+    """The cells' text as shown, read in one go (the page redraws its tables every poll)."""
+    script = (
+        "return [...document.querySelectorAll(arguments[0])]"
+        ".map((row) => [...row.cells].map((cell) => cell.innerText.trim()))"
+    )
+    return driver.execute_script(script, f"#{table} tbody tr")
 
 
 def _long_request(world, tenant: str, stop: threading.Event) -> threading.Thread:
