@@ -410,12 +410,6 @@ class LoRAManager:
             return False
         return self._load_done.wait(timeout_s)
 
-    @property
-    def loads_in_flight(self) -> int:
-        return len(self._pending) + sum(
-            1 for key in self._stats if self._stats[key].load_started is not None
-        )
-
     def _start_read(self, key: str) -> None:
         """Read the adapter into the host cache: on the loader thread, or now without one."""
         if key in self._pending:

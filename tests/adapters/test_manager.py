@@ -10,7 +10,7 @@ from test_lora_layer import TinyProjections, peft_delta
 
 from loraplex.adapters.errors import AdapterLoadError
 from loraplex.adapters.lora_layer import attach_lora_layers
-from loraplex.adapters.manager import LoRAManager
+from loraplex.adapters.manager import STARVATION_STEPS, LoRAManager
 from loraplex.adapters.peft_format import AdapterValidationError, BaseModelSpec
 from loraplex.adapters.request import LoRARequest
 from loraplex.config import LoRAConfig
@@ -150,3 +150,25 @@ def test_side_stream_loads_serve_the_next_forward_on_gpu(tmp_path):
         expected = peft_delta(peft_model, 0, "down_proj", x[row : row + 1])[0]
         torch.testing.assert_close(delta[row], expected, rtol=1e-4, atol=1e-4)
     assert delta[2].abs().max() == 0
+
+
+def test_an_adapter_waiting_for_a_slot_gets_one_within_the_starvation_bound(
+    manager_and_model, tmp_path
+):
+    manager, *_ = manager_and_model
+    folders = [make_peft_adapter(tmp_path / n, seed=s) for n, s in (("a", 1), ("b", 2), ("c", 3))]
+    key_a, key_b, key_c = (manager.adapter_key(LoRARequest(f.name, str(f))) for f in folders)
+    manager.acquire_for_request("a1", key_a)
+    manager.acquire_for_request("b1", key_b)
+    manager.acquire_for_request("b2", key_b)
+    assert not manager.can_schedule(key_c)  # both slots pinned: c waits
+    for _ in range(STARVATION_STEPS - 1):
+        manager.poll()
+        assert manager.can_schedule(key_a) and not manager.can_schedule(key_c)
+    manager.poll()  # c has waited long enough: the slot with the fewest requests drains
+    assert not manager.can_schedule(key_a) and manager.can_schedule(key_b)
+    manager.acquire_for_request("b3", key_b)  # b keeps admitting
+    manager.release_for_request("a1")  # a's last running request ends
+    assert manager.can_schedule(key_c) and manager.acquire_for_request("c1", key_c) >= 0
+    assert manager.pool.slot_of(key_a) is None  # c took a's slot
+    assert manager.can_schedule(key_a) is False  # and a now waits its turn like c did
