@@ -66,19 +66,45 @@ def _import_analysis(package_parent: str):
     return schema_regex, errors, llguidance_compile
 
 
-def _regex(job: dict, schema_regex) -> str:
-    """The job's regex, followed by the end marker (see `GrammarVocabulary`)."""
-    if job["kind"] == "regex":
-        regex = job["source"]
-    else:
-        schema = json.loads(job["source"])
-        regex = schema_regex(schema, job["whitespace_pattern"], job["max_recursion_depth"])
+def _compile_json(job: dict, vocabulary, schema_regex, errors, llguidance) -> tuple:
+    """The reply to a "json" job: the first backend in `job["backends"]` that enforces the
+    schema exactly compiles it; refused by all, the first refusal's feature is named and every
+    backend's reason is given."""
+    schema = json.loads(job["source"])
+    refusals = []
+    for backend in job["backends"]:
+        if backend == "outlines":
+            try:
+                regex = schema_regex(schema, job["whitespace_pattern"], job["max_recursion_depth"])
+            except errors.UnsupportedSchemaError as error:
+                why = f"{error.feature} {error.detail}".strip()
+                refusals.append((error.feature, f"outlines-core refuses {why}"))
+                continue
+            return ("ok", _index_bytes(Index(_with_end_marker(regex, job), vocabulary)))
+        if not llguidance.llguidance_available():
+            refusals.append(("llguidance", "llguidance: not installed"))
+            continue
+        grammar, why = llguidance.json_schema_grammar(schema, job["whitespace_pattern"])
+        if grammar is not None:
+            return ("ok", llguidance.pack(grammar))
+        refusals.append((llguidance.refused_feature(why), f"llguidance: {why}"))
+    feature = refusals[0][0] if refusals else "backends"
+    return ("unsupported", (feature, "; ".join(why for _, why in refusals) or "no backend"))
+
+
+def _with_end_marker(regex: str, job: dict) -> str:
+    """`regex` followed by the end marker (see `GrammarVocabulary`)."""
     return f"(?:{regex})\\x{{{ord(job['end_marker']):X}}}"
+
+
+def _index_bytes(index) -> bytes:
+    # NOTE: an Index pickles as `Index.from_binary(data)`; sending `data` alone lets the parent
+    # and the disk cache load it without unpickling.
+    return index.__reduce__()[1][0]
 
 
 def main() -> None:
     schema_regex, errors, llguidance = _import_analysis(sys.argv[2])
-    has_llguidance = llguidance.llguidance_available()
     limit = int(sys.argv[1]) * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     requests = sys.stdin.buffer
@@ -89,21 +115,16 @@ def main() -> None:
     while (frame := _read_frame(requests)) is not None:
         job = pickle.loads(frame)
         try:
-            index = Index(_regex(job, schema_regex), vocabulary)
-            # NOTE: an Index pickles as `Index.from_binary(data)`; sending `data` alone lets
-            # the parent and the disk cache load it without unpickling.
-            _write_frame(replies, ("ok", index.__reduce__()[1][0]))
-        except errors.UnsupportedSchemaError as error:
-            # NOTE: outlines-core cannot enforce it exactly; llguidance may (the second backend).
-            grammar, why = None, "llguidance is not installed"
-            if has_llguidance and job["kind"] == "json":
-                schema = json.loads(job["source"])
-                grammar, why = llguidance.json_schema_grammar(schema, job["whitespace_pattern"])
-            if grammar is not None:
-                _write_frame(replies, ("ok", llguidance.pack(grammar)))
+            if job["kind"] == "json":
+                reply = _compile_json(job, vocabulary, schema_regex, errors, llguidance)
             else:
-                detail = f"{error.detail}; llguidance: {why}" if error.detail else why
-                _write_frame(replies, ("unsupported", (error.feature, detail)))
+                reply = (
+                    "ok",
+                    _index_bytes(Index(_with_end_marker(job["source"], job), vocabulary)),
+                )
+            _write_frame(replies, reply)
+        except errors.UnsupportedSchemaError as error:
+            _write_frame(replies, ("unsupported", (error.feature, error.detail)))
         except errors.GrammarError as error:
             _write_frame(replies, ("invalid", str(error)))
         except MemoryError as error:

@@ -28,12 +28,15 @@ class CompileRequest:
     A "json" job is analysed (`analyse_schema`) in the compile child, under its time and memory
     limits, not by whoever builds the job.
     whitespace_pattern / max_recursion_depth: passed to outlines-core for "json".
+    backends: for "json", the backends to try in order ("outlines", "llguidance"); the first
+        that enforces the schema exactly compiles it.
     """
 
     kind: str
     source: str
     whitespace_pattern: str = r"[ ]?"
     max_recursion_depth: int = 3
+    backends: tuple[str, ...] = ("outlines", "llguidance")
 
     def key(self, fingerprint: str) -> str:
         """sha256 of the job and the tokenizer fingerprint: the grammar cache key."""
@@ -43,6 +46,7 @@ class CompileRequest:
                 self.source,
                 self.whitespace_pattern,
                 self.max_recursion_depth,
+                list(self.backends),
                 fingerprint,
             ]
         )
@@ -81,4 +85,5 @@ def build_compile_request(outputs: StructuredOutputs, config: GrammarConfig) -> 
         source=json.dumps(canonical_schema(outputs.json)),
         whitespace_pattern=config.whitespace_pattern,
         max_recursion_depth=config.max_recursion_depth,
+        backends=config.json_backends,
     )

@@ -29,6 +29,10 @@ class GrammarConfig:
         so grammar requests run ahead under async scheduling like any other (`grammar_overlap`
         as an engine option). False puts the engine in lock step while one runs (same tokens,
         slower; for comparison).
+    json_backends: the backends a JSON schema may compile with, in the order tried; the first
+        that enforces the schema exactly wins. outlines-core (one automaton, masks reused per
+        state: the cheapest per step) first; llguidance (a lazy parser: more of JSON Schema,
+        instant to compile, a mask computed per step) for what outlines-core cannot enforce.
     """
 
     compile_timeout_s: float = 30.0
@@ -43,6 +47,7 @@ class GrammarConfig:
     max_schema_nodes: int = 10_000
     max_schema_bytes: int = 512 * 1024
     overlap: bool = True
+    json_backends: tuple[str, ...] = ("outlines", "llguidance")
 
     def __post_init__(self) -> None:
         for name in ("max_schema_depth", "max_schema_nodes", "max_schema_bytes"):
@@ -56,6 +61,11 @@ class GrammarConfig:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
         if self.memory_cache_mib < 0:
             raise ValueError(f"memory_cache_mib must be >= 0, got {self.memory_cache_mib}")
+        unknown = set(self.json_backends) - {"outlines", "llguidance"}
+        if not self.json_backends or unknown:
+            raise ValueError(
+                f"json_backends must name 'outlines' and/or 'llguidance', got {self.json_backends}"
+            )
         if self.max_recursion_depth < 0:
             raise ValueError(f"max_recursion_depth must be >= 0, got {self.max_recursion_depth}")
 

@@ -11,6 +11,8 @@ grammar cache behind `_MAGIC`, so it is told apart from an outlines-core index.
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 _MAGIC = b"\x00loraplex-llguidance-1\x00"
@@ -62,3 +64,20 @@ def pack(grammar: str) -> bytes:
 def is_packed(data: bytes) -> bool:
     """True for cache bytes made by `pack` (otherwise they hold an outlines-core index)."""
     return data.startswith(_MAGIC)
+
+
+_UNIMPLEMENTED = re.compile(r"Unimplemented keys: (\[.*?\])")
+
+
+def refused_feature(reason: str) -> str:
+    """The feature an llguidance refusal names: the first unimplemented keyword, else the
+    reason's first line (`Unknown format: foo`)."""
+    match = _UNIMPLEMENTED.search(reason)
+    if match:
+        try:
+            keys = json.loads(match.group(1))
+        except json.JSONDecodeError:
+            keys = []
+        if keys:
+            return str(keys[0])
+    return reason.strip().splitlines()[0] if reason.strip() else "llguidance"

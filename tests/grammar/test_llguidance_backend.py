@@ -76,3 +76,28 @@ def test_llguidance_matcher_forbids_what_its_mask_forbids(compiler, tokenizer) -
     stop = grammar.stop_token_ids[0]
     assert matcher.accept_token(stop) and matcher.is_terminated() and matcher.must_stop()
     assert matcher.mask_key() is None  # llguidance masks are never reused by key
+
+
+def test_json_backends_choose_the_order_and_the_set(vocabulary, tmp_path) -> None:
+    from loraplex.grammar.compiler import GrammarCompiler
+    from loraplex.grammar.config import GrammarConfig
+
+    plain = StructuredOutputs(json={"type": "object", "properties": {"n": {"type": "integer"}}})
+    llguidance_first = GrammarCompiler(
+        vocabulary, GrammarConfig(json_backends=("llguidance",), cache_dir=tmp_path / "a")
+    )
+    outlines_only = GrammarCompiler(
+        vocabulary, GrammarConfig(json_backends=("outlines",), cache_dir=tmp_path / "b")
+    )
+    try:
+        assert llguidance_first.compile(plain, timeout=120).backend == "llguidance"
+        with pytest.raises(UnsupportedSchemaError) as caught:
+            outlines_only.compile(
+                StructuredOutputs(json=LLGUIDANCE_ONLY["multipleOf"]), timeout=120
+            )
+        assert caught.value.feature == "multipleOf"
+    finally:
+        llguidance_first.shutdown()
+        outlines_only.shutdown()
+    with pytest.raises(ValueError, match="json_backends"):
+        GrammarConfig(json_backends=("xgrammar",))
