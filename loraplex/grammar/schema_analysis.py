@@ -84,7 +84,8 @@ class _Analyser:
                 "boolean schema false" if node is False else "schema", f"at {where}"
             )
         for key in node:
-            if key not in _SUPPORTED:
+            # NOTE: `x-` keys are vendor extensions, annotations to every validator.
+            if key not in _SUPPORTED and not key.startswith("x-"):
                 raise UnsupportedSchemaError(key, f"at {where}")
         node = dict(node)
         for defs in ("$defs", "definitions"):

@@ -139,3 +139,12 @@ def test_anyof_with_sibling_constraints_is_refused() -> None:
     with pytest.raises(UnsupportedSchemaError) as caught:
         analyse_schema({"anyOf": [{"type": "string"}], "maxLength": 3})
     assert caught.value.feature == "anyOf with sibling keywords"
+
+
+def test_vendor_extension_keywords_are_annotations() -> None:
+    # `x-...` keys (OpenAPI, SchemaStore files) constrain nothing; refusing them would refuse
+    # real-world schemas for no reason.
+    from loraplex.grammar.schema_analysis import analyse_schema
+
+    schema = {"type": "string", "x-intellij-html-description": "<b>name</b>", "maxLength": 3}
+    assert analyse_schema(schema).schema["maxLength"] == 3

@@ -75,7 +75,8 @@ class Request:
         # Whether a step may be scheduled before its previous token is known: not when its
         # sampling reads the request's own tokens on the host. Penalties, min_tokens, logprobs
         # and seeds read the runner's device state only; a grammar's mask is filled on the
-        # host from the tokens its matcher accepted.
+        # host from the tokens its matcher accepted (the engine sets True when it fills masks
+        # while the next forward pass runs: `GrammarConfig.overlap`).
         self.async_ok = sampling_params.structured_outputs is None
         self.num_cached_tokens = -1  # prefix-cache hits at first scheduling; -1 until then
         self.status = RequestStatus.WAITING
