@@ -1,73 +1,84 @@
-"""Multi-LoRA serving on an H200 (issue 4): output tokens/s with 1, 8, 64 and 256 distinct
-rank-16 adapters in one continuous batch, against base-only serving of the same requests, and
-against HF PEFT serving the 64-adapter mix in batches grouped by adapter.
+"""Multi-LoRA serving (issue 17): output tokens/s with 8 and 64 adapters on 64 GPU slots and
+256 adapters churning through them, against base-only serving of the same requests; TPOT at
+batch 1 with an adapter against without; and the time from an adapter's registration to its
+first token while 256 other sequences decode, with those sequences' ITL p99 meanwhile.
 
-    python -m benchmarks.multi_lora [--model configs/models/llama-3.1-8b.json]
+    python -m benchmarks.multi_lora                         # H200: Llama-3.1-8B shape
+    python -m benchmarks.multi_lora --device cpu            # tiny run, embedded model
 
-Workload: 512 requests, input and output lengths uniform in [256, 1024] and [128, 512],
-ignore_eos, greedy and again `t1` (temperature 1.0, top_p 1: the openai SDK's default; its
-metrics carry a `t1_` prefix); request i runs adapter i mod k (k adapters spread uniformly). The adapters are
-random, rank 16 on all seven projections, written as PEFT folders and registered through
-`LoRARequest` like a user's. Each configuration starts with an empty prefix cache, after a
-warm-up request per adapter so that its GPU slot is loaded (loads are measured separately, by
-the upload benchmark).
+Workload (cuda): 256 requests, input and output lengths uniform in [128, 512] and [64, 256],
+ignore_eos, greedy and again at temperature 1.0 (the openai SDK's default; metrics with a `_t1`
+suffix); request i runs adapter i mod k. Adapters are random, rank 16 on all seven projections,
+written as PEFT folders (kept in `--adapter-dir` between runs) and registered like the API does
+(`AddAdapter` with their content digest). The base model is measured in the same run, on an
+engine with LoRA disabled. Before each timed run every adapter of the run is read into the
+host cache (`max_cpu_loras` holds them all), so the 256-adapter run measures slot churn (host
+-> GPU copies on the side stream, requests waiting in the queue for their slot), not disk.
 
-Stages (`--stages`):
-- `disabled`: an engine with LoRA disabled serves the requests: the base-only baseline;
-- `lora`: one LoRA-enabled engine serves them on the base model alone, then with k adapters;
-- `peft`: HF transformers + PEFT on the same weights, the 64-adapter mix in static padded
-  batches, one per adapter. HF's eager decode is launch-bound (~0.1 s a step), so it runs
-  `--peft-groups` of the 64 groups and its tokens/s over them stands for all 64 (each group is
-  one batch of 8 requests drawn the same way); loraplex's is that of all 512 requests.
-The record is rewritten after each stage, so a run cut short keeps what it measured; a run of
-later stages alone reads the earlier figures from the existing record.
+Registration to first token: 256 sequences on 63 adapters (one of the 64 slots left idle) decode
+long outputs; after a few steps a fresh adapter (written beforehand, never read) is registered and one request on it
+added at once; we step until its first token. Step times are the other sequences' inter-token
+latency (each decodes one token a step): their p99 during the load is recorded beside the p99
+of as many steps before it.
+
+Metrics: ratio_vs_base_8, ratio_vs_base_64, ratio_vs_base_256_on_64_slots (greedy) and their
+`_t1` twins, tpot_bs1_lora_over_base, registration_to_first_token_s, itl_p99_during_load_ms,
+itl_p99_before_load_ms, and the tok/s and TPOT figures behind them.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.gpu_path import GREEDY, T1, bench_llm, cuda_timed
-from benchmarks.hf_baseline import hf_generate_static, hf_model_from_engine
+from benchmarks.gpu_path import GREEDY, T1, bench_llm, cuda_timed, random_prompts
 from benchmarks.random_adapter import write_random_adapter
-from benchmarks.record import RESULTS, write_result
+from benchmarks.record import write_result
 from loraplex import LLM, LoRARequest, SamplingParams
+from loraplex.adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE, content_digest
+from loraplex.platform.core.commands import AddAdapter, GetAdapterStats
+from loraplex.platform.engine.engine import Engine
 
-STAGES = ("disabled", "lora", "peft")
-
-
-def workload(vocab: int, n: int, seed: int = 2) -> tuple[list[list[int]], list[int]]:
-    rng = random.Random(seed)
-    lens = [(rng.randint(256, 1024), rng.randint(128, 512)) for _ in range(n)]
-    prompts = [[rng.randrange(100, vocab - 100) for _ in range(i)] for i, _ in lens]
-    return prompts, [o for _, o in lens]
+SAMPLINGS = {"": GREEDY, "_t1": T1}  # metric suffix -> SamplingParams fields
+RANK = 16
 
 
-def engine(model: str, enable_lora: bool, max_loras: int) -> LLM:
+def _settings(cpu: bool) -> dict:
+    if cpu:
+        return dict(num_requests=12, input_len=(8, 24), output_len=(4, 12), adapters=[2, 4, 8],
+                    slots=4, running=12, tpot_steps=8, prompt_len=8)  # fmt: skip
+    return dict(num_requests=256, input_len=(128, 512), output_len=(64, 256),
+                adapters=[8, 64, 256], slots=64, running=256, tpot_steps=128, prompt_len=32)  # fmt: skip
+
+
+def build_engine(args, enable_lora: bool) -> LLM:
     start = time.perf_counter()
-    llm = bench_llm(
-        model,
-        enable_lora=enable_lora,
-        max_loras=max_loras,
-        max_cpu_loras=max_loras,
-        max_lora_rank=16,
-        max_model_len=2048,
-        max_num_batched_tokens=8192,
-        gpu_memory_utilization=0.75,
-    )
+    lora = dict(enable_lora=enable_lora, max_loras=args.slots, max_lora_rank=RANK,
+                max_cpu_loras=max(args.adapters) + 8)  # fmt: skip
+    if args.device == "cpu":
+        llm = LLM(args.model, device="cpu", dtype="float32", seed=0, num_kv_blocks=256,
+                  max_model_len=512, max_num_seqs=args.running + 4, async_scheduling=True,
+                  **lora)  # fmt: skip
+    else:
+        llm = bench_llm(args.model, max_model_len=2048, max_num_batched_tokens=8192,
+                        max_num_seqs=args.running + 8, cuda_graph_max_bs=args.running + 8,
+                        gpu_memory_utilization=0.7, **lora)  # fmt: skip
     print(f"engine (lora={enable_lora}) ready in {time.perf_counter() - start:.1f} s")
     return llm
 
 
-SAMPLINGS = {"": GREEDY, "t1_": T1}  # metric prefix -> SamplingParams fields
+def workload(args, vocab: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(2)
+    lens = [(rng.randint(*args.input_len), rng.randint(*args.output_len))
+            for _ in range(args.num_requests)]  # fmt: skip
+    return random_prompts(rng, vocab, [i for i, _ in lens]), [o for _, o in lens]
 
 
 def serve(llm: LLM, prompts, outputs, loras=None, sampling: dict = GREEDY) -> float:
@@ -78,127 +89,187 @@ def serve(llm: LLM, prompts, outputs, loras=None, sampling: dict = GREEDY) -> fl
     return sum(outputs) / seconds
 
 
+def tpot(llm: LLM, steps: int, prompt_len: int, lora: LoRARequest | None) -> float:
+    """Seconds per output token at batch 1 (greedy): (time of steps + 1 tokens - time of 1)
+    / steps, median of 3."""
+    vocab = llm.engine.runner.arch.vocab_size
+    rng = random.Random(5)
+
+    def one(n: int) -> float:
+        prompt = random_prompts(rng, vocab, [prompt_len])
+        params = SamplingParams(max_tokens=n, **GREEDY)
+        return cuda_timed(lambda: llm.generate(prompt, params, lora_request=lora))
+
+    one(8)
+    return statistics.median((one(steps + 1) - one(1)) / steps for _ in range(3))
+
+
+def write_adapters(args, llm: LLM, folder: Path, count: int) -> list[AddAdapter]:
+    """`count` random adapters (kept in `folder` across runs) as the API registers them."""
+    arch, device = llm.engine.runner.arch, llm.engine.runner.device
+    start = time.perf_counter()
+    commands = []
+    for i in range(count):
+        path = folder / f"a{i}"
+        if not (path / WEIGHTS_FILE).is_file():
+            write_random_adapter(path, arch, rank=RANK, seed=i, device=device)
+        commands.append(_add_command(f"a{i}", path))
+    print(f"{count} adapters ready in {time.perf_counter() - start:.1f} s")
+    return commands
+
+
+def _add_command(name: str, path: Path) -> AddAdapter:
+    digest = content_digest((path / CONFIG_FILE).read_bytes(), (path / WEIGHTS_FILE).read_bytes())
+    return AddAdapter(name, str(path), digest)
+
+
+def warm_host_cache(engine: Engine, commands: list[AddAdapter]) -> None:
+    """Register the adapters and read each into the host cache (off the clock)."""
+    start = time.perf_counter()
+    manager = engine.lora_manager
+    keys = [engine.handle_command(c).key for c in commands]
+    for key in keys:
+        manager.prefetch(key)
+    while any(not manager.pool.has_host(k) and manager.pool.slot_of(k) is None for k in keys):
+        manager.wait_for_loads(0.05)
+        manager.poll()
+        if manager.take_failures():
+            raise RuntimeError("an adapter failed to load")
+    print(f"{len(keys)} adapters in the host cache in {time.perf_counter() - start:.1f} s")
+
+
+def registration_to_first_token(args, llm: LLM, commands: list[AddAdapter], fresh: AddAdapter):
+    """(seconds from AddAdapter to the new adapter's first token, ITL p99 during the load in
+    ms, ITL p99 of as many steps before it in ms) while `args.running` sequences decode."""
+    engine = llm.engine
+    vocab = engine.runner.arch.vocab_size
+    rng = random.Random(9)
+    long = SamplingParams(max_tokens=engine.max_model_len - 64, **GREEDY)
+    # NOTE: the running sequences use all slots but one: with every slot held by a running
+    # request, a new adapter would wait for one to drain (see LoRAManager), a different figure.
+    num_adapters = min(args.slots - 1, len(commands))
+    for i in range(args.running):
+        name = commands[i % num_adapters].name
+        engine.add_request(f"bg-{i}", random_prompts(rng, vocab, [16])[0], long,
+                           lora_request=LoRARequest(name, "/registered"))  # fmt: skip
+    while engine.scheduler.num_waiting or any(
+        r.num_output_tokens == 0 for r in engine.scheduler.running
+    ):
+        engine.step()
+    before = []
+    for _ in range(32):
+        t0 = time.perf_counter()
+        engine.step()
+        before.append(time.perf_counter() - t0)
+    start = time.perf_counter()
+    engine.handle_command(fresh)
+    engine.add_request("fresh", random_prompts(rng, vocab, [16])[0],
+                       SamplingParams(max_tokens=4, **GREEDY),
+                       lora_request=LoRARequest(fresh.name, "/registered"))  # fmt: skip
+    during = []
+    first = None
+    while first is None:
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        during.append(time.perf_counter() - t0)
+        if any(o.request_id == "fresh" and o.outputs[0].token_ids for o in outputs):
+            first = time.perf_counter() - start
+        if time.perf_counter() - start > 120:
+            raise TimeoutError("the fresh adapter produced no token within 120 s")
+    for i in range(args.running):
+        engine.abort_request(f"bg-{i}")
+    engine.abort_request("fresh")
+    engine.generate_blocking(deadline_s=60)
+    return first, _p99(during) * 1e3, _p99(before[-len(during) :] or before) * 1e3
+
+
+def _p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="configs/models/llama-3.1-8b.json")
-    parser.add_argument("--num-requests", type=int, default=512)
-    parser.add_argument("--adapters", type=int, nargs="+", default=[1, 8, 64, 256])
-    parser.add_argument("--stages", default=",".join(STAGES))
-    parser.add_argument("--peft-groups", type=int, default=2)
-    parser.add_argument("--adapter-dir", default=None, help="where to write the adapters")
-    parser.add_argument("--out", default="h200_multi_lora.json")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--model", default=None, help="default: llama-3.1-8b (cuda), the "
+                        "embedded model (cpu)")  # fmt: skip
+    parser.add_argument("--adapter-dir", default=None, help="where adapters are kept")
+    parser.add_argument("--out", default=None, help="h200_multi_lora.json / cpu_multi_lora.json")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("benchmarks.multi_lora needs a CUDA GPU; skipped")
+    cpu = args.device == "cpu"
+    if not cpu and not torch.cuda.is_available():
+        print("benchmarks.multi_lora needs a CUDA GPU (or --device cpu); skipped")
         return 0
-    stages = args.stages.split(",")
-    if unknown := set(stages) - set(STAGES):
-        parser.error(f"unknown stages {sorted(unknown)}; choose from {STAGES}")
-    previous = RESULTS / args.out
-    old = json.loads(previous.read_text()) if previous.is_file() else {}
-    metrics: dict[str, float] = dict(old.get("metrics", {}))
-    baseline: dict[str, float] = dict(old.get("baseline", {}))
+    for name, value in _settings(cpu).items():
+        setattr(args, name, value)
+    if args.model is None:
+        if cpu:
+            from loraplex.platform.models.model_store import ensure_default_model
+
+            args.model = str(ensure_default_model(progress=False))
+        else:
+            args.model = "configs/models/llama-3.1-8b.json"
     folder = Path(args.adapter_dir or tempfile.mkdtemp(prefix="loraplex-multi-lora-"))
-    n = args.num_requests
+    folder.mkdir(parents=True, exist_ok=True)
+    metrics: dict[str, float] = {}
+    baseline: dict[str, float] = {}
+    k_max, slots = max(args.adapters), args.slots
 
-    def record() -> None:
-        for prefix in SAMPLINGS:
-            base = baseline.get(f"{prefix}base_lora_disabled_out_tok_s")
-            for k in args.adapters:
-                if base and f"{prefix}lora_{k}_out_tok_s" in metrics:
-                    metrics[f"{prefix}ratio_vs_base_{k}"] = (
-                        metrics[f"{prefix}lora_{k}_out_tok_s"] / base
-                    )
-        peft = baseline.get("peft_grouped_64_out_tok_s")
-        if peft and "lora_64_out_tok_s" in metrics:
-            metrics["speedup_vs_peft_64"] = metrics["lora_64_out_tok_s"] / peft
-        write_result(
-            args.out,
-            "multi_lora",
-            metrics,
-            baseline,
-            workload={
-                "model": args.model,
-                "num_requests": n,
-                "input_uniform": [256, 1024],
-                "output_uniform": [128, 512],
-                "rank": 16,
-                "target_modules": "q,k,v,o,gate,up,down",
-                "adapters": args.adapters,
-                "peft_groups_timed": args.peft_groups,
-            },
-        )
-
-    if "disabled" in stages:
-        llm = engine(args.model, False, 1)
-        prompts, outputs = workload(llm.engine.runner.arch.vocab_size, n)
-        serve(llm, prompts[:16], [16] * len(prompts[:16]))  # warm-up
-        for prefix, sampling in SAMPLINGS.items():
-            key = f"{prefix}base_lora_disabled_out_tok_s"
-            baseline[key] = serve(llm, prompts, outputs, sampling=sampling)
-            print(f"{prefix}base, LoRA disabled: {baseline[key]:.0f} tok/s")
-        record()
-        del llm
-        gc.collect()
+    llm = build_engine(args, enable_lora=False)
+    prompts, outputs = workload(args, llm.engine.runner.arch.vocab_size)
+    serve(llm, prompts[:8], [4] * 8)  # warm-up
+    for suffix, sampling in SAMPLINGS.items():
+        baseline[f"base_out_tok_s{suffix}"] = serve(llm, prompts, outputs, sampling=sampling)
+    baseline["tpot_bs1_base_s"] = tpot(llm, args.tpot_steps, args.prompt_len, None)
+    print(f"base (LoRA disabled): {baseline}")
+    del llm
+    gc.collect()
+    if not cpu:
         torch.cuda.empty_cache()
 
-    llm = engine(args.model, True, max(args.adapters))
-    arch = llm.engine.runner.arch
-    prompts, outputs = workload(arch.vocab_size, n)
-    start = time.perf_counter()
-    needed = max(args.adapters) if "lora" in stages else 64
-    adapters = []
-    for i in range(needed):
-        write_random_adapter(
-            folder / f"a{i}", arch, rank=16, seed=i, device=llm.engine.runner.device
-        )
-        adapters.append(LoRARequest(f"a{i}", str(folder / f"a{i}")))
-    print(f"{needed} adapters written in {time.perf_counter() - start:.1f} s")
-
-    if "lora" in stages:
-        serve(llm, prompts[:16], [16] * len(prompts[:16]))  # warm-up
-        for prefix, sampling in SAMPLINGS.items():
-            key = f"{prefix}base_on_lora_engine_out_tok_s"
-            metrics[key] = serve(llm, prompts, outputs, sampling=sampling)
-            print(f"{prefix}base on the LoRA engine: {metrics[key]:.0f} tok/s")
-        for k in args.adapters:
-            start = time.perf_counter()
-            serve(llm, [p[:8] for p in prompts[:k]], [2] * k, adapters[:k])  # load the slots
-            print(f"{k} adapters loaded in {time.perf_counter() - start:.1f} s")
-            loras = [adapters[i % k] for i in range(n)]
-            for prefix, sampling in SAMPLINGS.items():
-                key = f"{prefix}lora_{k}_out_tok_s"
-                metrics[key] = serve(llm, prompts, outputs, loras, sampling)
-                print(f"{prefix}{k} adapters: {metrics[key]:.0f} tok/s; {llm.stats()}")
-            record()
-
-    if "peft" in stages:
-        from peft import PeftModel
-
-        hf = hf_model_from_engine(llm, torch.bfloat16)
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
-        groups = [[i for i in range(n) if i % 64 == g] for g in range(args.peft_groups)]
-        model = None
-        seconds, tokens = 0.0, 0
-        for g, members in enumerate(groups):
-            path, name = adapters[g].lora_path, adapters[g].lora_name
-            if model is None:
-                model = PeftModel.from_pretrained(hf, path, adapter_name=name)
-                hf_generate_static(model, [prompts[0][:64]] * 8, [8] * 8)  # warm-up
-            else:
-                model.load_adapter(path, adapter_name=name)
-            model.set_adapter(name)
-            t, useful = hf_generate_static(
-                model, [prompts[i] for i in members], [outputs[i] for i in members]
-            )
-            seconds += t
-            tokens += useful
-            print(f"PEFT group {g}: {useful} tokens in {t:.1f} s")
-        baseline["peft_grouped_64_out_tok_s"] = tokens / seconds
-        print(f"PEFT grouped: {baseline['peft_grouped_64_out_tok_s']:.1f} tok/s")
-    record()
+    llm = build_engine(args, enable_lora=True)
+    commands = write_adapters(args, llm, folder, k_max + 1)
+    fresh = _add_command("fresh", Path(commands[-1].path))
+    commands = commands[:-1]
+    warm_host_cache(llm.engine, commands)
+    loras = [LoRARequest(c.name, "/registered") for c in commands]
+    serve(llm, prompts[:8], [4] * 8, loras[:8])  # warm-up
+    for k in args.adapters:
+        label = f"{k}" if k <= slots else f"{k}_on_{slots}_slots"
+        mix = [loras[i % k] for i in range(len(prompts))]
+        for suffix, sampling in SAMPLINGS.items():
+            tok_s = serve(llm, prompts, outputs, mix, sampling)
+            metrics[f"lora_{label}_out_tok_s{suffix}"] = tok_s
+            metrics[f"ratio_vs_base_{label}{suffix}"] = tok_s / baseline[f"base_out_tok_s{suffix}"]
+        stats = llm.engine.handle_command(GetAdapterStats())
+        evictions = sum(a.evictions for a in stats.adapters)
+        print(f"{k} adapters on {slots} slots: {metrics[f'lora_{label}_out_tok_s']:.0f} tok/s "
+              f"greedy, {metrics[f'lora_{label}_out_tok_s_t1']:.0f} t1; {evictions} evictions")  # fmt: skip
+    metrics["tpot_bs1_lora_s"] = tpot(llm, args.tpot_steps, args.prompt_len, loras[0])
+    metrics["tpot_bs1_lora_over_base"] = metrics["tpot_bs1_lora_s"] / baseline["tpot_bs1_base_s"]
+    first, during, before = registration_to_first_token(args, llm, commands, fresh)
+    metrics["registration_to_first_token_s"] = first
+    metrics["itl_p99_during_load_ms"] = during
+    metrics["itl_p99_before_load_ms"] = before
+    print(f"registration -> first token {first:.3f} s under {args.running} sequences; ITL p99 "
+          f"{during:.1f} ms during the load, {before:.1f} ms before")  # fmt: skip
+    write_result(
+        args.out or ("cpu_multi_lora.json" if cpu else "h200_multi_lora.json"),
+        "multi_lora",
+        metrics,
+        baseline,
+        workload={
+            "model": args.model,
+            "num_requests": args.num_requests,
+            "input_uniform": list(args.input_len),
+            "output_uniform": list(args.output_len),
+            "rank": RANK,
+            "target_modules": "q,k,v,o,gate,up,down",
+            "adapters": args.adapters,
+            "gpu_slots": slots,
+            "running_sequences_for_registration": args.running,
+        },
+    )
     return 0
 
 
