@@ -41,10 +41,22 @@ from loraplex.platform.scheduler.request_queue import FairRequestQueue
 class AdapterAdmission(Protocol):
     """What the scheduler asks of the adapter side (never its slot tables)."""
 
-    def can_schedule(self, key: str | None) -> bool: ...
-    def acquire_for_request(self, request_id: str, key: str | None) -> int: ...
-    def release_for_request(self, request_id: str) -> None: ...
-    def prefetch(self, key: str | None) -> None: ...
+    def can_schedule(self, key: str | None) -> bool:
+        """Whether a request on this adapter can run now (its slot is written); never blocks.
+        False starts the adapter's load; the request waits in the queue meanwhile."""
+        ...
+
+    def acquire_for_request(self, request_id: str, key: str | None) -> int:
+        """Pin the adapter's slot for the request (after `can_schedule`); returns the slot."""
+        ...
+
+    def release_for_request(self, request_id: str) -> None:
+        """Unpin the request's slot (finished, aborted, preempted); no-op if it holds none."""
+        ...
+
+    def prefetch(self, key: str | None) -> None:
+        """Start reading a queued request's adapter ahead of need, evicting nothing."""
+        ...
 
 
 class Scheduler:
@@ -66,7 +78,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: set[str] = set()
-        self._lora_slots: dict[str, int] = {}
         self.num_preemptions = 0
         # Unfinished requests that cannot be scheduled ahead of their last token (async_ok
         # False); while there are any, the engine steps in lock step.
@@ -119,7 +130,9 @@ class Scheduler:
             self.num_lock_step -= 1
 
     def _release_adapter(self, request: Request) -> None:
-        if self._lora_slots.pop(request.request_id, None) is not None and self.adapters:
+        # NOTE: the adapter side keeps the one request -> adapter table; releasing a request
+        # that holds no slot is a no-op there.
+        if self.adapters is not None and request.adapter_key is not None:
             self.adapters.release_for_request(request.request_id)
 
     @property
@@ -218,7 +231,6 @@ class Scheduler:
                 # NOTE: acquiring may start the adapter's host-to-device copy (on a side
                 # stream); the scheduler itself never touches device memory.
                 slot = self.adapters.acquire_for_request(request.request_id, request.adapter_key)
-                self._lora_slots[request.request_id] = slot
             num_scheduled[request.request_id] = n
             new_reqs.append(
                 NewRequestData(
