@@ -1,4 +1,5 @@
-"""Per-adapter Prometheus series rendered from an `AdapterStatsReport`."""
+"""Per-adapter Prometheus series rendered from an `AdapterStatsReport`, and the 404 of a request
+on an adapter removed while it was on its way to the engine."""
 
 from __future__ import annotations
 
@@ -49,3 +50,13 @@ def test_every_adapter_gets_its_series_and_a_cumulative_histogram():
 
 def test_no_series_without_lora():
     assert render_adapter_metrics(None) == ""
+
+
+def test_a_request_on_a_removed_adapter_is_a_404_naming_the_model():
+    from loraplex.adapters.errors import AdapterNotFoundError
+    from loraplex.platform.api.errors import from_engine_error
+
+    error = from_engine_error(AdapterNotFoundError("The adapter `acme/sql@abc` was removed."))
+    body = error.body()["error"]
+    assert error.status == 404 and body["code"] == "model_not_found" and body["param"] == "model"
+    assert "was removed" in body["message"]

@@ -147,6 +147,13 @@ def test_hostile_config_values_answer_400_naming_the_field(world, case):
     assert client.get("/health").status_code == 200
 
 
+def _forget(manager, name: str) -> None:
+    """Unregister `name` as if this engine had never seen it (a restarted server's engine):
+    not a RemoveAdapter, after which requests on the name are refused with a 404."""
+    manager.remove_adapter(name)
+    manager._removed.discard(name)
+
+
 def test_an_adapter_registered_before_is_validated_again_when_loaded(world):
     """An adapter already in the registry (e.g. stored by an older server) with lora_alpha
     1e308 is refused with a 400 when a request loads it; the engine carries on."""
@@ -161,7 +168,7 @@ def test_an_adapter_registered_before_is_validated_again_when_loaded(world):
     (world["data_dir"] / "adapters" / record.digest / CONFIG).write_text(
         _config_text(lora_alpha=1e308)
     )
-    _on_engine_thread(world, lambda e: e.lora_manager.remove_adapter(record.engine_name))
+    _on_engine_thread(world, lambda e: _forget(e.lora_manager, record.engine_name))
     response = _complete(client, "legacy")
     assert response.status_code == 400, response.text
     assert "lora_alpha" in response.json()["error"]["message"]
