@@ -55,8 +55,11 @@ def peft(model_dir, tmp_path_factory) -> PeftReference:
 
 @pytest.fixture(scope="module")
 def llm(model_dir) -> LLM:
-    return LLM(str(model_dir), dtype="float32", device="cpu", num_kv_blocks=64,
-               max_loras=8, max_lora_rank=MAX_RANK, max_cpu_loras=32)  # fmt: skip
+    """Async scheduling on (the GPU default), so every PEFT comparison runs overlapped steps."""
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", num_kv_blocks=64, max_loras=8,
+              max_lora_rank=MAX_RANK, max_cpu_loras=32, async_scheduling=True)  # fmt: skip
+    assert llm.engine.async_scheduling
+    return llm
 
 
 def lora(peft: PeftReference, name: str) -> LoRARequest:
