@@ -223,6 +223,8 @@ def test_an_adapter_failing_at_load_time_fails_only_its_own_requests(world):
         """Evict the adapter; its next read from disk fails (as if the disk went bad)."""
         manager = engine.lora_manager
         (key,) = {k for n, k in manager.list_adapters().items() if n.endswith(digest[:12])}
+        while manager.wait_for_loads(30):  # the read its registration started lands first
+            manager.poll()
         manager.pool.forget(key)
         original = manager.pool._loader
 
