@@ -192,7 +192,7 @@ class Timings:
 def measure(engine: AsyncEngine, port: int, work: Path, rank: int, repeats: int,
             adapter_dtype: torch.dtype) -> Timings:  # fmt: skip
     """Create a tenant, time base-model first tokens, then upload-and-query fresh adapters."""
-    spec = engine.engine.lora_manager.spec
+    spec = engine.adapter_validator.spec
     base_name = spec.name_or_path or engine.served_model_name
     vocab = engine.engine.runner.arch.vocab_size
     text_prompt = not isinstance(engine.tokenizer, TokenIdsOnlyTokenizer)
