@@ -37,6 +37,21 @@ _ANNOTATIONS = frozenset(
         "writeOnly",
     }
 )
+# Keywords of every JSON Schema draft that constrain instances (validation and applicators).
+# One not handled here is refused by name; any other unknown keyword is an annotation (JSON
+# Schema validators ignore it: `markdownDescription`, `x-...`, editor hints), passed through.
+_CONSTRAINING = frozenset(
+    {
+        "type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum",
+        "exclusiveMinimum", "maxLength", "minLength", "pattern", "format", "items",
+        "prefixItems", "additionalItems", "unevaluatedItems", "contains", "minContains",
+        "maxContains", "maxItems", "minItems", "uniqueItems", "properties", "patternProperties",
+        "additionalProperties", "unevaluatedProperties", "propertyNames", "maxProperties",
+        "minProperties", "required", "dependentRequired", "dependentSchemas", "dependencies",
+        "allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef",
+        "$recursiveRef", "contentSchema", "contentMediaType", "contentEncoding",
+    }
+)  # fmt: skip
 _KEYWORDS = {
     "integer": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"},
     "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"},
@@ -84,8 +99,7 @@ class _Analyser:
                 "boolean schema false" if node is False else "schema", f"at {where}"
             )
         for key in node:
-            # NOTE: `x-` keys are vendor extensions, annotations to every validator.
-            if key not in _SUPPORTED and not key.startswith("x-"):
+            if key not in _SUPPORTED and key in _CONSTRAINING:
                 raise UnsupportedSchemaError(key, f"at {where}")
         node = dict(node)
         for defs in ("$defs", "definitions"):

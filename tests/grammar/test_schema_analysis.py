@@ -141,10 +141,16 @@ def test_anyof_with_sibling_constraints_is_refused() -> None:
     assert caught.value.feature == "anyOf with sibling keywords"
 
 
-def test_vendor_extension_keywords_are_annotations() -> None:
-    # `x-...` keys (OpenAPI, SchemaStore files) constrain nothing; refusing them would refuse
-    # real-world schemas for no reason.
-    from loraplex.grammar.schema_analysis import analyse_schema
-
-    schema = {"type": "string", "x-intellij-html-description": "<b>name</b>", "maxLength": 3}
+def test_unknown_keywords_are_annotations_and_pass_through() -> None:
+    # Keywords no draft defines (`x-...`, `markdownDescription`, editor hints in SchemaStore
+    # files) constrain nothing, as every validator ignores them; refusing them refused
+    # real-world schemas for no reason. Keywords that do constrain are still refused by name.
+    schema = {
+        "type": "string",
+        "x-intellij-html-description": "<b>name</b>",
+        "markdownDescription": "*name*",
+        "maxLength": 3,
+    }
     assert analyse_schema(schema).schema["maxLength"] == 3
+    with pytest.raises(UnsupportedSchemaError, match="dependentRequired"):
+        analyse_schema({"type": "object", "dependentRequired": {"a": ["b"]}})
