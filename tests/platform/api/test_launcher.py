@@ -1,0 +1,31 @@
+"""The serving launcher's choices that need no process: how many API processes by default,
+the options it takes, and the values it refuses."""
+
+from __future__ import annotations
+
+import pytest
+
+from loraplex.cli import build_parser
+from loraplex.platform.api.launcher import Launcher, default_api_server_count
+from loraplex.platform.api.serve_cli import engine_config, resolve_options, server_settings
+
+
+@pytest.mark.parametrize(("cpus", "count"), [(1, 1), (2, 1), (4, 1), (8, 2), (16, 4), (128, 4)])
+def test_one_api_process_per_four_cores_between_one_and_four(cpus, count):
+    assert default_api_server_count(cpus) == count
+
+
+def test_serve_takes_the_process_options():
+    values = resolve_options(
+        build_parser().parse_args(["serve", "--api-server-count", "3", "--shutdown-timeout", "7"])
+    )
+    assert values["api_server_count"] == 3 and values["shutdown_timeout"] == 7.0
+    defaults = resolve_options(build_parser().parse_args(["serve"]))
+    assert defaults["api_server_count"] is None and defaults["shutdown_timeout"] == 30.0
+
+
+@pytest.mark.parametrize(("count", "grace"), [(0, 5.0), (-1, 5.0), (1, -1.0)])
+def test_bad_counts_and_grace_periods_are_refused(count, grace):
+    values = resolve_options(build_parser().parse_args(["serve"]))
+    with pytest.raises(ValueError):
+        Launcher(engine_config(values), server_settings(values), count, grace, {})
