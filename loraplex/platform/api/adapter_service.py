@@ -141,6 +141,20 @@ class AdapterService:
             await self.state.engine.remove_adapter(record.engine_name)
         return record
 
+    async def register_stored(self) -> int:
+        """Register every stored adapter with the engine (by digest: nothing is read until a
+        request needs it), so that after a restart no request reads an adapter on the engine's
+        step thread; returns how many were registered."""
+        if self.state.engine.adapter_validator is None:
+            return 0
+        records = await asyncio.to_thread(self.state.tenancy.registry.list)
+        for record in records:
+            await self.state.engine.add_adapter(
+                AddAdapter(record.engine_name, record.path, record.digest,
+                           tenant=record.tenant, label=record.name)
+            )  # fmt: skip
+        return len(records)
+
     def get(self, tenant: str, name: str) -> AdapterRecord:
         record = self.state.tenancy.registry.get(tenant, name)
         if record is None:

@@ -84,6 +84,7 @@ def build_app(
         engine.start()
         try:
             await serving_admin.sync_weights(state)
+            await app.state.adapters.register_stored()
             async with dashboard.stats.sampling():
                 yield
         finally:

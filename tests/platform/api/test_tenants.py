@@ -190,8 +190,11 @@ def test_restart_serves_the_same_adapters_byte_identical(world, model_dir):
     )
     alpha = _client(world, "alpha")
     assert alpha.get("/v1/adapters/support").json() == before
-    assert complete(alpha, "support", PROMPT, MAX_TOKENS).json()["choices"][0]["text"] == text
     digest = before["digest"].removeprefix("sha256:")
+    # the stored adapters are registered with the engine at startup, before any request
+    metrics = world["server"].client(None).get("/metrics").text
+    assert f'tenant="alpha",adapter="support@{digest[:12]}",tier="disk"' in metrics
+    assert complete(alpha, "support", PROMPT, MAX_TOKENS).json()["choices"][0]["text"] == text
     folder, blob = world["folders"]["alpha"], world["data_dir"] / "adapters" / digest
     for name in ("adapter_config.json", "adapter_model.safetensors"):
         original = hashlib.sha256((folder / name).read_bytes()).hexdigest()
