@@ -156,8 +156,10 @@ def test_mixed_batch_overlaps_and_matches_lock_step(overlap_llm, lock_step_llm, 
 def test_preemption_and_abort_leave_no_stale_matcher(model_dir, overlap_llm):
     prompts, params, checks = (batch[::3] for batch in _mixed_batch())
     expected = overlap_llm.generate(prompts, params)
-    # So few KV blocks that running requests are preempted and recomputed mid-output.
-    tight = _llm(model_dir, async_scheduling=True, num_kv_blocks=24)
+    # A quarter of the KV blocks the batch needs (but room for its longest request), so running
+    # requests are preempted and recomputed mid-output.
+    need = [-(-(len(overlap_llm.tokenizer.encode(p)) + 32) // 16) for p in prompts]
+    tight = _llm(model_dir, async_scheduling=True, num_kv_blocks=max(sum(need) // 4, max(need)))
     got = tight.generate(prompts, params)
     assert tight.engine.scheduler.num_preemptions > 0
     assert _tokens(got) == _tokens(expected)
