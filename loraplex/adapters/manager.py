@@ -166,6 +166,7 @@ class LoRAManager:
         self._steps = 0
         self._waiters: OrderedDict[str, int] = OrderedDict()  # key -> step it began waiting
         self._draining: str | None = None  # a resident key admitting no new request
+        self._unheld_pins: set[str] = set()  # pinned names whose pin is not taken yet
 
     # -- registry -----------------------------------------------------------------------------
 
@@ -235,6 +236,7 @@ class LoRAManager:
                     "pinned already, and one must stay for the other adapters"
                 )
             self._entries[name] = replace(entry, pinned=True)
+            self._unheld_pins.add(name)
             self.prefetch(entry.key)
             self._hold_pins()
         else:
@@ -244,14 +246,17 @@ class LoRAManager:
     def _unpin(self, name: str) -> None:
         entry = self._entries[name]
         self._entries[name] = replace(entry, pinned=False)
+        self._unheld_pins.discard(name)
         self.release_for_request(_PIN_PREFIX + name)
 
     def _hold_pins(self) -> None:
-        """Give each pinned adapter its pin as soon as its slot is written."""
-        for name, entry in self._entries.items():
-            holder = _PIN_PREFIX + name
-            if entry.pinned and holder not in self._held and self.can_schedule(entry.key):
-                self.acquire_for_request(holder, entry.key)
+        """Give each pinned adapter its pin as soon as its slot is written (per step: only the
+        pins not taken yet are looked at)."""
+        for name in list(self._unheld_pins):
+            key = self._entries[name].key
+            if self.can_schedule(key):
+                self.acquire_for_request(_PIN_PREFIX + name, key)
+                self._unheld_pins.discard(name)
 
     def remove_adapter(self, lora_name: str) -> bool:
         """Unregister an adapter; running requests keep their slot until they finish."""
