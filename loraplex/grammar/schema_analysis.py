@@ -101,7 +101,8 @@ class _Analyser:
         for key in node:
             if key not in _SUPPORTED and key in _CONSTRAINING:
                 raise UnsupportedSchemaError(key, f"at {where}")
-        node = dict(node)
+        # NOTE: unknown annotations are dropped: outlines-core refuses a node made only of them.
+        node = {key: value for key, value in node.items() if key in _SUPPORTED}
         for defs in ("$defs", "definitions"):
             if defs in node:
                 node[defs] = {k: self.walk(v, f"{where}/{defs}/{k}") for k, v in node[defs].items()}

@@ -151,6 +151,8 @@ def test_unknown_keywords_are_annotations_and_pass_through() -> None:
         "markdownDescription": "*name*",
         "maxLength": 3,
     }
-    assert analyse_schema(schema).schema["maxLength"] == 3
+    assert analyse_schema(schema).schema == {"type": "string", "maxLength": 3}
+    only_annotations = {"type": "object", "properties": {"a": {"markdownDescription": "any"}}}
+    assert analyse_schema(only_annotations).schema["properties"]["a"] == {}
     with pytest.raises(UnsupportedSchemaError, match="dependentRequired"):
         analyse_schema({"type": "object", "dependentRequired": {"a": ["b"]}})
