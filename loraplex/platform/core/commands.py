@@ -136,7 +136,7 @@ class AdapterStat:
     pinned: bool  # kept in its GPU slot by PinAdapter
     registered: bool  # False once removed while requests still run on it
     failed: str  # why its last load failed ("" when it did not)
-    last_used: float  # unix time a step last ran it, 0.0 if never
+    last_used: float  # unix time a request last started or ended on it, 0.0 if never
     gpu_loads: int  # host -> GPU slot copies
     disk_loads: int  # disk -> host reads (validated)
     evictions: int  # times it lost its GPU slot to another adapter
