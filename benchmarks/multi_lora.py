@@ -68,7 +68,7 @@ def build_engine(args, enable_lora: bool) -> LLM:
                   **lora)  # fmt: skip
     else:
         llm = bench_llm(args.model, max_model_len=2048, max_num_batched_tokens=8192,
-                        max_num_seqs=args.running + 8, cuda_graph_max_bs=args.running + 8,
+                        max_num_seqs=args.running + 8,
                         gpu_memory_utilization=0.7, **lora)  # fmt: skip
     print(f"engine (lora={enable_lora}) ready in {time.perf_counter() - start:.1f} s")
     return llm
