@@ -91,21 +91,17 @@ def test_sigterm_drains_16_streams_then_every_process_exits(model_dir, tmp_path)
     try:
 
         async def run():
-            started = asyncio.Event()
-            async with httpx.AsyncClient(timeout=120) as client:
+            started = [asyncio.Event() for _ in range(16)]
+            async with httpx.AsyncClient(timeout=300) as client:
                 tasks = [
                     asyncio.ensure_future(
-                        _stream(
-                            client,
-                            f"{served.v1}/completions",
-                            _body(served.model, SHORT if i < 12 else LONG, i),
-                            started,
-                        )  # fmt: skip
+                        _stream(client, f"{served.v1}/completions",
+                                _body(served.model, SHORT if i < 12 else LONG, i), started[i])
                     )
                     for i in range(16)
-                ]
-                await asyncio.wait_for(started.wait(), 120)
-                await asyncio.sleep(0.5)  # every request is in (the first has a token)
+                ]  # fmt: skip
+                # every stream has its first token: all 16 are in flight
+                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 300)
                 served.proc.send_signal(signal.SIGTERM)
                 signalled_at = time.monotonic()
                 results = await asyncio.gather(*tasks)
