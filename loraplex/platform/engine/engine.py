@@ -90,7 +90,12 @@ class Engine:
             adapters=self.lora_manager,
         )
         self.structured = StructuredOutputManager(
-            self.tokenizer, eos, arch.vocab_size, config.scheduler.max_num_seqs, config.grammar
+            self.tokenizer,
+            eos,
+            arch.vocab_size,
+            config.scheduler.max_num_seqs,
+            config.grammar,
+            pin_memory=self.runner.device.type == "cuda",
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.served_model_name = config.model.served_model_name or self.model_dir.stem
