@@ -42,3 +42,9 @@ def log_level() -> str:
 def triton_interpret() -> bool:
     """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def gc_tuning() -> bool:
+    """Whether the engine tunes the garbage collector for serving (LORAPLEX_GC_TUNING, default
+    1; 0 leaves the process's settings alone)."""
+    return os.environ.get("LORAPLEX_GC_TUNING", "1") != "0"

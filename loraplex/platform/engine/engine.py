@@ -28,6 +28,7 @@ from loraplex.platform.core.outputs import RequestOutput
 from loraplex.platform.core.request import Request, RequestStatus
 from loraplex.platform.core.sampling_params import SamplingParams
 from loraplex.platform.core.scheduler_output import SchedulerOutput
+from loraplex.platform.engine.gc_tuning import tune_for_serving
 from loraplex.platform.engine.output_processor import OutputProcessor
 from loraplex.platform.engine.structured_output import StepBitmask, StructuredOutputManager
 from loraplex.platform.models.model_loader import generation_eos_ids
@@ -98,6 +99,7 @@ class Engine:
             pin_memory=self.runner.device.type == "cuda",
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        tune_for_serving()  # NOTE: thousands of short-lived objects a step (see gc_tuning)
         self.served_model_name = config.model.served_model_name or self.model_dir.stem
         self._ids = itertools.count()
         # NOTE: a request without a seed gets one from here when it is added, so every row of
