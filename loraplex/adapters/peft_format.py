@@ -133,15 +133,23 @@ class LoRAWeights:
     def to(self, dtype: torch.dtype, *, pin_memory: bool = False) -> LoRAWeights:
         """A copy in `dtype`, optionally in page-locked host memory, staged for slot copies.
 
-        NOTE: each `b` comes back as the transpose of a contiguous [rank, out] tensor, so the
-        slot pool copies B^T to the device in one contiguous transfer."""
+        Every tensor is a view into one buffer: pinning an 8B-shape adapter is then one
+        page-locked allocation, not one per tensor (hundreds, each slow to pin while the device
+        is busy). NOTE: each `b` comes back as the transpose of a contiguous [rank, out] tensor,
+        so the slot pool copies B^T to the device in one contiguous transfer."""
+        total = sum(m.a.numel() + m.b.numel() for m in self.modules.values())
+        flat = torch.empty(total, dtype=dtype, pin_memory=pin_memory)  # [total]
+        offset = 0
 
-        def conv(x: torch.Tensor) -> torch.Tensor:
-            y = x.to(dtype).contiguous()
-            return y.pin_memory() if pin_memory else y
+        def place(x: torch.Tensor) -> torch.Tensor:
+            nonlocal offset
+            view = flat[offset : offset + x.numel()].view(x.shape)
+            view.copy_(x)
+            offset += x.numel()
+            return view
 
         modules = {
-            k: LoRAModuleWeights(conv(m.a), conv(m.b.T).T, m.scaling)
+            k: LoRAModuleWeights(place(m.a), place(m.b.T).T, m.scaling)
             for k, m in self.modules.items()
         }
         return LoRAWeights(self.path, self.digest, modules)

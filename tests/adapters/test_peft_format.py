@@ -189,3 +189,16 @@ def test_spec_from_hf_config_sizes():
     )
     assert spec.module_shape("k_proj") == (4096, 1024)
     assert spec.module_shape("down_proj") == (14336, 4096)
+
+
+def test_staged_weights_share_one_buffer_and_keep_their_values(make_adapter, spec):
+    weights = load_peft_adapter(make_adapter("a", r=4), spec, 8, torch.float32)
+    staged = weights.to(torch.bfloat16)
+    storages = {t.untyped_storage().data_ptr() for m in staged.modules.values() for t in (m.a, m.b)}
+    assert len(storages) == 1  # one (page-locked, on CUDA) allocation per adapter
+    for key, module in weights.modules.items():
+        copy = staged.modules[key]
+        assert copy.a.dtype == torch.bfloat16 and copy.b.T.is_contiguous()
+        assert torch.equal(copy.a, module.a.to(torch.bfloat16))
+        assert torch.equal(copy.b, module.b.to(torch.bfloat16))
+        assert copy.scaling == module.scaling
