@@ -263,12 +263,16 @@ class SlotRecorder:
 
     def _wrap_update(self, update):
         def wrapped(so):
+            result = update(so)
             requests = self._engine.scheduler.requests
-            self._scheduled = [
+            rows = self._engine.runner.input_batch.req_index
+            scheduled = [
                 (rid, n, requests[rid].adapter_key) for rid, n in so.num_scheduled_tokens.items()
             ]
+            # NOTE: the runner lays tokens out in the order of its batch rows
+            self._scheduled = sorted(scheduled, key=lambda s: rows[s[0]])
             self._step += 1
-            return update(so)
+            return result
 
         return wrapped
 
