@@ -100,11 +100,17 @@ class EngineCore(AsyncEngine):
             return False
         if block and not self._socket.poll(IDLE_POLL_MS):
             return not self._stop
+        received = False
         while True:
             try:
                 client, data = self._socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
+                if received:
+                    # NOTE: acknowledgements and command results go out now, not after the
+                    # step: a request of many prompts adds them one ack at a time.
+                    self._flush()
                 return not self._stop
+            received = True
             self._clients.add(client)
             try:
                 message = self._codec.decode_client(data)
