@@ -39,11 +39,10 @@ ENGINE_STOP_TIMEOUT_S = 30.0  # the engine core's time to stop after SIGTERM
 ENGINE_START_TIMEOUT_S = 3600.0  # the longest model load waited for
 
 
-def default_api_server_count(cpu_count: int | None = None) -> int:
-    """One API process per four cores, at least one, at most four: the engine core and the
-    per-request work of a few API processes fill a GPU host's cores before more would help."""
-    cpus = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
-    return max(1, min(4, cpus // 4))
+# NOTE: one, as vLLM. Each API process admits requests against a tenant's concurrency and
+# reserved-token caps on its own counts, so N processes let a tenant run up to N times its
+# cap; raise it where throughput matters more than those caps (README, "The serving processes").
+DEFAULT_API_SERVER_COUNT = 1
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
