@@ -30,7 +30,7 @@ from loraplex.config import EngineConfig
 from loraplex.platform.api.api_server import run_api_server
 from loraplex.platform.api.state import ServerSettings
 from loraplex.platform.engine.core_client import EngineCoreClient, default_address
-from loraplex.platform.engine.core_process import run_engine_core
+from loraplex.platform.engine.core_process import STARTUP_REFUSED_EXIT, run_engine_core
 
 logger = logging.getLogger(__name__)
 
@@ -88,11 +88,18 @@ class Launcher:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM,
                                                                           signal.SIGINT)}  # fmt: skip
         try:
+            refusals, refusals_writer = self._context.Pipe(duplex=False)
             self.engine = self._context.Process(
-                target=run_engine_core, args=(self.config, address), name="loraplex-engine-core"
+                target=run_engine_core,
+                args=(self.config, address, refusals_writer),
+                name="loraplex-engine-core",
             )
             self.engine.start()
+            refusals_writer.close()
             if not self._wait_for_engine(address):
+                if self.engine.exitcode == STARTUP_REFUSED_EXIT and refusals.poll():
+                    # NOTE: a refused model or option: `loraplex serve` prints it, exit 2
+                    raise ValueError(refusals.recv())
                 return 1
             for index in range(self.api_server_count):
                 process = self._context.Process(

@@ -17,8 +17,10 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 import msgspec
 import zmq
@@ -238,11 +240,24 @@ class EngineCore(AsyncEngine):
                 logger.warning("could not send to API process %r; dropped its batch", client)
 
 
-def run_engine_core(config: EngineConfig, address: str) -> None:
-    """The EngineCore process's entry point (a multiprocessing target)."""
+# The engine core's exit status when its model or options are refused at start-up (a
+# ValueError or FileNotFoundError): the launcher reports the message sent before it.
+STARTUP_REFUSED_EXIT = 2
+
+
+def run_engine_core(config: EngineConfig, address: str, refusals: Connection | None = None) -> None:
+    """The EngineCore process's entry point (a multiprocessing target). A model or option the
+    engine refuses at start-up is sent on `refusals` as its message, and the process exits with
+    STARTUP_REFUSED_EXIT (no traceback: it is the user's input, not a crash)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    core = EngineCore(config, address)
+    try:
+        core = EngineCore(config, address)
+    except (ValueError, FileNotFoundError) as exc:
+        if refusals is None:
+            raise
+        refusals.send(str(exc))
+        sys.exit(STARTUP_REFUSED_EXIT)
     signal.signal(signal.SIGTERM, lambda *_: core.request_stop())
     logger.info("engine core %d serving %s on %s", os.getpid(), core.served_model_name, address)
     core.run()
