@@ -57,6 +57,32 @@ class RequestResult:
     output_tokens: int = 0
 
 
+class StreamTimer:
+    """One streamed request's clock: TTFT at its first non-empty chunk, then inter-token gaps."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+        self.result: RequestResult | None = None
+
+    def chunk(self, text: str, completion_tokens: int | None) -> None:
+        now = time.perf_counter()
+        if completion_tokens is not None and self.result is not None:
+            self.result.output_tokens = completion_tokens
+        if not text:
+            return
+        if self.result is None:
+            self.result = RequestResult(ttft_s=now - self.start)
+        else:
+            self.result.itl_s.append(now - self.last)
+        self.last = now
+
+    def finish(self) -> RequestResult:
+        if self.result is None:
+            raise RuntimeError("a request produced no output")
+        self.result.e2e_s = time.perf_counter() - self.start
+        return self.result
+
+
 def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q) * 1000) if values else float("nan")
 
@@ -83,9 +109,7 @@ async def _one_request(
     client, model: str, prompt: list[int], output_len: int, sampling: str = "greedy"
 ) -> RequestResult:
     temperature, top_p = SAMPLINGS[sampling]
-    start = time.perf_counter()
-    last = start
-    result: RequestResult | None = None
+    timer = StreamTimer()
     stream = await client.completions.create(
         model=model,
         prompt=prompt,
@@ -97,20 +121,9 @@ async def _one_request(
         extra_body={"ignore_eos": True},
     )
     async for chunk in stream:
-        now = time.perf_counter()
-        if chunk.usage is not None and result is not None:
-            result.output_tokens = chunk.usage.completion_tokens
-        if not chunk.choices or not chunk.choices[0].text:
-            continue
-        if result is None:
-            result = RequestResult(ttft_s=now - start)
-        else:
-            result.itl_s.append(now - last)
-        last = now
-    if result is None:
-        raise RuntimeError("a request produced no output")
-    result.e2e_s = time.perf_counter() - start
-    return result
+        usage = chunk.usage.completion_tokens if chunk.usage is not None else None
+        timer.chunk(chunk.choices[0].text if chunk.choices else "", usage)
+    return timer.finish()
 
 
 async def run_server_benchmark(
@@ -275,31 +288,19 @@ async def _lean_load(
                 "temperature": temperature, "top_p": top_p, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}  # fmt: skip
         async with limit:
-            start = last = time.perf_counter()
-            result: RequestResult | None = None
+            timer = StreamTimer()
             async with session.post(url, json=body) as response:
                 if response.status != 200:
                     raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
                 async for line in response.content:
                     if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                         continue
-                    now = time.perf_counter()
                     event = json.loads(line[6:])
                     if "error" in event:
                         raise RuntimeError(f"stream error: {event['error']}")
-                    if event.get("usage") and result is not None:
-                        result.output_tokens = event["usage"]["completion_tokens"]
-                    if not event["choices"] or not event["choices"][0]["text"]:
-                        continue
-                    if result is None:
-                        result = RequestResult(ttft_s=now - start)
-                    else:
-                        result.itl_s.append(now - last)
-                    last = now
-            if result is None:
-                raise RuntimeError("a request produced no output")
-            result.e2e_s = time.perf_counter() - start
-            return result
+                    usage = event["usage"]["completion_tokens"] if event.get("usage") else None
+                    timer.chunk(event["choices"][0]["text"] if event["choices"] else "", usage)
+            return timer.finish()
 
     connector = aiohttp.TCPConnector(limit=concurrency + 8)
     timeout = aiohttp.ClientTimeout(total=3600)
