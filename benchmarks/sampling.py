@@ -23,38 +23,17 @@ from pathlib import Path
 
 from benchmarks.gpu_path import bench_llm, cuda_timed, decode_tpot, random_prompts
 from benchmarks.record import write_result
+from benchmarks.sampling_mixes import MIXED, MIXES, mix_fields
 from loraplex import LLM, SamplingParams
 
-# name -> SamplingParams fields; "seed" True means a seed per request (its index).
-MIXES: dict[str, dict] = {
-    "greedy": dict(temperature=0.0),
-    "t1": dict(temperature=1.0, top_p=1.0),
-    "t07_top_p09": dict(temperature=0.7, top_p=0.9),
-    "t07_seed": dict(temperature=0.7, seed=True),
-    "t07_top_k50": dict(temperature=0.7, top_k=50),
-    "min_p005": dict(temperature=1.0, min_p=0.05),
-    "rep11": dict(temperature=1.0, repetition_penalty=1.1),
-    "presence_frequency": dict(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.5),
-    "logprobs5": dict(temperature=1.0, logprobs=5),
-}
-# "mixed": one batch as a multi-tenant server sees it, request i taking the (i mod 9)-th mix
-# above (greedy included); its throughput only (batch 1 has no mix).
-MIXED = "mixed"
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "models"
 
 
 def mix_params(mix: str, n: int, max_tokens: int) -> list[SamplingParams]:
-    names = list(MIXES) if mix == MIXED else [mix]
-    params = []
-    for i in range(n):
-        fields = dict(MIXES[names[i % len(names)]])
-        seeded = fields.pop("seed", False)
-        params.append(
-            SamplingParams(
-                max_tokens=max_tokens, ignore_eos=True, seed=i if seeded else None, **fields
-            )
-        )
-    return params
+    return [
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True, **mix_fields(mix, i))
+        for i in range(n)
+    ]
 
 
 def resolve_model(name: str | None) -> str | None:

@@ -3,9 +3,10 @@
 N random token-id prompts of --input-len tokens, each asking for exactly --output-len tokens
 (ignore_eos), sent to /v1/completions with streaming at a request rate (Poisson arrivals) or a
 fixed concurrency. Reports request throughput, output tokens/s, and TTFT, TPOT and ITL at
-p50/p90/p99. `--offline` runs the same workload through `LLM.generate`. `--sampling` picks greedy
-or `t1` (temperature 1.0, top_p 1: the openai SDK's default); `--record` runs both, the t1
-metrics named with a `t1_` prefix.
+p50/p90/p99. `--offline` runs the same workload through `LLM.generate`. `--sampling` picks greedy,
+`t1` (temperature 1.0, top_p 1: the openai SDK's default) or `mixed` (request i takes mix i mod
+9 of `benchmarks.sampling`: penalties, top-k/p, min-p, seeds, logprobs); `--record` runs all
+three, their metrics named with a `t1_` / `mixed_` prefix.
 
     # against a running server
     python benchmarks/serving.py --base-url http://127.0.0.1:8000 --max-concurrency 8
@@ -16,7 +17,7 @@ metrics named with a `t1_` prefix.
     # the GPU record (issue 19): the 8B shape with random weights served by `loraplex serve`
     # (engine-core process + API processes), a lean aiohttp streaming client in its own
     # process at concurrency 1, 64 and 256, then the offline LLM on the same engine options;
-    # greedy and t1; writes benchmarks/results/h200_serving.json
+    # greedy, t1 and mixed (not at concurrency 1); writes benchmarks/results/h200_serving.json
     python -m benchmarks.serving --gpu-record
 """
 
@@ -37,10 +38,17 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.sampling_mixes import MIXED, mix_fields
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "cpu_serving.json"
-# Sampling mode -> (temperature, top_p) of every request; the metric prefix is "" or "t1_".
-SAMPLINGS = {"greedy": (0.0, 1.0), "t1": (1.0, 1.0)}
+# Sampling modes: greedy, t1 (temperature 1.0, top_p 1: the openai SDK's default) and mixed
+# (request i takes the (i mod 9)-th of benchmarks.sampling's mixes); the metric prefix is "",
+# "t1_" or "mixed_". Each request's fields come from `mix_fields`.
+SAMPLINGS = ("greedy", "t1", MIXED)
+# Request fields the openai SDK takes as arguments; the others (top_k, min_p,
+# repetition_penalty) travel in extra_body, as vLLM's extensions do.
+_SDK_FIELDS = {"temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "logprobs"}
 
 
 def make_prompts(num: int, input_len: int, seed: int) -> list[list[int]]:
@@ -106,19 +114,19 @@ def summarize(results: list[RequestResult], duration_s: float) -> dict[str, floa
 
 
 async def _one_request(
-    client, model: str, prompt: list[int], output_len: int, sampling: str = "greedy"
+    client, model: str, prompt: list[int], output_len: int, sampling: str = "greedy", i: int = 0
 ) -> RequestResult:
-    temperature, top_p = SAMPLINGS[sampling]
+    fields = mix_fields(sampling, i)
+    extra = {k: v for k, v in fields.items() if k not in _SDK_FIELDS}
     timer = StreamTimer()
     stream = await client.completions.create(
         model=model,
         prompt=prompt,
         max_tokens=output_len,
-        temperature=temperature,
-        top_p=top_p,
         stream=True,
         stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
+        extra_body={"ignore_eos": True, **extra},
+        **{k: v for k, v in fields.items() if k in _SDK_FIELDS},
     )
     async for chunk in stream:
         usage = chunk.usage.completion_tokens if chunk.usage is not None else None
@@ -144,14 +152,14 @@ async def run_server_benchmark(
     limit = asyncio.Semaphore(max_concurrency or len(prompts))
     rng = np.random.default_rng(seed)
 
-    async def limited(prompt: list[int]) -> RequestResult:
+    async def limited(prompt: list[int], i: int) -> RequestResult:
         async with limit:
-            return await _one_request(client, model, prompt, output_len, sampling)
+            return await _one_request(client, model, prompt, output_len, sampling, i)
 
     start = time.perf_counter()
     tasks = []
-    for prompt in prompts:
-        tasks.append(asyncio.create_task(limited(prompt)))
+    for i, prompt in enumerate(prompts):
+        tasks.append(asyncio.create_task(limited(prompt, i)))
         if request_rate != float("inf"):
             await asyncio.sleep(float(rng.exponential(1.0 / request_rate)))
     results = await asyncio.gather(*tasks)
@@ -171,10 +179,10 @@ def run_offline_benchmark(
     llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up
     runs = {}
     for sampling in samplings:
-        temperature, top_p = SAMPLINGS[sampling]
-        params = SamplingParams(
-            max_tokens=output_len, temperature=temperature, top_p=top_p, ignore_eos=True
-        )
+        params = [
+            SamplingParams(max_tokens=output_len, ignore_eos=True, **mix_fields(sampling, i))
+            for i in range(len(prompts))
+        ]
         start = time.perf_counter()
         outputs = llm.generate(prompts, params)
         duration = time.perf_counter() - start
@@ -218,8 +226,8 @@ def launch_server(extra_args: list[str]) -> tuple[subprocess.Popen, str]:
 
 
 def record(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
-    """Server runs at each --concurrency, then offline, greedy and t1; the flat metrics of the
-    results JSON (greedy's unprefixed, t1's prefixed `t1_`)."""
+    """Server runs at each --concurrency, then offline, for each sampling mode; the flat metrics
+    of the results JSON (greedy's unprefixed, the others prefixed `t1_` / `mixed_`)."""
     metrics: dict[str, float] = {}
     samplings = tuple(SAMPLINGS)
     proc, base_url = launch_server(args.server_arg or [])
@@ -279,14 +287,13 @@ async def _lean_load(
     aiohttp and nothing else per event than a timestamp and a JSON parse."""
     import aiohttp
 
-    temperature, top_p = SAMPLINGS[sampling]
     url = f"{base_url}/v1/completions"
     limit = asyncio.Semaphore(concurrency)
 
-    async def one(session: aiohttp.ClientSession, prompt: list[int]) -> RequestResult:
-        body = {"model": model, "prompt": prompt, "max_tokens": output_len,
-                "temperature": temperature, "top_p": top_p, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}  # fmt: skip
+    async def one(session: aiohttp.ClientSession, prompt: list[int], i: int) -> RequestResult:
+        body = {"model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True},
+                **mix_fields(sampling, i)}  # fmt: skip
         async with limit:
             timer = StreamTimer()
             async with session.post(url, json=body) as response:
@@ -305,9 +312,9 @@ async def _lean_load(
     connector = aiohttp.TCPConnector(limit=concurrency + 8)
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        await one(session, prompts[0][:8])  # warm-up (and this sampling's first request)
+        await one(session, prompts[0][:8], 0)  # warm-up (and this sampling's first request)
         start = time.perf_counter()
-        results = await asyncio.gather(*(one(session, p) for p in prompts))
+        results = await asyncio.gather(*(one(session, p, i) for i, p in enumerate(prompts)))
         duration = time.perf_counter() - start
     return summarize(list(results), duration)
 
@@ -343,14 +350,18 @@ def offline_runs(
     from benchmarks.gpu_path import cuda_timed
     from loraplex import SamplingParams
 
-    temperature, top_p = SAMPLINGS[sampling]
-    params = SamplingParams(max_tokens=output_len, temperature=temperature, top_p=top_p,
-                            ignore_eos=True)  # fmt: skip
-    llm.generate(prompts[:concurrency], SamplingParams(max_tokens=4, temperature=temperature,
-                                                       ignore_eos=True))  # fmt: skip
+    params = [
+        SamplingParams(max_tokens=output_len, ignore_eos=True, **mix_fields(sampling, i))
+        for i in range(len(prompts))
+    ]
+    warm = [SamplingParams(max_tokens=4, ignore_eos=True, **mix_fields(sampling, i))
+            for i in range(concurrency)]  # fmt: skip
+    llm.generate(prompts[:concurrency], warm)
     llm.engine.scheduler.kv.reset_prefix_cache()
-    waves = [prompts[i : i + concurrency] for i in range(0, len(prompts), concurrency)]
-    seconds = cuda_timed(lambda: [llm.generate(w, params, use_tqdm=False) for w in waves])
+    starts = range(0, len(prompts), concurrency)
+    seconds = cuda_timed(lambda: [llm.generate(prompts[i : i + concurrency],
+                                               params[i : i + concurrency], use_tqdm=False)
+                                  for i in starts])  # fmt: skip
     return len(prompts) * output_len / seconds
 
 
@@ -360,11 +371,10 @@ def offline_tpot(llm, prompts: list[list[int]], output_len: int, sampling: str) 
     from benchmarks.gpu_path import cuda_timed
     from loraplex import SamplingParams
 
-    temperature, top_p = SAMPLINGS[sampling]
+    fields = mix_fields(sampling, 0)
 
     def timed(prompt: list[int], n: int) -> float:
-        params = SamplingParams(max_tokens=n, temperature=temperature, top_p=top_p,
-                                ignore_eos=True)  # fmt: skip
+        params = SamplingParams(max_tokens=n, ignore_eos=True, **fields)
         return cuda_timed(lambda: llm.generate([prompt], params, use_tqdm=False))
 
     timed(prompts[0], 8)
@@ -392,7 +402,8 @@ def with_word_tokenizer(config: str) -> str:
 
 def record_gpu(args: argparse.Namespace) -> dict[str, float]:
     """The issue-19 record: server (lean client, concurrency args.concurrency) and offline,
-    greedy and t1; flat metrics, t1's with a `_t1` suffix (`server_vs_offline_c256_t1`)."""
+    greedy, t1 and mixed (mixed not at concurrency 1); flat metrics, the sampled modes' with a
+    `_t1` / `_mixed` suffix (`server_vs_offline_c256_t1`)."""
     import torch
 
     from benchmarks.gpu_path import bench_llm
@@ -420,6 +431,8 @@ def record_gpu(args: argparse.Namespace) -> dict[str, float]:
         served = httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"][0]["id"]
         for sampling in SAMPLINGS:
             for c in args.concurrency:
+                if sampling == MIXED and c == 1:
+                    continue  # one stream has no mix
                 run = lean_client_run(base_url, served, prompts_for(c), args.output_len, c,
                                       sampling)  # fmt: skip
                 print(f"server {sampling} c{c}: {json.dumps(run)}", flush=True)
@@ -431,6 +444,8 @@ def record_gpu(args: argparse.Namespace) -> dict[str, float]:
     for sampling in SAMPLINGS:
         pre = _prefix(sampling)
         for c in args.concurrency:
+            if c == 1 and sampling == MIXED:
+                continue
             if c == 1:
                 tpot = offline_tpot(llm, prompts_for(1)[:3], args.output_len, sampling)
                 metrics[f"{pre}offline_tpot_c1_ms"] = tpot * 1000
@@ -446,8 +461,11 @@ def record_gpu(args: argparse.Namespace) -> dict[str, float]:
             )
         print(f"offline {sampling}: " + json.dumps({k: v for k, v in metrics.items()
                                                    if k.startswith(f"{pre}offline")}))  # fmt: skip
-    return {k.replace("t1_", "", 1) + "_t1" if k.startswith("t1_") else k: v
-            for k, v in metrics.items()}  # fmt: skip
+    suffixed = {}
+    for key, value in metrics.items():
+        mode = next((m for m in SAMPLINGS[1:] if key.startswith(f"{m}_")), None)
+        suffixed[key[len(mode) + 1 :] + f"_{mode}" if mode else key] = value
+    return suffixed
 
 
 def _prefix(sampling: str) -> str:
@@ -473,8 +491,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--offline", action="store_true", help="run the workload through LLM instead")
-    p.add_argument("--sampling", choices=tuple(SAMPLINGS), default="greedy",
-                   help="greedy, or t1: temperature 1.0, top_p 1 (--record runs both)")  # fmt: skip
+    p.add_argument("--sampling", choices=SAMPLINGS, default="greedy",
+                   help="greedy, t1 (temperature 1.0, top_p 1) or mixed (request i takes "
+                   "mix i mod 9 of benchmarks.sampling); --record runs all three")  # fmt: skip
     p.add_argument(
         "--record",
         action="store_true",
