@@ -272,9 +272,17 @@ def run(args: argparse.Namespace, config: Path) -> dict[str, Any]:
         sampling(i, args.max_tokens if s else args.mixed_max_tokens, s)
         for i, s in enumerate(is_schema)
     ]
-    warm = [replace(p, max_tokens=16) for p in constrained[:8]]
-    drive(llm, schema_prompts[:8], warm)  # kernels, graphs, the grammar's states
-    drive(llm, schema_prompts[:8], [replace(p, structured_outputs=None) for p in warm])
+    # NOTE: the warm-up runs every batch size and every prompt of the timed runs, in both
+    # grammar modes, so no timed run pays a first-time cost (a CUDA graph, a kernel variant,
+    # a grammar state's first mask, a prompt's prefill that later runs find in the prefix
+    # cache): the runs then differ only in what they measure.
+    warm = [replace(p, max_tokens=16) for p in mixed]
+    for overlap in (True, False):
+        set_overlap(llm, overlap)
+        drive(llm, schema_prompts, [replace(p, max_tokens=16) for p in constrained])
+    set_overlap(llm, True)
+    drive(llm, mixed_prompts, warm)
+    drive(llm, mixed_prompts, [replace(p, structured_outputs=None) for p in warm])
 
     best: dict[str, Run] = {}
 
