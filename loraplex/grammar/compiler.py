@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import queue
 import threading
 from collections import OrderedDict
@@ -11,13 +13,15 @@ from loraplex.grammar.cache import GrammarCache
 from loraplex.grammar.compile_request import CompileRequest, build_compile_request
 from loraplex.grammar.compiled import CompiledGrammar
 from loraplex.grammar.config import GrammarConfig
-from loraplex.grammar.errors import GrammarError
+from loraplex.grammar.errors import GrammarError, GrammarMemoryError, GrammarTimeoutError
 from loraplex.grammar.llguidance_backend import LLGuidanceGrammar
 from loraplex.grammar.llguidance_compile import is_packed
 from loraplex.grammar.params import StructuredOutputs
 from loraplex.grammar.schema_limits import check_schema_limits
 from loraplex.grammar.vocabulary import GrammarVocabulary
 from loraplex.grammar.worker import CompileWorker, load_index
+
+logger = logging.getLogger(__name__)
 
 # A compiled grammar of either backend: both give `new_matcher()`.
 Grammar = CompiledGrammar | LLGuidanceGrammar
@@ -149,6 +153,28 @@ class GrammarCompiler:
                 return self._load(data, key)
             except Exception:  # noqa: BLE001 - a corrupt cache file is recompiled
                 data = None
+        try:
+            data = self._run_child(request)
+        except (GrammarTimeoutError, GrammarMemoryError) as error:
+            # NOTE: a child past its limit is killed, so the backends after the first were
+            # never tried: outlines-core can take longer than the limit to build an automaton
+            # that llguidance parses lazily in milliseconds. One retry with the others, under
+            # the same limits (a hostile schema costs at most twice the limit, never more).
+            if request.kind != "json" or len(request.backends) < 2:
+                raise
+            rest = dataclasses.replace(request, backends=request.backends[1:])
+            logger.info("%s after %s; retrying with %s", error, request.backends[0], rest.backends)
+            try:
+                data = self._run_child(rest)
+            except GrammarError as retry_error:
+                message = f"{error}; then {', '.join(rest.backends)}: {retry_error}"
+                raise type(error)(message) from retry_error
+        grammar = self._load(data, key)
+        self.cache.put(key, data)
+        return grammar
+
+    def _run_child(self, request: CompileRequest) -> bytes:
+        """One compile in a child process; counted in `num_compiles` when it succeeds."""
         worker = self._workers.get()
         try:
             data = worker.compile(request)
@@ -156,9 +182,7 @@ class GrammarCompiler:
             self._workers.put(worker)
         with self._lock:
             self.num_compiles += 1
-        grammar = self._load(data, key)
-        self.cache.put(key, data)
-        return grammar
+        return data
 
     def _load(self, data: bytes, key: str) -> Grammar:
         """The grammar in compiled bytes: an llguidance grammar or an outlines-core index."""

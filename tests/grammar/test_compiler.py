@@ -37,7 +37,22 @@ def fresh(vocabulary, tmp_path):
     compiler.shutdown()
 
 
-def test_slow_schema_times_out_without_blocking_or_harming_others(fresh) -> None:
+@pytest.fixture
+def outlines_only(vocabulary, tmp_path):
+    """`fresh`'s limits with outlines-core as the only JSON backend (nothing to fall back on)."""
+    config = GrammarConfig(
+        compile_timeout_s=1.5,
+        compile_memory_mib=350,
+        cache_dir=tmp_path,
+        json_backends=("outlines",),
+    )
+    compiler = GrammarCompiler(vocabulary, config)
+    yield compiler
+    compiler.shutdown()
+
+
+def test_slow_schema_times_out_without_blocking_or_harming_others(outlines_only) -> None:
+    fresh = outlines_only
     future = fresh.submit(_long_string(2000))
     assert not future.done()  # the caller keeps going while it compiles
     assert fresh.submit(_long_string(2000)) is future  # one compile per spec in flight
@@ -53,7 +68,13 @@ def test_slow_schema_times_out_without_blocking_or_harming_others(fresh) -> None
 
 def test_schema_over_the_memory_limit_fails_cleanly(vocabulary, tmp_path) -> None:
     compiler = GrammarCompiler(
-        vocabulary, GrammarConfig(compile_timeout_s=60, compile_memory_mib=256, cache_dir=tmp_path)
+        vocabulary,
+        GrammarConfig(
+            compile_timeout_s=60,
+            compile_memory_mib=256,
+            cache_dir=tmp_path,
+            json_backends=("outlines",),  # llguidance would serve it after the failure
+        ),
     )
     try:
         with pytest.raises(GrammarMemoryError, match="256 MiB"):
@@ -142,3 +163,12 @@ def test_the_child_is_given_the_parents_sys_path(tmp_path, monkeypatch) -> None:
     command = child_command(512)
     assert command[1] == "-I"
     assert str(extra) in json.loads(command[-1])
+
+
+def test_a_schema_outlines_cannot_build_in_time_is_served_by_llguidance(fresh) -> None:
+    # outlines-core builds this maxLength-2000 automaton for longer than the 1.5 s limit (the
+    # test above); the child is killed before it reaches the next backend, so the compiler
+    # retries once with the others, and llguidance parses it lazily.
+    grammar = fresh.compile(_long_string(2000), timeout=60)
+    assert grammar.backend == "llguidance"
+    assert fresh.submit(_long_string(2000)).result() is grammar  # remembered, not retried
