@@ -51,3 +51,42 @@ class RequestOutput:
     error: str | None = None  # why the request was ended early, e.g. its grammar failed
     failure: Exception | None = None  # the exception behind `error`, when one was raised
     prompt_logprobs: PromptLogprobs | None = None  # with SamplingParams.prompt_logprobs
+
+
+def merge_deltas(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One delta output of a request carrying `first`'s tokens then `later`'s: what a reader
+    that fell behind by a step receives instead of two (fewer, larger stream events)."""
+    samples = {sample.index: sample for sample in first.outputs}
+    for sample in later.outputs:
+        prev = samples.get(sample.index)
+        if prev is None:
+            samples[sample.index] = sample
+            continue
+        logprobs = None
+        if prev.logprobs is not None or sample.logprobs is not None:
+            logprobs = (prev.logprobs or []) + (sample.logprobs or [])
+        samples[sample.index] = CompletionOutput(
+            index=sample.index,
+            text=prev.text + sample.text,
+            token_ids=prev.token_ids + sample.token_ids,
+            logprobs=logprobs,
+            cumulative_logprob=(
+                sample.cumulative_logprob
+                if sample.cumulative_logprob is not None
+                else prev.cumulative_logprob
+            ),
+            finish_reason=sample.finish_reason,
+            stop_reason=sample.stop_reason,
+        )
+    return RequestOutput(
+        request_id=later.request_id,
+        prompt=first.prompt,
+        prompt_token_ids=first.prompt_token_ids,
+        outputs=[samples[i] for i in sorted(samples)],
+        finished=later.finished,
+        num_cached_tokens=later.num_cached_tokens,
+        metrics=later.metrics,
+        error=later.error,
+        failure=later.failure,
+        prompt_logprobs=first.prompt_logprobs or later.prompt_logprobs,
+    )

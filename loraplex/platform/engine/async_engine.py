@@ -30,7 +30,7 @@ from loraplex.platform.core.commands import (
     RemoveAdapter,
     SetTenantWeight,
 )
-from loraplex.platform.core.outputs import RequestOutput
+from loraplex.platform.core.outputs import RequestOutput, merge_deltas
 from loraplex.platform.core.request import RequestStatus
 from loraplex.platform.core.sampling_params import SamplingParams
 from loraplex.platform.engine.engine import Engine, EngineStats
@@ -126,6 +126,7 @@ class RequestStream:
         self.request_id = request_id
         self._engine = engine
         self._outputs = outputs
+        self._error: BaseException | None = None  # raised after the outputs before it
         self.finished = False
 
     def __aiter__(self) -> RequestStream:
@@ -134,10 +135,19 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._outputs.get()
+        item = self._error or await self._outputs.get()
         if isinstance(item, BaseException):
             self.finished = True
             raise item
+        # NOTE: a reader that fell behind (a busy API process at hundreds of streams) takes
+        # every delta already waiting as one output: one stream event instead of several, so
+        # the server catches up instead of falling further behind (vLLM merges the same way).
+        while not item.finished and not self._outputs.empty():
+            later = self._outputs.get_nowait()
+            if isinstance(later, BaseException):
+                self._error = later
+                break
+            item = merge_deltas(item, later)
         self.finished = item.finished
         return item
 
