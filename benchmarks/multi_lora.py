@@ -7,8 +7,13 @@ first token while 256 other sequences decode, with those sequences' ITL p99 mean
     python -m benchmarks.multi_lora --device cpu            # tiny run, embedded model
 
 Workload (cuda): 256 requests, input and output lengths uniform in [128, 512] and [64, 256],
-ignore_eos, greedy and again at temperature 1.0 (the openai SDK's default; metrics with a `_t1`
-suffix); request i runs adapter i mod k. Adapters are random, rank 16 on all seven projections,
+ignore_eos, greedy, again at temperature 1.0 (the openai SDK's default; metrics with a `_t1`
+suffix) and as a mixed-sampling batch (request i takes mix i mod 9 of `benchmarks.sampling`:
+penalties, top-k/p, min-p, seeds, logprobs; `_mixed` suffix). With 8 and 64 adapters request i
+runs adapter i mod k; with 256 adapters on 64 slots each request draws its adapter from a Zipf
+(s = 1) popularity over the 256, as tenants' traffic is: hot adapters stay resident while the
+tail churns through the slots (one request per adapter would cap the batch at the slot count,
+64 of 256 sequences, whatever the engine did). Adapters are random, rank 16 on all seven projections,
 written as PEFT folders (kept in `--adapter-dir` between runs) and registered like the API does
 (`AddAdapter` with their content digest). The base model is measured in the same run, on an
 engine with LoRA disabled. Before each timed run every adapter of the run is read into the
@@ -41,12 +46,14 @@ import torch
 from benchmarks.gpu_path import GREEDY, T1, bench_llm, cuda_timed, random_prompts
 from benchmarks.random_adapter import write_random_adapter
 from benchmarks.record import write_result
+from benchmarks.sampling_mixes import MIXED, mix_fields
 from loraplex import LLM, LoRARequest, SamplingParams
 from loraplex.adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE, content_digest
 from loraplex.platform.core.commands import AddAdapter, GetAdapterStats
 from loraplex.platform.engine.engine import Engine
 
-SAMPLINGS = {"": GREEDY, "_t1": T1}  # metric suffix -> SamplingParams fields
+SAMPLINGS = ("", "_t1", "_mixed")  # metric suffixes: greedy, temperature 1.0, mixed
+ZIPF_S = 1.0
 RANK = 16
 
 
@@ -81,9 +88,24 @@ def workload(args, vocab: int) -> tuple[list[list[int]], list[int]]:
     return random_prompts(rng, vocab, [i for i, _ in lens]), [o for _, o in lens]
 
 
-def serve(llm: LLM, prompts, outputs, loras=None, sampling: dict = GREEDY) -> float:
+def sampling_params(suffix: str, outputs: list[int]) -> list[SamplingParams]:
+    """Each request's parameters for the sampling mode of metric suffix `suffix`."""
+    if suffix == "_mixed":
+        return [SamplingParams(max_tokens=o, ignore_eos=True, **mix_fields(MIXED, i))
+                for i, o in enumerate(outputs)]  # fmt: skip
+    fields = T1 if suffix == "_t1" else GREEDY
+    return [SamplingParams(max_tokens=o, **fields) for o in outputs]
+
+
+def zipf_choices(k: int, n: int, seed: int = 3) -> list[int]:
+    """n adapter indices in [0, k), index j drawn with weight 1 / (j + 1) ** ZIPF_S."""
+    weights = [1.0 / (j + 1) ** ZIPF_S for j in range(k)]
+    return random.Random(seed).choices(range(k), weights=weights, k=n)
+
+
+def serve(llm: LLM, prompts, outputs, loras=None, suffix: str = "") -> float:
     """Output tokens/s of one `generate` over all requests, from an empty prefix cache."""
-    params = [SamplingParams(max_tokens=o, **sampling) for o in outputs]
+    params = sampling_params(suffix, outputs)
     llm.engine.scheduler.kv.reset_prefix_cache()
     seconds = cuda_timed(lambda: llm.generate(prompts, params, lora_request=loras))
     return sum(outputs) / seconds
@@ -217,9 +239,12 @@ def main() -> int:
 
     llm = build_engine(args, enable_lora=False)
     prompts, outputs = workload(args, llm.engine.runner.arch.vocab_size)
-    serve(llm, prompts[:8], [4] * 8)  # warm-up
-    for suffix, sampling in SAMPLINGS.items():
-        baseline[f"base_out_tok_s{suffix}"] = serve(llm, prompts, outputs, sampling=sampling)
+    # NOTE: warm-ups run every prompt (short outputs): each prefill shape and batch size the
+    # timed runs meet, so no timed run pays a first-time cost the others do not.
+    short = [max(4, o // 4) for o in outputs]
+    serve(llm, prompts, short)
+    for suffix in SAMPLINGS:
+        baseline[f"base_out_tok_s{suffix}"] = serve(llm, prompts, outputs, suffix=suffix)
     baseline["tpot_bs1_base_s"] = tpot(llm, args.tpot_steps, args.prompt_len, None)
     print(f"base (LoRA disabled): {baseline}")
     del llm
@@ -233,18 +258,22 @@ def main() -> int:
     commands = commands[:-1]
     warm_host_cache(llm.engine, commands)
     loras = [LoRARequest(c.name, "/registered") for c in commands]
-    serve(llm, prompts[:8], [4] * 8, loras[:8])  # warm-up
+    serve(llm, prompts, short, [loras[i % slots] for i in range(len(prompts))])
     for k in args.adapters:
         label = f"{k}" if k <= slots else f"{k}_on_{slots}_slots"
-        mix = [loras[i % k] for i in range(len(prompts))]
-        for suffix, sampling in SAMPLINGS.items():
-            tok_s = serve(llm, prompts, outputs, mix, sampling)
+        if k <= slots:
+            mix = [loras[i % k] for i in range(len(prompts))]
+        else:
+            mix = [loras[j] for j in zipf_choices(k, len(prompts))]
+        for suffix in SAMPLINGS:
+            tok_s = serve(llm, prompts, outputs, mix, suffix)
             metrics[f"lora_{label}_out_tok_s{suffix}"] = tok_s
             metrics[f"ratio_vs_base_{label}{suffix}"] = tok_s / baseline[f"base_out_tok_s{suffix}"]
         stats = llm.engine.handle_command(GetAdapterStats())
         evictions = sum(a.evictions for a in stats.adapters)
         print(f"{k} adapters on {slots} slots: {metrics[f'lora_{label}_out_tok_s']:.0f} tok/s "
-              f"greedy, {metrics[f'lora_{label}_out_tok_s_t1']:.0f} t1; {evictions} evictions")  # fmt: skip
+              f"greedy, {metrics[f'lora_{label}_out_tok_s_t1']:.0f} t1, "
+              f"{metrics[f'lora_{label}_out_tok_s_mixed']:.0f} mixed; {evictions} evictions")  # fmt: skip
     metrics["tpot_bs1_lora_s"] = tpot(llm, args.tpot_steps, args.prompt_len, loras[0])
     metrics["tpot_bs1_lora_over_base"] = metrics["tpot_bs1_lora_s"] / baseline["tpot_bs1_base_s"]
     first, during, before = registration_to_first_token(args, llm, commands, fresh)
@@ -266,6 +295,7 @@ def main() -> int:
             "rank": RANK,
             "target_modules": "q,k,v,o,gate,up,down",
             "adapters": args.adapters,
+            "adapter_choice": f"i mod k for k <= slots; Zipf(s={ZIPF_S}) over k beyond",
             "gpu_slots": slots,
             "running_sequences_for_registration": args.running,
         },
