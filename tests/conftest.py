@@ -63,8 +63,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     workers = getattr(config.option, "numprocesses", None) or 0
     over = elapsed > float(budget)
     terminalreporter.write_line(
-        f"test wall time: {elapsed:.0f} s of a {float(budget):.0f} s bound "
-        f"({workers or 'no'} xdist workers){' -- OVER THE BOUND' if over else ''}",
+        f"test wall time: {elapsed:.0f} s (bound {float(budget):.0f} s, xdist workers: {workers})"
+        + (" -- OVER THE BOUND" if over else ""),
         red=over,
         green=not over,
     )
