@@ -6,6 +6,9 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
+# `make test` runs pytest-xdist workers (each test module on one worker, its fixtures built once);
+# `make test PYTEST_WORKERS=0` runs the suite serially in one process.
+PYTEST_WORKERS ?= 2
 
 .PHONY: setup browser serve test fuzz lint format bench clean
 
@@ -37,7 +40,7 @@ browser:
 	else echo "browser: not root or no apt-get; the dashboard browser test skips"; fi
 
 test: $(STAMP) browser
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The API fuzz suite at length: FUZZ_EXAMPLES examples per operation (`make test` runs 15).
 FUZZ_EXAMPLES ?= 300

@@ -2,18 +2,88 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+# NOTE: under pytest-xdist (`make test` runs two workers), each worker is one process of several
+# sharing the machine's cores: one intra-op thread each (and for the servers they start, which
+# inherit OMP_NUM_THREADS) keeps two workers from oversubscribing two cores. An explicit
+# OMP_NUM_THREADS is left alone.
+_XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _XDIST_WORKER and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+
 # NOTE: set before any test reads `loraplex.envs.cache_dir()`, so every run shares one converted
 # default model in the git-ignored `.cache/` at the repository root instead of the user's cache.
-os.environ.setdefault("LORAPLEX_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache"))
-# Servers started by tests keep their registries under the same ignored folder, not in $HOME.
+_TEST_CACHE = Path(__file__).resolve().parents[1] / ".cache"
+os.environ.setdefault("LORAPLEX_CACHE_DIR", str(_TEST_CACHE))
+# Servers started by tests keep their registries under the same ignored folder, not in $HOME;
+# one folder per xdist worker, so two workers' servers never share a tenant or adapter database.
 os.environ.setdefault(
-    "LORAPLEX_DATA_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "data")
+    "LORAPLEX_DATA_DIR", str(_TEST_CACHE / (f"data-{_XDIST_WORKER}" if _XDIST_WORKER else "data"))
 )
+
+# The CI bound on the suite's wall time (`.ci/run` sets it): over it, the run fails.
+WALL_BUDGET_ENV = "LORAPLEX_TEST_WALL_BUDGET_S"
+_session: dict[str, object] = {}  # the running session and its start (controller side)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under `--dist loadgroup`, a test without an `xdist_group` mark joins its module's group,
+    so each module runs on one worker and builds its module-scoped fixtures once (as
+    `--dist loadscope` would), while explicit groups still span modules.
+
+    NOTE: tryfirst: xdist reads the marks in its own hook of the same name.
+    """
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _session.update(session=session, start=time.monotonic())
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """With LORAPLEX_TEST_WALL_BUDGET_S set (CI), print the run's wall time against that bound
+    and fail the run when it is over; pytest's own summary line still comes last."""
+    budget = os.environ.get(WALL_BUDGET_ENV)
+    if not budget or _XDIST_WORKER or not _session:
+        return
+    elapsed = time.monotonic() - _session["start"]
+    workers = getattr(config.option, "numprocesses", None) or 0
+    over = elapsed > float(budget)
+    terminalreporter.write_line(
+        f"test wall time: {elapsed:.0f} s (bound {float(budget):.0f} s, xdist workers: {workers})"
+        + (" -- OVER THE BOUND" if over else ""),
+        red=over,
+        green=not over,
+    )
+    session = _session["session"]
+    if over and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _collect_garbage_after_each_module() -> Iterator[None]:
+    """A full collection once a module's fixtures are torn down.
+
+    NOTE: the engine raises the collector's thresholds for serving (gc_tuning.py), so in a test
+    process the old generation is almost never collected: the engines a module built and dropped
+    (they hold reference cycles) would stay in memory for the rest of the run, gigabytes per
+    xdist worker by the end of the suite.
+    """
+    yield
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
