@@ -151,7 +151,7 @@ def serving_rounds(sides: dict[str, str], args: argparse.Namespace, load: str) -
     models = {name: served_model(url) for name, url in sides.items()}
     for sampling in SAMPLINGS:
         for c in args.concurrency:
-            prompts = make_prompts(max(args.min_prompts, 2 * c), args.input_len, args.seed + c)
+            prompts = make_prompts(max(args.min_prompts, c), args.input_len, args.seed + c)
             runs: dict[str, list[dict]] = {name: [] for name in names}
             for r in range(args.rounds):
                 order = names if r % 2 == 0 else names[::-1]
@@ -210,7 +210,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--min-prompts", type=int, default=4, help="prompts per case: max(this, 2 * c)")
+    p.add_argument("--min-prompts", type=int, default=4, help="prompts per case: max(this, c)")
     p.add_argument("--offline-prompts", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--dtype", default="float32")
@@ -219,6 +219,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loads", nargs="+", default=["asfound", "busycore"],
                    choices=["asfound", "busycore"])  # fmt: skip
     p.add_argument("--no-offline", action="store_true")
+    p.add_argument(
+        "--vllm-url",
+        default=None,
+        help="a running `vllm serve` of the same model and flags (else one is started)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="cpu_vs_vllm.json")
     return p.parse_args(argv)
@@ -241,8 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ours, ours_url = launch_server(serve_flags(ours_options))
         procs.append(ours)
-        theirs, vllm_url = launch_vllm(args.vllm_python, model, args)
-        procs.append(theirs)
+        vllm_url = args.vllm_url
+        if vllm_url is None:
+            theirs, vllm_url = launch_vllm(args.vllm_python, model, args)
+            procs.append(theirs)
         sides = {"loraplex": ours_url, "vllm": vllm_url}
         for load in args.loads:
             if load == "busycore":
