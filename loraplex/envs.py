@@ -48,3 +48,20 @@ def gc_tuning() -> bool:
     """Whether the engine tunes the garbage collector for serving (LORAPLEX_GC_TUNING, default
     1; 0 leaves the process's settings alone)."""
     return os.environ.get("LORAPLEX_GC_TUNING", "1") != "0"
+
+
+def cpu_threads() -> int | None:
+    """Intra-op threads of a CPU engine (LORAPLEX_CPU_THREADS); None: unset (see
+    `loraplex.platform.runner.cpu_threads`). A value that is not a positive integer is a
+    ValueError."""
+    value = os.environ.get("LORAPLEX_CPU_THREADS")
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"LORAPLEX_CPU_THREADS must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def omp_num_threads_set() -> bool:
+    """Whether OMP_NUM_THREADS is set (torch then already took its thread count from it)."""
+    return bool(os.environ.get("OMP_NUM_THREADS"))

@@ -8,6 +8,8 @@ so each query attends to every cached position up to and including its own (caus
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -72,6 +74,60 @@ def paged_attention_ref(
     return out
 
 
+@dataclass(frozen=True)
+class DecodePlan:
+    """Where each decode query's context lies in the cache, worked out once per step for all
+    layers (their block tables and lengths are the same): the CPU decode path's gather indices.
+
+    On CPU the per-layer share of working this out (block-table gathers, masks, host reads of
+    the lengths) cost about as much as the attention itself at batch 1."""
+
+    slots: torch.Tensor  # [num_seqs * max_seq_len] int64 cache slots, padded rows at slot 0
+    mask: torch.Tensor  # [num_seqs, 1, 1, max_seq_len] bool, True where a slot is in context
+    max_seq_len: int
+
+
+def decode_plan(
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    block_size: int,
+    max_seq_len: int,
+) -> DecodePlan:
+    """The gather indices of a batch in which every sequence has one query token."""
+    if max_seq_len < 1 or max_seq_len > block_tables.shape[1] * block_size:
+        raise ValueError(f"max_seq_len {max_seq_len} does not fit the block tables")
+    pos = torch.arange(max_seq_len, device=seq_lens.device)  # [L]
+    in_context = pos[None, :] < seq_lens.long()[:, None]  # [B, L]
+    slots = block_tables[:, pos // block_size].long() * block_size + pos % block_size  # [B, L]
+    slots = slots.masked_fill(~in_context, 0)
+    return DecodePlan(slots.flatten(), in_context[:, None, None, :], max_seq_len)
+
+
+def paged_decode_cpu(
+    q: torch.Tensor,  # [num_seqs, num_heads, head_dim]: one query per sequence
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    plan: DecodePlan,
+    scale: float,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    """Decode attention over the cache slots `plan` names: one gather of K and V per layer and
+    one fused attention call, nothing read back to the host."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, plan.slots)
+    v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, plan.slots)
+    shape = (num_seqs, plan.max_seq_len, num_kv_heads, head_dim)
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2).to(k.dtype),  # [B, H, 1, D]
+        k.view(shape).transpose(1, 2),  # [B, Hk, L, D]
+        v.view(shape).transpose(1, 2),
+        attn_mask=plan.mask,
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )  # [B, H, 1, D]
+    return o.squeeze(2).to(q.dtype)
+
+
 def paged_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -83,8 +139,10 @@ def paged_attention(
     *,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    plan: DecodePlan | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Dispatch: the Triton kernel on CUDA, the torch reference elsewhere.
+    """Dispatch: the Triton kernel on CUDA; off CUDA `paged_decode_cpu` where the step is all
+    decode and brings its `plan` (`decode_plan`), the torch reference otherwise.
 
     `max_query_len` / `max_seq_len` are optional host-side ints the runner already knows; the
     Triton path uses them to pick its grid without reading the device (see
@@ -97,4 +155,8 @@ def paged_attention(
             q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
             max_query_len=max_query_len, max_seq_len=max_seq_len,
         )  # fmt: skip
+    if plan is not None:
+        if plan.mask.shape[0] != q.shape[0]:
+            raise ValueError(f"the plan has {plan.mask.shape[0]} rows, q {q.shape[0]}")
+        return paged_decode_cpu(q, k_cache, v_cache, plan, scale)
     return paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)

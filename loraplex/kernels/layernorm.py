@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -20,13 +21,19 @@ def fused_add_rms_norm_ref(
     return rms_norm_ref(new_residual, weight, eps), new_residual
 
 
+def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm_ref` as torch's fused RMSNorm op (one op instead of six per call)."""
+    # x: [num_tokens, hidden]; .float() is the tensor itself when it is fp32 already
+    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm(x) * weight in fp32 math, returned in x's dtype; Triton on CUDA."""
     if x.is_cuda:
         from loraplex.kernels.triton_norm import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps)
-    return rms_norm_ref(x, weight, eps)
+    return rms_norm_cpu(x, weight, eps)
 
 
 def fused_add_rms_norm(
@@ -37,4 +44,5 @@ def fused_add_rms_norm(
         from loraplex.kernels.triton_norm import fused_add_rms_norm_triton
 
         return fused_add_rms_norm_triton(x, residual, weight, eps)
-    return fused_add_rms_norm_ref(x, residual, weight, eps)
+    new_residual = (x.float() + residual.float()).to(x.dtype)
+    return rms_norm_cpu(new_residual, weight, eps), new_residual

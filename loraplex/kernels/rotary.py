@@ -162,4 +162,32 @@ def rotary_write_kv(
         from loraplex.kernels.triton_rotary import rotary_write_kv_triton
 
         return rotary_write_kv_triton(positions, q, k, v, cache, k_cache, v_cache, slot_mapping)
-    return rotary_write_kv_ref(positions, q, k, v, cache, k_cache, v_cache, slot_mapping)
+    return rotary_write_kv_cpu(positions, q, k, v, cache, k_cache, v_cache, slot_mapping)
+
+
+def rotary_write_kv_cpu(
+    positions: torch.Tensor,  # [num_tokens]
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cache: torch.Tensor,  # [max_positions, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens], -1 = padding (skipped)
+) -> torch.Tensor:
+    """`rotary_write_kv_ref` in about half the ops (q and k rotated as one tensor, no boolean
+    indexing where no slot is padding), each output element computed by the same float ops."""
+    num_heads = q.shape[1]
+    cos, sin = cache[positions.long()].chunk(2, dim=-1)  # [num_tokens, head_dim // 2] each
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    qk = torch.cat([q, k], dim=1).float()  # [num_tokens, num_heads + num_kv_heads, head_dim]
+    x1, x2 = qk.chunk(2, dim=-1)
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(q.dtype)
+    k_rot = rotated[:, num_heads:]
+    if bool((slot_mapping < 0).any()):
+        write_kv_cache_ref(k_rot, v, k_cache, v_cache, slot_mapping)
+    else:
+        slots = slot_mapping.long()
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k_rot.to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+    return rotated[:, :num_heads].contiguous()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from loraplex.kernels.attention import paged_attention, paged_attention_ref
+from loraplex.kernels.attention import decode_plan, paged_attention, paged_attention_ref
 
 BLOCK_SIZE = 16
 
@@ -123,6 +123,30 @@ HEADS = [(2, 2), (6, 2)]  # GQA ratios 1 and 3
 def test_reference_matches_dense_attention(case: str, heads: tuple[int, int]) -> None:
     batch = make_batch(CASES[case], *heads, head_dim=64, dtype=torch.float32, fill=1e4)
     torch.testing.assert_close(run_ref(batch), dense_attention(batch), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_decode_plan_matches_dense_attention(heads: tuple[int, int], dtype) -> None:
+    """The CPU decode path (one gather plan for all layers) gives dense attention's output,
+    whatever lies in the cache slots beyond each sequence (fill) and in unused table entries."""
+    shapes = [(1, 5), (1, 17), (1, 1), (1, 33), (1, 16)]
+    batch = make_batch(shapes, *heads, head_dim=64, dtype=dtype, fill=1e4, seed=3)
+    plan = decode_plan(batch.seq_lens, batch.block_tables, BLOCK_SIZE, 33)
+    out = paged_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.query_start_loc, batch.seq_lens,
+        batch.block_tables, batch.scale, max_query_len=1, max_seq_len=33, plan=plan,
+    )  # fmt: skip
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert out.dtype == dtype and out.shape == batch.q.shape
+    torch.testing.assert_close(out.float(), dense_attention(batch), atol=tol, rtol=tol)
+
+
+def test_cpu_decode_plan_refuses_a_length_past_its_tables() -> None:
+    batch = make_batch([(1, 5)], 2, 2, head_dim=64, dtype=torch.float32)
+    too_long = batch.block_tables.shape[1] * BLOCK_SIZE + 1
+    with pytest.raises(ValueError, match="does not fit"):
+        decode_plan(batch.seq_lens, batch.block_tables, BLOCK_SIZE, too_long)
 
 
 # Every case at head_dim 64; head_dim 128 on the cases that cross tile and block boundaries.

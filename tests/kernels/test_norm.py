@@ -49,6 +49,24 @@ def test_fused_add_rms_norm_matches_reference(shape: tuple[int, ...], dtype: tor
     assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_path_matches_reference(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Off CUDA the wrappers run torch's fused RMSNorm: the reference's values (fp32 math),
+    inputs untouched."""
+    x, residual, weight = _inputs(shape, dtype)
+    x_before, residual_before = x.clone(), residual.clone()
+    tol = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {"atol": 0, "rtol": 2**-7}
+    out = rms_norm(x, weight, 1e-6)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, rms_norm_ref(x, weight, 1e-6), **tol)
+    out, new_residual = fused_add_rms_norm(x, residual, weight, 1e-5)
+    ref_out, ref_residual = fused_add_rms_norm_ref(x, residual, weight, 1e-5)
+    assert torch.equal(new_residual, ref_residual)
+    torch.testing.assert_close(out, ref_out, **tol)
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+
+
 def test_wrapper_rejects_wrong_weight() -> None:
     from loraplex.kernels.triton_norm import rms_norm_triton
 

@@ -222,6 +222,18 @@ def test_fused_on_cpu_runs_the_two_step_reference() -> None:
     assert torch.equal(v_cache.flatten(0, 1)[slots[valid]], x["v"][valid])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_path_without_padding_equals_the_reference(dtype: torch.dtype) -> None:
+    """The CPU path's no-padding write (every slot valid, as in an eager step) and its one
+    rotation of q and k together give the reference's values bit for bit."""
+    x = _fused_case(7, 9, 3, 64, dtype=dtype, cache_dtype=dtype)
+    x["slot_mapping"] = torch.randperm(20, generator=torch.Generator().manual_seed(1))[:7]
+    q_out, k_cache, v_cache = _run(rotary_write_kv, x)
+    q_ref, k_ref, v_ref = _run(rotary_write_kv_ref, x)
+    assert torch.equal(q_out, q_ref) and q_out.is_contiguous()
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_gpu_at_real_sizes() -> None:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplex.kernels.attention import DecodePlan
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -17,3 +19,5 @@ class AttentionMetadata:
     # the grid follows tensor shapes only and every replay fits.
     max_query_len: int | None
     max_seq_len: int | None
+    # CPU, every sequence decoding: the gather indices all layers share (None: none).
+    decode_plan: DecodePlan | None = None

@@ -99,6 +99,7 @@ class LlamaAttention(nn.Module):
             self.scale,
             max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len,
+            plan=meta.decode_plan,
         )
         return self.o_proj(out.reshape(num_tokens, q_size))
 

@@ -13,11 +13,13 @@ import torch
 
 from loraplex.adapters.lora_layer import LoRAModelState, attach_lora_layers
 from loraplex.config import EngineConfig
+from loraplex.kernels.attention import decode_plan
 from loraplex.kernels.sampling import warm_up as warm_up_sampler
 from loraplex.platform.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from loraplex.platform.models.attention_metadata import AttentionMetadata
 from loraplex.platform.models.model_loader import load_model
 from loraplex.platform.runner.batch import Batch, build_batch, fill_pending
+from loraplex.platform.runner.cpu_threads import configure_cpu_threads
 from loraplex.platform.runner.cuda_graph import CudaGraphRunner
 from loraplex.platform.runner.input_batch import InputBatch, to_device
 from loraplex.platform.runner.kv_sizing import kv_block_bytes, num_kv_blocks
@@ -70,6 +72,8 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.model.device)
         self.block_size = config.cache.block_size
+        if self.device.type == "cpu":
+            configure_cpu_threads()
         self.model, self.arch, self.dtype = load_model(
             model_dir,
             config.model.dtype,
@@ -247,13 +251,19 @@ class ModelRunner:
         dev = self.device
         if self.lora_writer is not None:
             self.lora_writer.write(batch.lora_slots)
+        seq_lens, block_tables = to_device(batch.seq_lens, dev), to_device(batch.block_tables, dev)
+        max_seq_len = int(batch.seq_lens.max())
+        plan = None
+        if dev.type == "cpu" and batch.max_query_len == 1:
+            plan = decode_plan(seq_lens, block_tables, self.block_size, max_seq_len)
         meta = AttentionMetadata(
             slot_mapping=to_device(batch.slot_mapping, dev),
             query_start_loc=to_device(batch.query_start_loc, dev),
-            seq_lens=to_device(batch.seq_lens, dev),
-            block_tables=to_device(batch.block_tables, dev),
+            seq_lens=seq_lens,
+            block_tables=block_tables,
             max_query_len=batch.max_query_len,
-            max_seq_len=int(batch.seq_lens.max()),
+            max_seq_len=max_seq_len,
+            decode_plan=plan,
         )
         input_ids = to_device(batch.input_ids, dev)
         fill_pending(input_ids, batch, last_token)
