@@ -5,12 +5,18 @@ memory by reading one gauge per replica, `vllm:lora_requests_info` in vLLM, here
 `loraplex:lora_requests_info`. Its labels carry the information:
 
 - `max_lora`: GPU adapter slots (`max_loras`): beyond that many, a new adapter waits for a slot;
-- `running_lora_adapters`: comma-separated adapters in GPU memory, ready to serve;
-- `waiting_lora_adapters`: comma-separated adapters with requests queued, not in GPU memory;
+- `running_lora_adapters`: comma-separated adapters that requests are running on (their slots
+  are pinned), as vLLM reports them;
+- `waiting_lora_adapters`: comma-separated adapters with requests queued and none running;
 
 and its value is the unix time the label set last changed: the EPP keeps the series of the
 highest value, so a scrape that saw an older set (another API process) never wins. Adapters are
 named as clients name them in `model` (the tenant-facing name), which is what the EPP matches.
+
+NOTE: an adapter in a GPU slot with no request on it is in neither list, as in vLLM: the EPP's
+`lora-affinity-scorer` reads `len(running) + len(waiting) < max_lora` as "room to load one
+more", and an idle slot is room (it is evicted on demand). GET /adapters/resident lists every
+adapter in a GPU slot.
 
 The other gauges the protocol reads (`num_requests_waiting`, `num_requests_running`,
 `kv_cache_usage_perc`) are `ServerMetrics`' engine series under the same prefix.
@@ -32,14 +38,14 @@ def served_name(stat: AdapterStat) -> str:
     return stat.label or stat.name
 
 
-def resident_names(report: AdapterStatsReport) -> tuple[str, ...]:
-    """Adapters in a GPU slot, sorted and without repeats (two tenants may share a name)."""
-    return tuple(sorted({served_name(s) for s in report.adapters if s.residency == "gpu"}))
+def running_names(report: AdapterStatsReport) -> tuple[str, ...]:
+    """Adapters requests run on, sorted and without repeats (two tenants may share a name)."""
+    return tuple(sorted({served_name(s) for s in report.adapters if s.running_requests > 0}))
 
 
 def waiting_names(report: AdapterStatsReport) -> tuple[str, ...]:
-    """Adapters with queued requests that are not in a GPU slot, sorted, without repeats."""
-    running = set(resident_names(report))
+    """Adapters with queued requests and none running, sorted and without repeats."""
+    running = set(running_names(report))
     queued = {served_name(s) for s in report.adapters if s.waiting_requests > 0}
     return tuple(sorted(queued - running))
 
@@ -59,7 +65,7 @@ class LoRAInfoGauge:
             return ""
         labels = {
             "max_lora": str(report.gpu_slots_total),
-            "running_lora_adapters": ",".join(resident_names(report)),
+            "running_lora_adapters": ",".join(running_names(report)),
             "waiting_lora_adapters": ",".join(waiting_names(report)),
         }
         with self._lock:
@@ -70,7 +76,7 @@ class LoRAInfoGauge:
                 self._labels = labels
             since = self._since
         return (
-            f"# HELP {LORA_INFO} Adapters in GPU memory and adapters waiting for it (GIE "
+            f"# HELP {LORA_INFO} Adapters requests run on and adapters requests wait for (GIE "
             "model-server protocol); the value is the unix time this label set was first seen.\n"
             f"# TYPE {LORA_INFO} gauge\n"
             f"{LORA_INFO}{_labels(labels)} {since!r}\n"

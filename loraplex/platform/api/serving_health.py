@@ -27,11 +27,15 @@ async def health(request: Request) -> Response:
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     state = server_state(request)
+    report = None
+    if state.engine.adapter_validator is not None and state.engine.is_running:
+        report = await state.engine.command(GetAdapterStats())
+    # NOTE: the snapshot after the report (which waits for a pause between steps), so the load
+    # gauges are no older than the adapter series.
     snapshot = state.engine.snapshot()
     text = state.metrics.render(snapshot)
     text += state.tenancy.metrics.render(snapshot.stats.lora, state.tenancy.registry.disk_count())
-    if state.engine.adapter_validator is not None and state.engine.is_running:
-        report = await state.engine.command(GetAdapterStats())
+    if report is not None:
         text += _lora_info(request).render(report)
         text += render_adapter_metrics(report)
     return Response(text, media_type=CONTENT_TYPE)
