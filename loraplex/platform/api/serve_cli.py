@@ -115,10 +115,12 @@ _SERVER_KEYS = {"host", "port", "max_request_body_bytes", "uvicorn_log_level", "
 _ENGINE_KEYS = sorted(_KEYS - _SERVER_KEYS)
 
 
-def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add `serve` to the `loraplex` command."""
+def add_serve_parser(
+    subparsers: argparse._SubParsersAction, name: str = "serve"
+) -> argparse.ArgumentParser:
+    """Add `serve` (or another command taking the same options) to the `loraplex` command."""
     parser = subparsers.add_parser(
-        "serve",
+        name,
         help="serve the OpenAI-compatible API (default: the embedded model on 127.0.0.1:8000)",
         description="Serve a model through an OpenAI-compatible HTTP API: /v1/models, "
         "/v1/completions, /v1/chat/completions, /health and /metrics.",
