@@ -1,4 +1,4 @@
-"""`loraplex serve | generate | import-model | quantize`."""
+"""`loraplex serve | serve-ray | generate | import-model | quantize`."""
 
 from __future__ import annotations
 
@@ -129,9 +129,11 @@ def _run_quantize(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loraplex", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    from loraplex.platform.api.ray_serve import add_serve_ray_parser
     from loraplex.platform.api.serve_cli import add_serve_parser
 
     add_serve_parser(sub)
+    add_serve_ray_parser(sub)
     _add_generate(sub)
     _add_import(sub)
     _add_quantize(sub)
@@ -148,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
             from loraplex.platform.api.serve_cli import run_serve
 
             return run_serve(args)
+        if args.command == "serve-ray":
+            from loraplex.platform.api.ray_serve import run_serve_ray
+
+            return run_serve_ray(args)
         runners = {
             "generate": _run_generate,
             "import-model": _run_import,

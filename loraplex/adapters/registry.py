@@ -1,37 +1,29 @@
-"""`AdapterRegistry`: the persistent catalogue of every tenant's adapters.
+"""`AdapterRegistry`: the persistent catalogue of every tenant's adapters, for one replica or
+for many.
 
-A SQLite catalogue maps `(tenant, name)` to a content digest; the files live once per digest
-under `<data_dir>/adapters/<sha256>/`. Writes are crash-safe: files are staged in a temporary
-folder under `<data_dir>/tmp/`, renamed into place, and only then is the catalogue row written,
-in one transaction. A crash therefore leaves the old row (and, at worst, an unreferenced blob or
-a temporary folder, which `AdapterRegistry` deletes when it opens), never half an adapter.
+An `AdapterCatalog` maps `(tenant, name)` to a content digest; an `AdapterBlobStore` keeps the
+files once per digest. Writes are crash-safe: files are staged in a temporary folder, stored
+under their digest atomically, and only then is the catalogue row written, in one atomic write.
+A crash (kill -9) therefore leaves the old row (and, at worst, an unreferenced folder or a
+staging leftover, which recovery deletes), never half an adapter, on this replica or any other.
+
+`open_registry` picks the pair from a URL: this machine's data folder (the default), a folder on
+a filesystem all replicas mount (`file:///mnt/shared/loraplex`), or an S3-compatible bucket
+(`s3://bucket/prefix`). With a shared registry, an adapter uploaded through any replica is
+served by every replica.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import sqlite3
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
-from loraplex.adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE, LoRAWeights, content_digest
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS adapters (
-    tenant TEXT NOT NULL,
-    name TEXT NOT NULL,
-    digest TEXT NOT NULL,
-    created REAL NOT NULL,
-    size INTEGER NOT NULL,
-    rank INTEGER NOT NULL,
-    modules TEXT NOT NULL,
-    PRIMARY KEY (tenant, name)
-)
-"""
+from loraplex.adapters.blob_store import ADAPTER_FILES, AdapterBlobStore, LocalBlobStore
+from loraplex.adapters.catalog import AdapterCatalog, CatalogEntry, SQLiteCatalog
+from loraplex.adapters.peft_format import LoRAWeights
 
 
 @dataclass(frozen=True)
@@ -45,7 +37,7 @@ class AdapterRecord:
     size: int  # bytes of both files
     rank: int
     modules: tuple[str, ...]  # adapted projections, e.g. ("q_proj", "v_proj")
-    path: str  # the content-addressed folder
+    path: str  # the content-addressed folder on this machine (see `AdapterRegistry.materialize`)
 
     @property
     def engine_name(self) -> str:
@@ -53,89 +45,68 @@ class AdapterRecord:
         return f"{self.tenant}/{self.name}@{self.digest[:12]}"
 
 
-def _stored_digest(blob: Path) -> str | None:
-    """The content digest of a stored adapter's files, None if they cannot be read."""
-    try:
-        return content_digest((blob / CONFIG_FILE).read_bytes(), (blob / WEIGHTS_FILE).read_bytes())
-    except OSError:
-        return None
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class AdapterRegistry:
-    """The catalogue and the content-addressed files under `data_dir`; thread-safe."""
+    """A catalogue and a content-addressed store; thread-safe.
 
-    def __init__(self, data_dir: str | Path) -> None:
+    `AdapterRegistry(data_dir)` is the single-replica registry under `data_dir`
+    (`adapters.sqlite`, `adapters/<sha256>/`, `tmp/`); `shared=True` keeps the same layout on a
+    filesystem other replicas write too. Other stores come through `store` and `catalog`."""
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        shared: bool = False,
+        store: AdapterBlobStore | None = None,
+        catalog: AdapterCatalog | None = None,
+    ) -> None:
         self.root = Path(data_dir)
-        self.blobs = self.root / "adapters"
-        self.tmp = self.root / "tmp"
-        for folder in (self.root, self.blobs, self.tmp):
-            folder.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.store = store or LocalBlobStore(self.root / "adapters", self.root / "tmp", shared)
+        self.catalog = catalog or SQLiteCatalog(self.root / "adapters.sqlite", shared)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(
-            self.root / "adapters.sqlite", check_same_thread=False, isolation_level=None
-        )
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.execute(_SCHEMA)
         self.recover()
+
+    @property
+    def shared(self) -> bool:
+        """Whether other replicas read and write this registry too."""
+        return self.store.shared
+
+    @property
+    def tmp(self) -> Path:
+        """Where uploads are staged."""
+        return self.store.tmp
+
+    @property
+    def blobs(self) -> Path:
+        """The folder of stored adapters on this machine (a download cache for remote stores)."""
+        return self.store.root
 
     # -- staging --------------------------------------------------------------------------------
 
     def new_staging_dir(self) -> Path:
         """A fresh temporary folder to write an upload into (deleted on recovery if left)."""
-        path = self.tmp / f"upload-{uuid.uuid4().hex}"
-        path.mkdir()
-        return path
+        return self.store.new_staging_dir()
 
     def discard(self, staging: Path) -> None:
-        shutil.rmtree(staging, ignore_errors=True)
+        self.store.discard(staging)
 
     # -- writes ---------------------------------------------------------------------------------
 
     def commit(
         self, tenant: str, name: str, staging: Path, weights: LoRAWeights
     ) -> tuple[AdapterRecord, AdapterRecord | None]:
-        """Move a validated staging folder into place and catalogue it under (tenant, name).
+        """Store a validated staging folder and catalogue it under (tenant, name).
 
         Returns (new record, the record it replaced or None). The staging folder is consumed."""
-        blob = self.blobs / weights.digest
-        size = sum((staging / f).stat().st_size for f in (CONFIG_FILE, WEIGHTS_FILE))
-        for f in (CONFIG_FILE, WEIGHTS_FILE):
-            with open(staging / f, "rb") as handle:
-                os.fsync(handle.fileno())
+        size = sum((staging / f).stat().st_size for f in ADAPTER_FILES)
         with self._lock:
-            if blob.is_dir() and _stored_digest(blob) == weights.digest:
-                self.discard(staging)
-            else:
-                for extra in staging.iterdir():
-                    if extra.name not in (CONFIG_FILE, WEIGHTS_FILE):
-                        shutil.rmtree(extra) if extra.is_dir() else extra.unlink()
-                damaged = None
-                if blob.is_dir():
-                    # NOTE: files that no longer hash to their name (damaged on disk): the
-                    # upload of the same content replaces them.
-                    damaged = self.tmp / f"damaged-{uuid.uuid4().hex}"
-                    os.rename(blob, damaged)
-                os.rename(staging, blob)
-                _fsync_dir(self.blobs)
-                if damaged is not None:
-                    shutil.rmtree(damaged, ignore_errors=True)
-            old = self._get(tenant, name)
-            modules = ",".join(sorted({module for _, module in weights.modules}))
-            with self._db:
-                self._db.execute(
-                    "INSERT OR REPLACE INTO adapters VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (tenant, name, weights.digest, time.time(), size, weights.rank, modules),
-                )
-            return self._get(tenant, name), old  # type: ignore[return-value]
+            self.store.put(weights.digest, staging)
+            old = self.catalog.get(tenant, name)
+            modules = tuple(sorted({module for _, module in weights.modules}))
+            entry = CatalogEntry(tenant, name, weights.digest, time.time(), size, weights.rank,
+                                 modules)  # fmt: skip
+            self.catalog.put(entry)
+            return self._record(entry), None if old is None else self._record(old)
 
     def delete(self, tenant: str, name: str) -> AdapterRecord | None:
         """Remove (tenant, name) from the catalogue; returns the removed record, if any.
@@ -143,70 +114,80 @@ class AdapterRegistry:
         NOTE: the files stay until no row references them and the registry reopens or
         `collect_garbage` runs, so requests still running on them can reload them."""
         with self._lock:
-            old = self._get(tenant, name)
+            old = self.catalog.get(tenant, name)
             if old is not None:
-                with self._db:
-                    self._db.execute(
-                        "DELETE FROM adapters WHERE tenant = ? AND name = ?", (tenant, name)
-                    )
-            return old
+                self.catalog.delete(tenant, name)
+            return None if old is None else self._record(old)
 
     # -- reads ----------------------------------------------------------------------------------
 
     def get(self, tenant: str, name: str) -> AdapterRecord | None:
-        with self._lock:
-            return self._get(tenant, name)
+        entry = self.catalog.get(tenant, name)
+        return None if entry is None else self._record(entry)
 
     def list(self, tenant: str | None = None) -> list[AdapterRecord]:
         """Every record of `tenant` (None: of all tenants), by name."""
-        query = "SELECT * FROM adapters"
-        args: tuple[str, ...] = ()
-        if tenant is not None:
-            query, args = query + " WHERE tenant = ?", (tenant,)
-        with self._lock:
-            rows = self._db.execute(query + " ORDER BY tenant, name", args).fetchall()
-        return [self._record(row) for row in rows]
+        return [self._record(entry) for entry in self.catalog.list(tenant)]
 
     def disk_count(self) -> int:
-        """Adapter versions stored on disk."""
-        return sum(1 for p in self.blobs.iterdir() if p.is_dir())
+        """Adapter versions stored."""
+        return len(self.store.digests())
+
+    def materialize(self, record: AdapterRecord) -> Path:
+        """The record's folder on this machine, downloaded first from a remote store;
+        FileNotFoundError if the store has no complete copy."""
+        return self.store.materialize(record.digest)
 
     # -- recovery -------------------------------------------------------------------------------
 
     def recover(self) -> None:
-        """Delete temporary folders and unreferenced blobs left by a crash."""
-        for leftover in self.tmp.iterdir():
-            shutil.rmtree(leftover, ignore_errors=True)
+        """Delete staging leftovers and unreferenced files left by a crash."""
+        self.store.recover()
         self.collect_garbage()
 
     def collect_garbage(self, keep: frozenset[str] = frozenset()) -> None:
-        """Delete blobs no catalogue row references, except the digests in `keep`."""
+        """Delete stored files no catalogue row references, except the digests in `keep` (in a
+        shared registry, only those older than the store's grace period)."""
         with self._lock:
-            used = {row[0] for row in self._db.execute("SELECT DISTINCT digest FROM adapters")}
-            for blob in self.blobs.iterdir():
-                if blob.name not in used and blob.name not in keep:
-                    shutil.rmtree(blob, ignore_errors=True)
+            self.store.collect_garbage(self.catalog.digests() | set(keep))
 
     def close(self) -> None:
-        self._db.close()
+        self.catalog.close()
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _get(self, tenant: str, name: str) -> AdapterRecord | None:
-        row = self._db.execute(
-            "SELECT * FROM adapters WHERE tenant = ? AND name = ?", (tenant, name)
-        ).fetchone()
-        return None if row is None else self._record(row)
-
-    def _record(self, row: tuple) -> AdapterRecord:
-        tenant, name, digest, created, size, rank, modules = row
+    def _record(self, entry: CatalogEntry) -> AdapterRecord:
         return AdapterRecord(
-            tenant,
-            name,
-            digest,
-            created,
-            size,
-            rank,
-            tuple(m for m in modules.split(",") if m),
-            str(self.blobs / digest),
-        )
+            entry.tenant, entry.name, entry.digest, entry.created, entry.size, entry.rank,
+            entry.modules, str(self.store.local_path(entry.digest)),
+        )  # fmt: skip
+
+
+def check_registry_url(url: str) -> str:
+    """The URL's kind ("local", "file" or "s3"); ValueError for a URL `open_registry` refuses."""
+    if url in ("", "local"):
+        return "local"
+    parsed = urlparse(url)
+    if parsed.scheme == "file" and parsed.path.startswith("/") and not parsed.netloc:
+        return "file"
+    if parsed.scheme == "s3" and parsed.netloc:
+        return "s3"
+    raise ValueError(
+        f"adapter registry {url!r}: use 'local', file:///shared/folder or s3://bucket/prefix"
+    )
+
+
+def open_registry(url: str, data_dir: str | Path) -> AdapterRegistry:
+    """The registry a URL names: "" or "local" (this machine's `data_dir`),
+    `file:///path` (a folder every replica mounts) or `s3://bucket/prefix` (an S3-compatible
+    store through boto3, with its usual settings: AWS_ENDPOINT_URL, credentials, region;
+    downloads are cached under `data_dir`). ValueError for anything else."""
+    kind = check_registry_url(url)
+    if kind == "local":
+        return AdapterRegistry(data_dir)
+    parsed = urlparse(url)
+    if kind == "file":
+        return AdapterRegistry(parsed.path, shared=True)
+    from loraplex.adapters.s3_registry import open_s3_registry
+
+    return open_s3_registry(parsed.netloc, parsed.path.lstrip("/"), Path(data_dir))

@@ -23,7 +23,7 @@ from loraplex.adapters.registry import AdapterRegistry
 _CHILD = r"""
 import shutil, sys, time
 from pathlib import Path
-from loraplex.adapters import registry as reg
+from loraplex.adapters import blob_store, registry as reg
 from loraplex.adapters.peft_format import BaseModelSpec, load_peft_adapter
 sys.path.insert(0, sys.argv[5])
 from lora_fixtures import HF_CONFIG
@@ -43,7 +43,7 @@ if phase == "staging":
 (staging / "adapter_model.safetensors").write_bytes(weights_bytes)
 weights = load_peft_adapter(staging, BaseModelSpec.from_hf_config(HF_CONFIG), 64)
 if phase == "renamed":
-    reg._fsync_dir = lambda path: pause()
+    blob_store._fsync_dir = lambda path: pause()
 registry.commit("t", "support", staging, weights)
 if phase == "committed":
     pause()

@@ -6,14 +6,20 @@ step thread; its loader reads the weights ahead of the first request).
 Replacing an adapter installs the new version under a new engine name and unregisters the old
 one: requests already admitted keep the old version (its slot and files stay until they
 finish); new requests resolve to the new one.
+
+With a registry shared by several replicas, `following_registry` keeps this engine in step with
+the changes other replicas make: every `registry_sync_s` it registers adapters they added
+(downloading them first from a remote store) and unregisters those they removed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from loraplex.adapters.errors import without_path
@@ -24,6 +30,7 @@ from loraplex.platform.api.errors import APIError, bad_request
 from loraplex.platform.api.state import ServerState
 from loraplex.platform.core.commands import AddAdapter
 
+logger = logging.getLogger(__name__)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 
 
@@ -87,6 +94,7 @@ class AdapterService:
     def __init__(self, state: ServerState) -> None:
         self.state = state
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._registered: set[str] = set()  # engine names this process registered
 
     @property
     def base_name(self) -> str:
@@ -128,8 +136,10 @@ class AdapterService:
                 raise bad_request(
                     _public(error, Path(record.path)), code="invalid_adapter"
                 ) from None
+            self._registered.add(record.engine_name)
             if old is not None and old.engine_name != record.engine_name:
                 await self.state.engine.remove_adapter(old.engine_name)
+                self._registered.discard(old.engine_name)
         return record, old is not None
 
     async def remove(self, tenant: str, name: str) -> AdapterRecord:
@@ -139,6 +149,7 @@ class AdapterService:
             if record is None:
                 raise adapter_not_found(name)
             await self.state.engine.remove_adapter(record.engine_name)
+            self._registered.discard(record.engine_name)
         return record
 
     async def register_stored(self) -> int:
@@ -148,12 +159,66 @@ class AdapterService:
         if self.state.engine.adapter_validator is None:
             return 0
         records = await asyncio.to_thread(self.state.tenancy.registry.list)
+        registered = 0
         for record in records:
+            registered += await self._try_register(record)
+        return registered
+
+    async def sync_with_registry(self) -> tuple[int, int]:
+        """Register the adapters other replicas added to the shared registry and unregister
+        those they removed; returns (added, removed)."""
+        registry = self.state.tenancy.registry
+        records = {r.engine_name: r for r in await asyncio.to_thread(registry.list)}
+        added = removed = 0
+        for name in sorted(self._registered - records.keys()):
+            await self.state.engine.remove_adapter(name)
+            self._registered.discard(name)
+            removed += 1
+        for name, record in records.items():
+            if name not in self._registered:
+                added += await self._try_register(record)
+        return added, removed
+
+    @contextlib.asynccontextmanager
+    async def following_registry(self) -> AsyncIterator[None]:
+        """While open, sync with a shared registry every `registry_sync_s` (a no-op for a
+        local one)."""
+        if self.state.engine.adapter_validator is None or not self.state.tenancy.registry.shared:
+            yield
+            return
+
+        async def follow() -> None:
+            while True:
+                await asyncio.sleep(self.state.settings.registry_sync_s)
+                try:
+                    await self.sync_with_registry()
+                except Exception:  # the store is unreachable: keep serving, try again
+                    logger.exception("syncing with the shared adapter registry failed")
+
+        task = asyncio.create_task(follow(), name="loraplex-registry-sync")
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _try_register(self, record: AdapterRecord) -> bool:
+        """AddAdapter for a stored record, its files fetched to this machine first; False (and
+        a warning) when they cannot be fetched or are refused: a request on it gets the
+        error, and a shared registry's next sync tries again."""
+        try:
+            await asyncio.to_thread(self.state.tenancy.registry.materialize, record)
             await self.state.engine.add_adapter(
                 AddAdapter(record.engine_name, record.path, record.digest,
                            tenant=record.tenant, label=record.name)
             )  # fmt: skip
-        return len(records)
+        except (OSError, ValueError) as error:
+            logger.warning("stored adapter %s: %s", record.engine_name, without_path(
+                str(error), Path(record.path)))  # fmt: skip
+            return False
+        self._registered.add(record.engine_name)
+        return True
 
     def get(self, tenant: str, name: str) -> AdapterRecord:
         record = self.state.tenancy.registry.get(tenant, name)

@@ -65,7 +65,10 @@ def build_app(
     metrics = ServerMetrics(engine.served_model_name)
     engine.add_timing_observer(metrics.observe)
     admin_key = settings.admin_key or envs.admin_key()
-    tenancy = Tenancy(settings.data_dir or envs.data_dir(), settings.tenants_file, admin_key)
+    tenancy = Tenancy(
+        settings.data_dir or envs.data_dir(), settings.tenants_file, admin_key,
+        settings.adapter_registry,
+    )  # fmt: skip
     engine.add_timing_observer(tenancy.metrics.observe)
     for warning in tenancy.startup_warnings(settings.host):
         logger.warning("%s", warning)
@@ -85,7 +88,7 @@ def build_app(
         try:
             await serving_admin.sync_weights(state)
             await app.state.adapters.register_stored()
-            async with dashboard.stats.sampling():
+            async with dashboard.stats.sampling(), app.state.adapters.following_registry():
                 yield
         finally:
             engine.shutdown()

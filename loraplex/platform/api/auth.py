@@ -19,7 +19,7 @@ from loraplex.platform.api.limits import Reservation
 from loraplex.platform.api.tenancy import Caller, Tenancy
 from loraplex.platform.api.tenants import Tenant
 
-PUBLIC_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs"})
+PUBLIC_PATHS = frozenset({"/health", "/metrics", "/adapters/resident", "/openapi.json", "/docs"})
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 DASHBOARD = "/dashboard"  # the page and its login check the key themselves (401: a login form)
 _CALLER = "loraplex.caller"

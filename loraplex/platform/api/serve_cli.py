@@ -89,6 +89,10 @@ _OPTIONS = (
     _Option("--uvicorn-log-level", "info", "uvicorn's log level (debug, info, warning, error)"),
     _Option("--data-dir", None, "the adapter registry and tenants (default: LORAPLEX_DATA_DIR, "
             "else ~/.local/share/loraplex)"),
+    _Option("--adapter-registry", "local", "where adapters and their catalogue live: local (the "
+            "data dir), file:///shared/folder (a folder every replica mounts: adapters, catalogue "
+            "and tenants) or s3://bucket/prefix (S3-compatible, through boto3: AWS_ENDPOINT_URL, "
+            "credentials); a shared one serves every adapter uploaded through any replica"),
     _Option("--tenants", None, "a YAML file of static tenants, keys as SHA-256 hashes (e.g. "
             "configs/tenants.yaml); with no tenant and no admin key the server is open"),
     _Option("--admin-key", None, "the admin API key, which manages tenants (default: "
@@ -104,16 +108,19 @@ _OPTIONS = (
 _KEYS = {option.key for option in _OPTIONS}
 # Options the HTTP server itself uses; every other option configures the engine.
 _SERVER_KEYS = {"host", "port", "max_request_body_bytes", "uvicorn_log_level", "data_dir",
+                "adapter_registry",
                 "api_server_count", "shutdown_timeout",
                 "tenants", "admin_key", "max_adapter_bytes", "max_n",
                 "max_prompts_per_request", "tool_call_parser"}  # fmt: skip
 _ENGINE_KEYS = sorted(_KEYS - _SERVER_KEYS)
 
 
-def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add `serve` to the `loraplex` command."""
+def add_serve_parser(
+    subparsers: argparse._SubParsersAction, name: str = "serve"
+) -> argparse.ArgumentParser:
+    """Add `serve` (or another command taking the same options) to the `loraplex` command."""
     parser = subparsers.add_parser(
-        "serve",
+        name,
         help="serve the OpenAI-compatible API (default: the embedded model on 127.0.0.1:8000)",
         description="Serve a model through an OpenAI-compatible HTTP API: /v1/models, "
         "/v1/completions, /v1/chat/completions, /health and /metrics.",
@@ -191,6 +198,7 @@ def server_settings(values: dict[str, Any]) -> ServerSettings:
         port=values["port"],
         max_request_body_bytes=values["max_request_body_bytes"],
         data_dir=values["data_dir"],
+        adapter_registry=values["adapter_registry"],
         tenants_file=values["tenants"],
         admin_key=values["admin_key"],
         max_adapter_bytes=values["max_adapter_bytes"],

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
+from loraplex.adapters.registry import check_registry_url
 from loraplex.adapters.request import LoRARequest
 from loraplex.platform.api.errors import model_not_found
 from loraplex.platform.api.metrics import ServerMetrics
@@ -38,6 +39,10 @@ class ServerSettings:
     max_n: int = DEFAULT_MAX_N  # samples per prompt (`n`) of one request
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST  # prompts of one completion
     tool_call_parser: str | None = None  # vLLM's name; None: the one the chat template implies
+    # where adapters and their catalogue live: "local" (data_dir), file:///shared/folder or
+    # s3://bucket/prefix (one registry for every replica); see `open_registry`
+    adapter_registry: str = "local"
+    registry_sync_s: float = 2.0  # how often a shared registry's changes reach this engine
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -53,6 +58,9 @@ class ServerSettings:
         for name in ("max_n", "max_prompts_per_request"):
             if not 1 <= getattr(self, name) <= 2**31 - 1:
                 raise ValueError(f"{name} must be in [1, 2**31 - 1], got {getattr(self, name)}")
+        check_registry_url(self.adapter_registry)
+        if self.registry_sync_s <= 0:
+            raise ValueError(f"registry_sync_s must be positive, got {self.registry_sync_s}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(
                 f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}, "

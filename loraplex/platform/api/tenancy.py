@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraplex.adapters.registry import AdapterRegistry
+from loraplex.adapters.registry import open_registry
 from loraplex.platform.api.limits import TenantLimiter
 from loraplex.platform.api.tenant_metrics import TenantMetrics
 from loraplex.platform.api.tenants import OPEN_TENANT, TENANTS_DB, Tenant, TenantStore
@@ -31,10 +31,14 @@ class Tenancy:
         data_dir: str | Path,
         tenants_file: str | Path | None = None,
         admin_key: str | None = None,
+        adapter_registry: str = "local",
     ) -> None:
         self.data_dir = Path(data_dir)
-        self.tenants = TenantStore(self.data_dir, tenants_file, admin_key)
-        self.registry = AdapterRegistry(self.data_dir)
+        self.registry = open_registry(adapter_registry, self.data_dir)
+        # NOTE: the tenant table lives beside the catalogue: in the data folder, or in the
+        # folder every replica mounts (file://); an s3:// registry keeps it in the data folder
+        # (share tenants between replicas then through --tenants, a file every replica reads).
+        self.tenants = TenantStore(self.registry.root, tenants_file, admin_key)
         self.limiter = TenantLimiter()
         self.metrics = TenantMetrics(self.limiter)
 

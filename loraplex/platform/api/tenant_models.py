@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from loraplex.adapters.registry import AdapterRecord, AdapterRegistry
 from loraplex.adapters.request import LoRARequest
 from loraplex.platform.api.errors import model_not_found
@@ -25,6 +27,13 @@ class TenantModelResolver(ModelResolver):
         record = self.registry.get(tenant, name)
         if record is None:
             raise model_not_found(name)
+        if self.registry.shared and not Path(record.path).is_dir():
+            # NOTE: uploaded through another replica a moment ago, before this one's registry
+            # sync fetched it: fetch it now (blocking, once per adapter version and replica).
+            try:
+                self.registry.materialize(record)
+            except (OSError, ValueError):
+                raise model_not_found(name) from None
         return self.served(record)
 
     def list_models(self, tenant: str = OPEN_TENANT) -> list[ServedModel]:

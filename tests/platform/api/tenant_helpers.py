@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from loraplex.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from loraplex.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from loraplex.grammar.config import GrammarConfig
 
 ADMIN_KEY = "sk-admin-test"
@@ -41,6 +41,7 @@ def start_server(
     data_dir: Path,
     max_num_seqs: int = 8,
     grammar: GrammarConfig | None = None,
+    lora: LoRAConfig | None = None,
     **settings,
 ) -> TenantServer:
     import uvicorn
@@ -57,6 +58,7 @@ def start_server(
         cache=CacheConfig(num_kv_blocks=512),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
         grammar=grammar or GrammarConfig(),
+        lora=lora or LoRAConfig(),
     )
     engine = AsyncEngine(config)
     settings.setdefault("admin_key", ADMIN_KEY)
