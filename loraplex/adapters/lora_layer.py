@@ -33,6 +33,7 @@ from loraplex.adapters.peft_format import (
     LoRAModuleWeights,
     LoRAWeights,
 )
+from loraplex.adapters.vocab_lora import EmbeddingLoRA, LMHeadLoRA
 from loraplex.config import LoRAConfig
 from loraplex.kernels.lora import LoRAKernelMeta, LoRAStack, add_lora, fill_kernel_meta
 
@@ -200,15 +201,19 @@ class LoRALayer:
 
 @dataclass(frozen=True)
 class LoRAModelState:
-    """All LoRA layers of one model and the batch metadata they share."""
+    """All LoRA layers of one model and the batch metadata they share; `vocab` holds the
+    embedding and lm_head hooks (`adapters.vocab_lora`) where the model has them."""
 
     meta: LoRABatchMeta
     layers: tuple[LoRALayer, ...]
+    vocab: tuple[EmbeddingLoRA | LMHeadLoRA, ...] = ()
 
     def load_slot(self, slot: int, weights: LoRAWeights) -> None:
         """Write an adapter into `slot` of every layer (on the caller's current stream)."""
         for layer in self.layers:
             layer.load_slot(slot, weights)
+        for hook in self.vocab:
+            hook.load_slot(slot, weights)
 
     def check_spec(self, spec: BaseModelSpec) -> None:
         """Raise `ValueError` if the attached layers disagree with the adapters' base spec."""
@@ -258,4 +263,24 @@ def attach_lora_layers(
         layer = LoRALayer(module, index, meta, lora_config.max_lora_rank, device, dtype)
         module.lora = layer
         layers.append(layer)
-    return LoRAModelState(meta, tuple(layers))
+    return LoRAModelState(meta, tuple(layers), _attach_vocab(model, meta, lora_config, dtype))
+
+
+def _attach_vocab(
+    model: nn.Module, meta: LoRABatchMeta, lora_config: LoRAConfig, dtype: torch.dtype
+) -> tuple[EmbeddingLoRA | LMHeadLoRA, ...]:
+    """Embedding and lm_head LoRA hooks, for a model with `embed_lora` / `logits_lora` slots."""
+    hooks: list[EmbeddingLoRA | LMHeadLoRA] = []
+    rank = lora_config.max_lora_rank
+    for attr, weight_name, kind in (
+        ("embed_lora", "embed_tokens", EmbeddingLoRA),
+        ("logits_lora", "lm_head", LMHeadLoRA),
+    ):
+        weight = getattr(model, weight_name, None)
+        if not hasattr(model, attr) or not isinstance(weight, torch.Tensor):
+            continue
+        vocab, hidden = weight.shape
+        hook = kind(meta, vocab, hidden, rank, dtype, weight.device)
+        setattr(model, attr, hook)
+        hooks.append(hook)
+    return tuple(hooks)

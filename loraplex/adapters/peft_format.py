@@ -424,8 +424,6 @@ def _build_modules(
                 f"{config.where}: {alpha_field} gives {name} a scaling of {scaling:.4g}, over "
                 f"{limit:.4g}, the largest {dtype_name} (the serving dtype) can hold"
             )
-        if module in MODEL_MODULES:
-            raise AdapterValidationError(f"{weights_path}: {name} LoRA is not served yet")
         modules[(layer, module)] = LoRAModuleWeights(
             a.contiguous(), b.contiguous(), scaling, magnitude
         )

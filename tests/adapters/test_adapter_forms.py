@@ -1,6 +1,6 @@
 """The adapters users train beyond plain LoRA, served end to end and compared with HF PEFT in
 fp32: DoRA (alone, beside plain LoRA adapters and base rows in one batch, and on an AWQ base
-against PEFT on the dequantized weights)."""
+against PEFT on the dequantized weights), LoRA on embed_tokens and lm_head."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from engine_lora_helpers import PeftReference
 from random_adapters import write_tiny_model
 from safetensors.torch import save_file
@@ -16,13 +17,17 @@ from loraplex import LLM, LoRARequest, SamplingParams
 
 pytestmark = pytest.mark.slow
 
-NUM_TOKENS = 10
+NUM_TOKENS = 8
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SPECS: dict[str, dict] = {
     "plain": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]},
     "dora": {"r": 8, "lora_alpha": 16, "target_modules": ALL, "use_dora": True},
     "dora-qv": {"r": 4, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj"],
                 "use_dora": True, "use_rslora": True},
+    # NOTE: large scalings: the tiny model's tied embeddings make it repeat its last token
+    "lm-head": {"r": 8, "lora_alpha": 256, "target_modules": ["lm_head", "q_proj"]},
+    "embed": {"r": 4, "lora_alpha": 8, "target_modules": ["embed_tokens", "v_proj"]},
+    "embed-lm-head": {"r": 16, "lora_alpha": 256, "target_modules": ["embed_tokens", "lm_head"]},
 }  # fmt: skip
 PROMPTS = ["The capital of France is", "def quicksort(xs):", "Once upon a time", "Q: 2+2?"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
@@ -67,6 +72,39 @@ def test_dora_mixed_with_plain_lora_and_base_rows_equals_peft(llm, peft):
     outputs = _generate(llm, peft, names, prompts)
     for name, out in zip(names, outputs):
         assert out.outputs[0].token_ids == peft.greedy(name, out.prompt_token_ids), name
+
+
+def test_vocabulary_lora_alone_equals_peft(llm, peft):
+    out = _generate(llm, peft, ["embed-lm-head"], PROMPTS[1:2])[0]
+    assert out.outputs[0].token_ids == peft.greedy("embed-lm-head", out.prompt_token_ids)
+    assert out.outputs[0].token_ids != peft.greedy(None, out.prompt_token_ids)
+
+
+def test_every_form_mixed_in_one_batch_equals_peft(llm, peft):
+    """Seven rows, six adapters of four forms and a base row: more adapters than the four
+    slots, so some wait for a slot and run in later steps beside others; each lm_head or
+    embedding LoRA row changes the base model's text."""
+    names = ["embed-lm-head", None, "lm-head", "dora", "embed", "plain", "lm-head"]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names))]
+    outputs = _generate(llm, peft, names, prompts)
+    for name, out in zip(names, outputs):
+        assert out.outputs[0].token_ids == peft.greedy(name, out.prompt_token_ids), name
+        if name in ("lm-head", "embed", "embed-lm-head"):
+            assert out.outputs[0].token_ids != peft.greedy(None, out.prompt_token_ids), name
+
+
+def test_lm_head_lora_applies_to_prompt_logprobs(llm, peft):
+    """Prompt logprobs come from the adapter's logits too (rows scored outside sampling)."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    request = LoRARequest("lm-head", str(peft.paths["lm-head"]))
+    out = llm.generate(PROMPTS[0], params, lora_request=request)[0]
+    ids = out.prompt_token_ids
+    peft.model.set_adapter("lm-head")
+    with torch.no_grad():
+        logits = peft.model(torch.tensor([ids])).logits[0, :-1].float()
+    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    ours = [entry[tok].logprob for entry, tok in zip(out.prompt_logprobs[1:], ids[1:])]
+    torch.testing.assert_close(torch.tensor(ours), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_the_magnitude_changes_what_is_generated(llm, peft, tmp_path):
