@@ -141,6 +141,13 @@ def _no_magnitude(folder: Path) -> None:
     )
 
 
+def _resized_vocabulary(folder: Path) -> None:
+    def edit(t):
+        t["base_model.model.model.embed_tokens.base_layer.weight"] = torch.zeros(130, 64)
+
+    _edit_tensors(folder, edit)
+
+
 def _missing_b(folder: Path) -> None:
     _edit_tensors(
         folder, lambda t: t.pop("base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight")
@@ -171,6 +178,12 @@ BAD_ADAPTERS = [
     ("missing weights", {}, lambda f: (f / WEIGHTS_FILE).unlink(), "missing adapter_model"),
     ("missing lora_B", {}, _missing_b, "k_proj has no lora_B"),
     ("layer beyond model", {}, _extra_layer, "layer 5"),
+    (
+        "added tokens",
+        {"target_modules": ["q_proj", "embed_tokens"]},
+        _resized_vocabulary,
+        "adapters that resize the vocabulary",
+    ),
     ("dora without magnitude", {"use_dora": True}, _no_magnitude, "up_proj has no lora_magn"),
     (
         "dora on lm_head",
