@@ -158,14 +158,6 @@ class LoRAWeights:
     def nbytes(self) -> int:
         return sum(m.a.nbytes + m.b.nbytes + _nbytes(m.magnitude) for m in self.modules.values())
 
-    @property
-    def forms(self) -> tuple[str, ...]:
-        """What the adapter uses beyond plain LoRA on the projections: "dora", "embed_tokens",
-        "lm_head" (sorted)."""
-        forms = {"dora"} if any(m.magnitude is not None for m in self.modules.values()) else set()
-        forms |= {name for layer, name in self.modules if layer == MODEL_LAYER}
-        return tuple(sorted(forms))
-
     def to(self, dtype: torch.dtype, *, pin_memory: bool = False) -> LoRAWeights:
         """A copy in `dtype`, optionally in page-locked host memory, staged for slot copies.
 

@@ -166,3 +166,16 @@ def test_dora_on_an_awq_base_equals_peft_on_the_dequantized_base(tiny_dir, tmp_p
         for name, out in zip(names, outputs)
         if name
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_every_form_on_cuda_graphs_equals_peft(tiny_dir, peft):
+    """The Triton kernels and CUDA-graph replay (decode) serve each form as PEFT does (fp32)."""
+    llm = _llm(tiny_dir, device="cuda", enforce_eager=False)
+    assert llm.engine.runner.graphs is not None
+    names = ["embed-lm-head", None, "lm-head", "dora", "embed", "plain", "dora-qv"]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names))]
+    outputs = _generate(llm, peft, names, prompts)
+    for name, out in zip(names, outputs):
+        assert out.outputs[0].token_ids == peft.greedy(name, out.prompt_token_ids), name
