@@ -29,6 +29,16 @@ of as many steps before it.
 Metrics: ratio_vs_base_8, ratio_vs_base_64, ratio_vs_base_256_on_64_slots (greedy) and their
 `_t1` twins, tpot_bs1_lora_over_base, registration_to_first_token_s, itl_p99_during_load_ms,
 itl_p99_before_load_ms, and the tok/s and TPOT figures behind them.
+
+Adapter forms (issue 21), `--forms dora,lm_head`: one LoRA engine holds 64 plain adapters and 64
+of each form (rank 16 on all seven projections; DoRA adds a magnitude per projection, set near
+the base rows' norms as DoRA's initialisation does; lm_head adds rank-16 LoRA on the output
+head), every adapter resident (one slot each). The same requests run on the plain adapters and
+on each form's (request i on adapter i mod 64), greedy, at temperature 1.0 (`_t1`) and as the
+mixed-sampling batch above (`_mixed`). Metrics: forms_<form>_out_tok_s<suffix> and
+ratio_<form>_vs_plain<suffix> (target >= 0.9); the baseline is the plain adapters' tok/s.
+
+    python -m benchmarks.multi_lora --forms dora,lm_head --adapter-dir /tmp/ml21_adapters
 """
 
 from __future__ import annotations
@@ -55,6 +65,8 @@ from loraplex.platform.engine.engine import Engine
 SAMPLINGS = ("", "_t1", "_mixed")  # metric suffixes: greedy, temperature 1.0, mixed
 ZIPF_S = 1.0
 RANK = 16
+FORMS = ("dora", "lm_head")
+FORM_ADAPTERS = 64  # adapters of each form (and plain ones) in a `--forms` run
 
 
 def _settings(cpu: bool) -> dict:
@@ -210,6 +222,100 @@ def _p99(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
+def base_row_norms(llm: LLM) -> dict[tuple[int, str], torch.Tensor]:
+    """`||W_i||` of every output row of every projection, keyed by (layer, module): the
+    magnitude DoRA starts training from (on the device)."""
+    norms = {}
+    for module in llm.engine.runner.model.modules():
+        shards, prefix = getattr(module, "shard_names", None), getattr(module, "prefix", "")
+        if shards is None or ".layers." not in prefix:
+            continue
+        layer = int(prefix.split(".layers.")[1].split(".")[0])
+        rows = module.method.dequantized_weight(module).float().norm(dim=1)  # [out]
+        offsets = module.shard_offsets()
+        for name, lo, hi in zip(shards, offsets, offsets[1:]):
+            norms[(layer, name)] = rows[lo:hi]
+    return norms
+
+
+def write_form_adapters(llm: LLM, folder: Path, form: str, count: int) -> list[AddAdapter]:
+    """`count` random adapters of `form` ("plain", "dora", "lm_head"), kept in `folder`."""
+    arch, device = llm.engine.runner.arch, llm.engine.runner.device
+    norms = base_row_norms(llm) if form == "dora" else {}
+    start = time.perf_counter()
+    commands = []
+    for i in range(count):
+        path = folder / f"{form}{i}"
+        if not (path / WEIGHTS_FILE).is_file():
+            gen = torch.Generator(device=device).manual_seed(10_000 + i)
+
+            def magnitude(layer: int, module: str, gen=gen) -> torch.Tensor:
+                base = norms[(layer, module)]
+                return base * (1 + 0.1 * torch.randn(base.shape, generator=gen, device=device))
+
+            write_random_adapter(path, arch, rank=RANK, seed=i, device=device,
+                                 dora_magnitude=magnitude if form == "dora" else None,
+                                 lm_head=form == "lm_head")  # fmt: skip
+        commands.append(_add_command(f"{form}{i}", path))
+    print(f"{count} {form} adapters ready in {time.perf_counter() - start:.1f} s")
+    return commands
+
+
+def run_forms(args, folder: Path) -> int:
+    """The `--forms` run: each form's adapters against plain ones on one engine."""
+    forms = [f for f in args.forms.split(",") if f]
+    unknown = sorted(set(forms) - set(FORMS))
+    if unknown:
+        raise SystemExit(f"--forms: unknown {unknown}; choose from {list(FORMS)}")
+    count = args.form_adapters
+    args.slots = count * (1 + len(forms))
+    args.adapters = [args.slots]
+    llm = build_engine(args, enable_lora=True)
+    prompts, outputs = workload(args, llm.engine.runner.arch.vocab_size)
+    groups = {form: write_form_adapters(llm, folder, form, count) for form in ["plain", *forms]}
+    warm_host_cache(llm.engine, [c for commands in groups.values() for c in commands])
+    metrics: dict[str, float] = {}
+    baseline: dict[str, float] = {}
+    short = [max(4, o // 4) for o in outputs]
+    for form, commands in groups.items():
+        loras = [LoRARequest(c.name, "/registered") for c in commands]
+        mix = [loras[i % count] for i in range(len(prompts))]
+        # NOTE: every prompt, short outputs: this form's slots and every shape the timed runs
+        # meet (a first timed run that paid them ran at half the speed of the others)
+        serve(llm, prompts, short, mix)
+        for suffix in SAMPLINGS:
+            tok_s = serve(llm, prompts, outputs, mix, suffix)
+            if form == "plain":
+                baseline[f"forms_plain_out_tok_s{suffix}"] = tok_s
+            else:
+                metrics[f"forms_{form}_out_tok_s{suffix}"] = tok_s
+                metrics[f"ratio_{form}_vs_plain{suffix}"] = (
+                    tok_s / baseline[f"forms_plain_out_tok_s{suffix}"]
+                )
+            print(f"{form}{suffix or '_greedy'}: {tok_s:.0f} tok/s")
+    stats = llm.engine.handle_command(GetAdapterStats())
+    metrics["gpu_evictions"] = sum(a.evictions for a in stats.adapters)
+    write_result(
+        args.out or ("cpu_multi_lora_forms.json" if args.device == "cpu"
+                     else "h200_multi_lora_forms.json"),
+        "multi_lora_forms",
+        metrics,
+        baseline,
+        workload={
+            "model": args.model,
+            "num_requests": args.num_requests,
+            "input_uniform": list(args.input_len),
+            "output_uniform": list(args.output_len),
+            "rank": RANK,
+            "target_modules": "q,k,v,o,gate,up,down (+ lm_head for lm_head)",
+            "adapters_per_form": count,
+            "forms": ["plain", *forms],
+            "gpu_slots": args.slots,
+        },
+    )  # fmt: skip
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -217,6 +323,19 @@ def main() -> int:
                         "embedded model (cpu)")  # fmt: skip
     parser.add_argument("--adapter-dir", default=None, help="where adapters are kept")
     parser.add_argument("--out", default=None, help="h200_multi_lora.json / cpu_multi_lora.json")
+    parser.add_argument(
+        "--forms",
+        default="",
+        help=f"comma list of {list(FORMS)}: measure "
+        "those adapter forms against plain LoRA instead (see the module doc)",
+    )
+    parser.add_argument(
+        "--form-adapters",
+        type=int,
+        default=None,
+        help=f"adapters per form (default {FORM_ADAPTERS}; 4 on cpu)",
+    )
+    parser.add_argument("--num-prompts", type=int, default=None, help="requests per run")
     args = parser.parse_args()
     cpu = args.device == "cpu"
     if not cpu and not torch.cuda.is_available():
@@ -224,6 +343,10 @@ def main() -> int:
         return 0
     for name, value in _settings(cpu).items():
         setattr(args, name, value)
+    if args.num_prompts is not None:
+        args.num_requests = args.num_prompts
+    if args.form_adapters is None:
+        args.form_adapters = 4 if cpu else FORM_ADAPTERS
     if args.model is None:
         if cpu:
             from loraplex.platform.models.model_store import ensure_default_model
@@ -233,6 +356,8 @@ def main() -> int:
             args.model = "configs/models/llama-3.1-8b.json"
     folder = Path(args.adapter_dir or tempfile.mkdtemp(prefix="loraplex-multi-lora-"))
     folder.mkdir(parents=True, exist_ok=True)
+    if args.forms:
+        return run_forms(args, folder)
     metrics: dict[str, float] = {}
     baseline: dict[str, float] = {}
     k_max, slots = max(args.adapters), args.slots

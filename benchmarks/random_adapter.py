@@ -9,6 +9,7 @@ non-zero random B, so the loader validates and serves them like any uploaded ada
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -43,11 +44,15 @@ def write_random_adapter(
     dtype: torch.dtype = torch.bfloat16,
     device: str | torch.device = "cpu",
     base_model_name: str = "",
+    dora_magnitude: Callable[[int, str], torch.Tensor] | None = None,
+    lm_head: bool = False,
 ) -> int:
     """Write a rank-`rank` adapter on `modules` of every layer; returns its bytes on disk.
 
     A ~ N(0, 1/in) and B ~ N(0, 1/rank) keep the delta's scale near the base projection's, so
-    outputs stay finite; the tensors are generated on `device` (fast on a GPU) from `seed`."""
+    outputs stay finite; the tensors are generated on `device` (fast on a GPU) from `seed`.
+    `dora_magnitude(layer, module)` (a `[out_features]` tensor, e.g. the base rows' norms)
+    makes it a DoRA adapter; `lm_head` adds LoRA on the output head."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -64,6 +69,17 @@ def write_random_adapter(
             b = torch.randn(out_features, rank, generator=gen, device=device) / rank**0.5
             tensors[f"{name}.lora_A.weight"] = a.to(dtype).cpu()
             tensors[f"{name}.lora_B.weight"] = b.to(dtype).cpu()
+            if dora_magnitude is not None:
+                magnitude = dora_magnitude(layer, module).float()  # [out_features]
+                tensors[f"{name}.lora_magnitude_vector"] = magnitude.to(dtype).cpu()
+    targets = list(modules)
+    if lm_head:
+        h = arch.hidden_size
+        a = torch.randn(rank, h, generator=gen, device=device) / h**0.5
+        b = torch.randn(arch.vocab_size, rank, generator=gen, device=device) / rank**0.5
+        tensors["base_model.model.lm_head.lora_A.weight"] = a.to(dtype).cpu()
+        tensors["base_model.model.lm_head.lora_B.weight"] = b.to(dtype).cpu()
+        targets.append("lm_head")
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -71,10 +87,11 @@ def write_random_adapter(
         "lora_alpha": rank,
         "lora_dropout": 0.0,
         "bias": "none",
-        "target_modules": list(modules),
+        "target_modules": targets,
         "base_model_name_or_path": base_model_name,
         "fan_in_fan_out": False,
         "use_rslora": False,
+        "use_dora": dora_magnitude is not None,
     }
     (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
     save_file(tensors, str(folder / "adapter_model.safetensors"))

@@ -9,6 +9,10 @@ Mixed ranks: a slot holding a rank-8 adapter copies and computes only its first 
 kernels stop at `ranks[shard, slot]`); only the memory is reserved at the maximum, so any slot
 can take any adapter and loads never fragment.
 
+DoRA: each layer also keeps a per-slot column scale (`dora_scale [max_loras, out]` fp32, 1.0
+for plain LoRA), written when a DoRA adapter is loaded into the slot (see `adapters.dora`), so
+every slot can hold a DoRA adapter; it costs 4 bytes per output feature per slot.
+
 One `LoRABatchMeta`, shared by all layers, holds the step's per-token slots in persistent
 buffers (stable addresses, so CUDA graphs captured over them replay with new contents).
 """
@@ -22,12 +26,28 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from loraplex.adapters.peft_format import SUPPORTED_MODULES, BaseModelSpec, LoRAWeights
+from loraplex.adapters.dora import dora_column_scale, row_sq_norms
+from loraplex.adapters.peft_format import (
+    SUPPORTED_MODULES,
+    BaseModelSpec,
+    LoRAModuleWeights,
+    LoRAWeights,
+)
+from loraplex.adapters.vocab_lora import EmbeddingLoRA, LMHeadLoRA
 from loraplex.config import LoRAConfig
 from loraplex.kernels.lora import LoRAKernelMeta, LoRAStack, add_lora, fill_kernel_meta
 
 _LAYER_PREFIX = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.\w+$")
 _MIN_WORKSPACE_ROWS = 2048  # room for a decode batch's split shrink (tokens x splits)
+
+
+class BaseWeightMethod(Protocol):
+    """What DoRA reads of a linear layer's weight method (`quant.base.LinearMethod`; adapters
+    and quant never import each other)."""
+
+    def apply(self, layer: object, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+    def dequantized_weight(self, layer: object) -> torch.Tensor: ...
 
 
 class LoRATarget(Protocol):
@@ -38,6 +58,8 @@ class LoRATarget(Protocol):
     output_sizes: list[int]
     shard_names: tuple[str, ...]
     lora: object
+    bias: torch.Tensor | None
+    method: BaseWeightMethod  # its `apply` and `dequantized_weight` give DoRA's base norms
 
     def shard_offsets(self) -> list[int]: ...
 
@@ -117,6 +139,7 @@ class LoRALayer:
         dtype: torch.dtype,
     ) -> None:
         self.prefix = target.prefix
+        self.target = target
         self.layer_index = layer_index
         self.shard_names = tuple(target.shard_names)
         self.input_size = target.input_size
@@ -130,7 +153,10 @@ class LoRALayer:
             ranks=torch.zeros(shards, slots, dtype=torch.int32, device=device),
             scaling=torch.zeros(shards, slots, dtype=torch.float32, device=device),
             slice_offsets=tuple(self.offsets),
+            dora_scale=torch.ones(slots, self.offsets[-1], dtype=torch.float32, device=device),
+            base_bias=target.bias,
         )
+        self._w_sq: torch.Tensor | None = None  # [out] fp32, the base rows' squared norms
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:
         # x: [num_tokens, in], out: [num_tokens, sum(output_sizes)]
@@ -143,27 +169,51 @@ class LoRALayer:
         w, max_rank = self.weights, self.weights.max_rank
         for i, name in enumerate(self.shard_names):
             module = weights.modules.get((self.layer_index, name))
+            lo, hi = self.offsets[i], self.offsets[i + 1]
+            assert w.dora_scale is not None
+            w.dora_scale[slot, lo:hi] = 1.0
             if module is None:
                 w.ranks[i, slot] = 0
                 continue
-            r, lo, hi = module.rank, self.offsets[i], self.offsets[i + 1]
+            r = module.rank
             w.a[slot, i * max_rank : i * max_rank + r].copy_(module.a, non_blocking=True)
             w.b_t[slot, :r, lo:hi].copy_(module.b.T, non_blocking=True)
             w.ranks[i, slot] = r
             w.scaling[i, slot] = module.scaling
+            if module.magnitude is not None:
+                w.dora_scale[slot, lo:hi] = self._dora_scale(slot, i, module)
+
+    @torch.no_grad()
+    def _dora_scale(self, slot: int, shard: int, module: LoRAModuleWeights) -> torch.Tensor:
+        """DoRA's column scale of one shard, from the slot's device copy of A and B (so the
+        norm is that of the weights served) and the base layer. [hi - lo] fp32"""
+        w, r, max_rank = self.weights, module.rank, self.weights.max_rank
+        lo, hi = self.offsets[shard], self.offsets[shard + 1]
+        if self._w_sq is None:  # NOTE: once per layer, at its first DoRA load
+            self._w_sq = row_sq_norms(self.target.method.dequantized_weight(self.target))
+        a = w.a[slot, shard * max_rank : shard * max_rank + r].contiguous()  # [r, in]
+        a_w = self.target.method.apply(self.target, a, None)[:, lo:hi]  # [r, hi - lo]
+        b = w.b_t[slot, :r, lo:hi].T  # [hi - lo, r]
+        assert module.magnitude is not None
+        magnitude = module.magnitude.to(w.a.device, non_blocking=True)
+        return dora_column_scale(self._w_sq[lo:hi], a_w, a, b, module.scaling, magnitude)
 
 
 @dataclass(frozen=True)
 class LoRAModelState:
-    """All LoRA layers of one model and the batch metadata they share."""
+    """All LoRA layers of one model and the batch metadata they share; `vocab` holds the
+    embedding and lm_head hooks (`adapters.vocab_lora`) where the model has them."""
 
     meta: LoRABatchMeta
     layers: tuple[LoRALayer, ...]
+    vocab: tuple[EmbeddingLoRA | LMHeadLoRA, ...] = ()
 
     def load_slot(self, slot: int, weights: LoRAWeights) -> None:
         """Write an adapter into `slot` of every layer (on the caller's current stream)."""
         for layer in self.layers:
             layer.load_slot(slot, weights)
+        for hook in self.vocab:
+            hook.load_slot(slot, weights)
 
     def check_spec(self, spec: BaseModelSpec) -> None:
         """Raise `ValueError` if the attached layers disagree with the adapters' base spec."""
@@ -213,4 +263,24 @@ def attach_lora_layers(
         layer = LoRALayer(module, index, meta, lora_config.max_lora_rank, device, dtype)
         module.lora = layer
         layers.append(layer)
-    return LoRAModelState(meta, tuple(layers))
+    return LoRAModelState(meta, tuple(layers), _attach_vocab(model, meta, lora_config, dtype))
+
+
+def _attach_vocab(
+    model: nn.Module, meta: LoRABatchMeta, lora_config: LoRAConfig, dtype: torch.dtype
+) -> tuple[EmbeddingLoRA | LMHeadLoRA, ...]:
+    """Embedding and lm_head LoRA hooks, for a model with `embed_lora` / `logits_lora` slots."""
+    hooks: list[EmbeddingLoRA | LMHeadLoRA] = []
+    rank = lora_config.max_lora_rank
+    for attr, weight_name, kind in (
+        ("embed_lora", "embed_tokens", EmbeddingLoRA),
+        ("logits_lora", "lm_head", LMHeadLoRA),
+    ):
+        weight = getattr(model, weight_name, None)
+        if not hasattr(model, attr) or not isinstance(weight, torch.Tensor):
+            continue
+        vocab, hidden = weight.shape
+        hook = kind(meta, vocab, hidden, rank, dtype, weight.device)
+        setattr(model, attr, hook)
+        hooks.append(hook)
+    return tuple(hooks)

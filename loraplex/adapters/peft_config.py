@@ -21,7 +21,6 @@ MAX_RANK_FIELD = 1 << 16
 
 #: options that change the computation in ways we do not implement (true / non-empty = refused)
 _UNSUPPORTED_OPTIONS = {
-    "use_dora": "DoRA (use_dora)",
     "lora_bias": "LoRA bias terms (lora_bias)",
     "modules_to_save": "fully trained extra modules (modules_to_save)",
     "layer_replication": "layer replication",
@@ -51,6 +50,7 @@ class PeftLoRAConfig:
     r: int
     lora_alpha: float
     use_rslora: bool
+    use_dora: bool  # every adapted module carries a `lora_magnitude_vector`
     rank_pattern: PatternTable[int]
     alpha_pattern: PatternTable[float]
     target_modules: tuple[str, ...] | Regex | None  # names, a regex, or None (all-linear)
@@ -122,6 +122,7 @@ def parse_peft_config(config: Any, where: str) -> PeftLoRAConfig:
         r=_rank(config.get("r"), "r", where),
         lora_alpha=_alpha(config.get("lora_alpha"), "lora_alpha", where),
         use_rslora=bool(config.get("use_rslora")),
+        use_dora=bool(config.get("use_dora")),
         rank_pattern=_pattern_table(config, "rank_pattern", _rank, where),
         alpha_pattern=_pattern_table(config, "alpha_pattern", _alpha, where),
         target_modules=_module_rule(config, "target_modules", where),

@@ -50,9 +50,26 @@ SUPPORTED_MODULES = {
     "down_proj": "mlp",
 }
 
-_KEY = re.compile(
-    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
+#: Model-level modules PEFT adapts beyond the decoder layers (key layer index: `MODEL_LAYER`).
+MODEL_MODULES = ("embed_tokens", "lm_head")
+#: the layer index of `embed_tokens` / `lm_head` in `LoRAWeights.modules`
+MODEL_LAYER = -1
+EMBED_KEY = (MODEL_LAYER, "embed_tokens")
+LM_HEAD_KEY = (MODEL_LAYER, "lm_head")
+
+_LAYER_KEY = re.compile(
+    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\."
+    r"(lora_A\.weight|lora_B\.weight|lora_magnitude_vector(?:\.weight)?)$"
 )
+_MODEL_KEY = re.compile(
+    r"^base_model\.model\.(?:model\.(embed_tokens)\.(lora_embedding_A|lora_embedding_B"
+    r"|base_layer\.weight|lora_magnitude_vector(?:\.weight)?)|(lm_head)\.(lora_A\.weight"
+    r"|lora_B\.weight|base_layer\.weight|lora_magnitude_vector(?:\.weight)?))$"
+)
+#: a tensor name's suffix -> its part of a module: A, B, the DoRA magnitude, a saved base copy
+_PARTS = {"lora_A.weight": "A", "lora_embedding_A": "A", "lora_B.weight": "B",
+          "lora_embedding_B": "B", "lora_magnitude_vector": "M",
+          "lora_magnitude_vector.weight": "M", "base_layer.weight": "base"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -66,6 +83,7 @@ class BaseModelSpec:
     q_size: int  # num_attention_heads * head_dim
     kv_size: int  # num_key_value_heads * head_dim
     name_or_path: str | None = None
+    vocab_size: int = 0  # 0: unknown (embed_tokens / lm_head adapters are then refused)
 
     @classmethod
     def from_hf_config(
@@ -83,12 +101,16 @@ class BaseModelSpec:
             q_size=heads * head_dim,
             kv_size=config.get("num_key_value_heads", heads) * head_dim,
             name_or_path=name_or_path,
+            vocab_size=config.get("vocab_size", 0),
         )
 
     def module_shape(self, module: str) -> tuple[int, int]:
-        """(in_features, out_features) of a supported projection."""
+        """(in_features, out_features) of a supported projection, or of `embed_tokens`
+        (in = the vocabulary: A is `[rank, vocab]`) and `lm_head`."""
         h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_size, self.kv_size
         shapes = {
+            "embed_tokens": (self.vocab_size, h),
+            "lm_head": (h, self.vocab_size),
             "q_proj": (h, q),
             "k_proj": (h, kv),
             "v_proj": (h, kv),
@@ -102,11 +124,17 @@ class BaseModelSpec:
 
 @dataclass(frozen=True)
 class LoRAModuleWeights:
-    """One adapted projection: delta = scaling * x @ a^T @ b^T."""
+    """One adapted module: delta = scaling * x @ a^T @ b^T (for `embed_tokens`, x is the
+    token's one-hot row, so the delta is `scaling * a[:, token] @ b^T`).
+
+    With DoRA, `magnitude` is PEFT's `lora_magnitude_vector`: the projection's output becomes
+    `magnitude / ||W + scaling * b @ a||_row * (x @ W^T + delta)` (plus the base bias), the
+    norm of each output feature's row of the adapted weight."""
 
     a: torch.Tensor  # [rank, in_features]
     b: torch.Tensor  # [out_features, rank]
     scaling: float
+    magnitude: torch.Tensor | None = None  # [out_features], DoRA only
 
     @property
     def rank(self) -> int:
@@ -128,7 +156,7 @@ class LoRAWeights:
 
     @property
     def nbytes(self) -> int:
-        return sum(m.a.nbytes + m.b.nbytes for m in self.modules.values())
+        return sum(m.a.nbytes + m.b.nbytes + _nbytes(m.magnitude) for m in self.modules.values())
 
     def to(self, dtype: torch.dtype, *, pin_memory: bool = False) -> LoRAWeights:
         """A copy in `dtype`, optionally in page-locked host memory, staged for slot copies.
@@ -137,7 +165,7 @@ class LoRAWeights:
         page-locked allocation, not one per tensor (hundreds, each slow to pin while the device
         is busy). NOTE: each `b` comes back as the transpose of a contiguous [rank, out] tensor,
         so the slot pool copies B^T to the device in one contiguous transfer."""
-        total = sum(m.a.numel() + m.b.numel() for m in self.modules.values())
+        total = sum(m.a.numel() + m.b.numel() + _numel(m.magnitude) for m in self.modules.values())
         flat = torch.empty(total, dtype=dtype, pin_memory=pin_memory)  # [total]
         offset = 0
 
@@ -149,10 +177,23 @@ class LoRAWeights:
             return view
 
         modules = {
-            k: LoRAModuleWeights(place(m.a), place(m.b.T).T, m.scaling)
+            k: LoRAModuleWeights(
+                place(m.a),
+                place(m.b.T).T,
+                m.scaling,
+                None if m.magnitude is None else place(m.magnitude),
+            )
             for k, m in self.modules.items()
         }
         return LoRAWeights(self.path, self.digest, modules)
+
+
+def _numel(x: torch.Tensor | None) -> int:
+    return 0 if x is None else x.numel()
+
+
+def _nbytes(x: torch.Tensor | None) -> int:
+    return 0 if x is None else x.nbytes
 
 
 def load_peft_adapter(
@@ -202,11 +243,11 @@ def _check_options(folder: Path, config: PeftLoRAConfig, spec: BaseModelSpec) ->
     where = folder / CONFIG_FILE
     targets = config.target_modules
     if isinstance(targets, tuple):
-        unsupported = sorted(set(targets) - set(SUPPORTED_MODULES))
+        unsupported = sorted(set(targets) - set(SUPPORTED_MODULES) - set(MODEL_MODULES))
         if unsupported:
             raise AdapterValidationError(
                 f"{where}: target modules {unsupported} are not supported; LoRA applies only "
-                f"to {sorted(SUPPORTED_MODULES)}"
+                f"to {sorted(SUPPORTED_MODULES) + list(MODEL_MODULES)}"
             )
     base_class = config.base_model_class
     if base_class and base_class != spec.architecture:
@@ -243,6 +284,51 @@ def _parse_tensors(folder: Path, data: bytes) -> dict[str, torch.Tensor]:
         ) from None
 
 
+def _module_path(layer: int, module: str) -> str:
+    """PEFT's name of an adapted module (what target_modules / rank_pattern match)."""
+    if layer == MODEL_LAYER:
+        return "lm_head" if module == "lm_head" else f"model.{module}"
+    return f"model.layers.{layer}.{SUPPORTED_MODULES[module]}.{module}"
+
+
+def _group_tensors(
+    weights_path: Path, tensors: dict[str, torch.Tensor], spec: BaseModelSpec
+) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+    """The file's tensors by module and part (A, B, M = DoRA magnitude, base = saved copy)."""
+    parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        layer_match, model_match = _LAYER_KEY.match(key), _MODEL_KEY.match(key)
+        if layer_match is not None:
+            layer, block, module = int(layer_match[1]), layer_match[2], layer_match[3]
+            suffix = layer_match[4]
+            if SUPPORTED_MODULES.get(module) != block:
+                raise AdapterValidationError(
+                    f"{weights_path}: tensor {key!r} targets module {module!r}, which is not "
+                    "supported"
+                )
+            if layer >= spec.num_layers:
+                raise AdapterValidationError(
+                    f"{weights_path}: tensor {key!r} is for layer {layer}, "
+                    f"the base model has {spec.num_layers} layers"
+                )
+        elif model_match is not None:
+            layer = MODEL_LAYER
+            module = model_match[1] or model_match[3]
+            suffix = model_match[2] or model_match[4]
+        else:
+            raise AdapterValidationError(
+                f"{weights_path}: tensor {key!r} is not a LoRA A/B weight or DoRA magnitude of "
+                f"{sorted(SUPPORTED_MODULES)} in a decoder layer, nor of "
+                f"{list(MODEL_MODULES)}; unsupported module"
+            )
+        if not tensor.is_floating_point():
+            raise AdapterValidationError(
+                f"{weights_path}: tensor {key!r} has dtype {tensor.dtype}, expected floating point"
+            )
+        parts.setdefault((layer, module), {})[_PARTS[suffix]] = tensor
+    return parts
+
+
 def _build_modules(
     folder: Path,
     config: PeftLoRAConfig,
@@ -252,47 +338,48 @@ def _build_modules(
     dtype: torch.dtype,
 ) -> dict[tuple[int, str], LoRAModuleWeights]:
     weights_path = folder / WEIGHTS_FILE
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
-        match = _KEY.match(key)
-        if match is None:
-            raise AdapterValidationError(
-                f"{weights_path}: tensor {key!r} is not a LoRA A/B "
-                f"weight of {sorted(SUPPORTED_MODULES)} in a decoder "
-                f"layer; unsupported module"
-            )
-        layer, block, module, which = int(match[1]), match[2], match[3], match[4]
-        if SUPPORTED_MODULES.get(module) != block:
-            raise AdapterValidationError(
-                f"{weights_path}: tensor {key!r} targets module {module!r}, which is not supported"
-            )
-        if layer >= spec.num_layers:
-            raise AdapterValidationError(
-                f"{weights_path}: tensor {key!r} is for layer {layer}, "
-                f"the base model has {spec.num_layers} layers"
-            )
-        if not tensor.is_floating_point():
-            raise AdapterValidationError(
-                f"{weights_path}: tensor {key!r} has dtype {tensor.dtype}, expected floating point"
-            )
-        pairs.setdefault((layer, module), {})[which] = tensor
-    if not pairs:
+    groups = _group_tensors(weights_path, tensors, spec)
+    if not groups:
         raise AdapterValidationError(f"{weights_path}: no LoRA weights found")
-
     limit = torch.finfo(dtype).max  # the largest magnitude the serving dtype holds
     dtype_name = str(dtype).removeprefix("torch.")
+
+    def check_values(name: str, label: str, tensor: torch.Tensor) -> None:
+        if not bool(torch.isfinite(tensor).all()):
+            raise AdapterValidationError(
+                f"{weights_path}: {name}.{label} holds NaN or infinite values"
+            )
+        if tensor.numel() and float(tensor.abs().max()) > limit:
+            raise AdapterValidationError(
+                f"{weights_path}: {name}.{label} holds values over {limit:.4g}, the largest "
+                f"{dtype_name} can hold"
+            )
+
     modules = {}
-    for (layer, module), pair in sorted(pairs.items()):
-        name = f"model.layers.{layer}.{SUPPORTED_MODULES[module]}.{module}"
-        if set(pair) != {"A", "B"}:
-            missing = "lora_B" if "A" in pair else "lora_A"
+    for (layer, module), part in sorted(groups.items()):
+        name = _module_path(layer, module)
+        if layer == MODEL_LAYER:
+            _check_saved_base(weights_path, name, part.pop("base", None), spec)
+            if not part:
+                continue  # a saved copy of an untouched base layer only
+        elif "base" in part:
+            raise AdapterValidationError(
+                f"{weights_path}: {name} holds a copy of its base weight (modules_to_save?), "
+                "which is not supported"
+            )
+        if "A" not in part or "B" not in part:
+            missing = "lora_B" if "A" in part else "lora_A"
             raise AdapterValidationError(f"{weights_path}: {name} has no {missing} weight")
         if not config.targets(name):
             raise AdapterValidationError(
                 f"{weights_path}: {name} has LoRA weights, but {CONFIG_FILE}'s target_modules / "
                 "exclude_modules do not select it"
             )
-        a, b = pair["A"].float(), pair["B"].float()  # [rank, in], [out, rank]
+        if module in MODEL_MODULES and not spec.vocab_size:
+            raise AdapterValidationError(
+                f"{weights_path}: {name} LoRA needs the base model's vocabulary size"
+            )
+        a, b = part["A"].float(), part["B"].float()  # [rank, in], [out, rank]
         in_features, out_features = spec.module_shape(module)
         rank = a.shape[0] if a.dim() == 2 else -1
         if (
@@ -301,8 +388,10 @@ def _build_modules(
             or a.shape[1] != in_features
             or b.shape != (out_features, rank)
         ):
+            labels = ("lora_embedding_A", "lora_embedding_B")
+            label_a, label_b = labels if module == "embed_tokens" else ("lora_A", "lora_B")
             raise AdapterValidationError(
-                f"{weights_path}: {name} has lora_A {tuple(a.shape)} and lora_B "
+                f"{weights_path}: {name} has {label_a} {tuple(a.shape)} and {label_b} "
                 f"{tuple(b.shape)}, expected ({rank}, {in_features}) and "
                 f"({out_features}, {rank}) for the base model"
             )
@@ -316,21 +405,70 @@ def _build_modules(
             raise AdapterValidationError(
                 f"{weights_path}: {name} has rank {rank}, over max_lora_rank={max_rank}"
             )
-        for label, tensor in (("lora_A", a), ("lora_B", b)):
-            if not bool(torch.isfinite(tensor).all()):
-                raise AdapterValidationError(
-                    f"{weights_path}: {name}.{label} holds NaN or infinite values"
-                )
-            if tensor.numel() and float(tensor.abs().max()) > limit:
-                raise AdapterValidationError(
-                    f"{weights_path}: {name}.{label} holds values over {limit:.4g}, the largest "
-                    f"{dtype_name} can hold"
-                )
+        check_values(name, "lora_A", a)
+        check_values(name, "lora_B", b)
+        magnitude = _magnitude(weights_path, config, name, module, part.get("M"), out_features)
+        if magnitude is not None:
+            check_values(name, "lora_magnitude_vector", magnitude)
         scaling, alpha_field = config.scaling_of(name, rank)
         if not scaling <= limit:
             raise AdapterValidationError(
                 f"{config.where}: {alpha_field} gives {name} a scaling of {scaling:.4g}, over "
                 f"{limit:.4g}, the largest {dtype_name} (the serving dtype) can hold"
             )
-        modules[(layer, module)] = LoRAModuleWeights(a.contiguous(), b.contiguous(), scaling)
+        modules[(layer, module)] = LoRAModuleWeights(
+            a.contiguous(), b.contiguous(), scaling, magnitude
+        )
+    if not modules:
+        raise AdapterValidationError(f"{weights_path}: no LoRA weights found")
     return modules
+
+
+def _magnitude(
+    weights_path: Path,
+    config: PeftLoRAConfig,
+    name: str,
+    module: str,
+    magnitude: torch.Tensor | None,
+    out_features: int,
+) -> torch.Tensor | None:
+    """A DoRA module's magnitude vector (fp32), checked against `use_dora`; None without DoRA."""
+    if not config.use_dora:
+        if magnitude is not None:
+            raise AdapterValidationError(
+                f"{weights_path}: {name} has a lora_magnitude_vector, but {CONFIG_FILE} does "
+                "not set use_dora"
+            )
+        return None
+    if module in MODEL_MODULES:
+        raise AdapterValidationError(
+            f"{config.where}: DoRA (use_dora) on {module} is not supported; DoRA applies to "
+            f"{sorted(SUPPORTED_MODULES)}"
+        )
+    if magnitude is None:
+        raise AdapterValidationError(
+            f"{weights_path}: {name} has no lora_magnitude_vector, which use_dora needs"
+        )
+    if magnitude.shape != (out_features,):
+        raise AdapterValidationError(
+            f"{weights_path}: {name}.lora_magnitude_vector has shape {tuple(magnitude.shape)}, "
+            f"expected ({out_features},) for the base model"
+        )
+    return magnitude.float().contiguous()
+
+
+def _check_saved_base(
+    weights_path: Path, name: str, base: torch.Tensor | None, spec: BaseModelSpec
+) -> None:
+    """PEFT saves the base embedding / lm_head beside their LoRA weights (`base_layer.weight`).
+    A copy of the base's shape is the frozen base weight and is not read; another shape means
+    a resized vocabulary (added tokens), which is refused."""
+    if base is None:
+        return
+    expected = (spec.vocab_size, spec.hidden_size)
+    if base.shape != expected:
+        raise AdapterValidationError(
+            f"{weights_path}: {name}.base_layer.weight has shape {tuple(base.shape)}, the base "
+            f"model's is {expected}: adapters that resize the vocabulary (added tokens) are not "
+            "supported; train the new tokens into existing rows instead"
+        )

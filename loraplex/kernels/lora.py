@@ -14,6 +14,11 @@ Weights are stacked per slot and padded to the largest rank `R` (`LoRAStack`): `
 and a slot's used rank is a prefix (kernels stop at `ranks[s, slot]`; no stale tail is read).
 A token with slot -1 runs the base model only; a slice of rank 0 adds nothing.
 
+DoRA (optional `dora_scale[slot, col]`, fp32, 1.0 where a slot's slice is plain LoRA): the
+expand rescales the whole column, `out = g * (out - bias + delta) + bias`, with `g` PEFT's
+`magnitude / ||W + scaling * B A||` of that output feature and `bias` the base layer's bias
+(`base_bias`), so the base output is scaled by the adapter without a copy of the base weight.
+
 The grouped kernels visit tokens by slot (`LoRAKernelMeta`, filled once per step and shared by
 every layer), so tokens that share an adapter share weight loads and tensor-core tiles.
 """
@@ -74,6 +79,8 @@ class LoRAStack:
     ranks: torch.Tensor  # [num_slices, num_slots] int32
     scaling: torch.Tensor  # [num_slices, num_slots] fp32
     slice_offsets: tuple[int, ...]  # slice s owns output columns offsets[s]:offsets[s + 1]
+    dora_scale: torch.Tensor | None = None  # [num_slots, >= offsets[-1]] fp32, 1.0 = no DoRA
+    base_bias: torch.Tensor | None = None  # [>= offsets[-1]], the base layer's bias (DoRA)
 
     def __post_init__(self) -> None:
         s = len(self.slice_offsets) - 1
@@ -99,6 +106,20 @@ class LoRAStack:
             raise ValueError("LoRAStack: weights need a contiguous last dimension")
         if self.ranks.stride() != self.scaling.stride():
             raise ValueError("LoRAStack: ranks and scaling need the same strides")
+        g = self.dora_scale
+        if g is not None and (
+            g.dim() != 2
+            or g.shape[0] != slots
+            or g.shape[1] < self.slice_offsets[-1]
+            or g.dtype != torch.float32
+            or g.stride(1) != 1
+        ):
+            raise ValueError(f"LoRAStack: dora_scale must be contiguous fp32 [{slots}, >= out]")
+        bias = self.base_bias
+        if bias is not None and (
+            g is None or bias.dim() != 1 or bias.shape[0] < self.slice_offsets[-1]
+        ):
+            raise ValueError("LoRAStack: base_bias must be [>= out] beside a dora_scale")
 
     @property
     def num_slices(self) -> int:
@@ -197,7 +218,8 @@ def lora_shrink_ref(
 def lora_expand_ref(
     t: torch.Tensor, lora: LoRAStack, out: torch.Tensor, meta: LoRAKernelMeta
 ) -> None:
-    """Plain-torch expand: adds each slice's `scaling * t_s @ B_s^T` into its columns of `out`."""
+    """Plain-torch expand: adds each slice's `scaling * t_s @ B_s^T` into its columns of `out`
+    (DoRA slices: `g * (out - bias + delta) + bias`)."""
     r_max, offsets = lora.max_rank, lora.slice_offsets
     for slot, rows in _slot_rows(meta):
         for s in range(lora.num_slices):
@@ -206,7 +228,14 @@ def lora_expand_ref(
                 continue
             b_t = lora.b_t[slot, :r, lo:hi].float()  # [r, hi - lo]
             delta = (t[rows, s * r_max : s * r_max + r] @ b_t) * lora.scaling[s, slot].float()
-            out[rows, lo:hi] += delta.to(out.dtype)
+            base = out[rows, lo:hi].float()  # [rows, hi - lo]
+            if lora.dora_scale is None:
+                out[rows, lo:hi] = (base + delta).to(out.dtype)
+                continue
+            g = lora.dora_scale[slot, lo:hi]  # [hi - lo]
+            bias = 0.0 if lora.base_bias is None else lora.base_bias[lo:hi].float()
+            dora = g * (base - bias + delta) + bias
+            out[rows, lo:hi] = torch.where(g == 1.0, base + delta, dora).to(out.dtype)
 
 
 def add_lora(

@@ -8,7 +8,8 @@ slice's `x @ A^T` in one pass over `x`, and an expand that writes every slice's 
   (`[num_splits, num_tokens, num_slices * max_rank]`), so there is no memset and no atomics.
   The expand sums the partials as it reads them.
 - expand grid `(token programs, column tiles)`: tile `j` maps to `(slice, column)` through the
-  slice offsets; tiles never straddle two slices.
+  slice offsets; tiles never straddle two slices. With a DoRA scale it also rescales the
+  tile's base output by the slot's column scale (one more fp32 read per column).
 
 Two variants of each, picked by token count: the *token* kernels give each program one token
 (any slot, a GEMV on CUDA cores; decode batches where most tokens carry different adapters),
@@ -133,12 +134,26 @@ def _shrink_group_kernel(
 
 
 @triton.jit
+def _dora_update(cur, delta, g_ptrs, bias_ptrs, mask, DORA: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The new output of a tile: `cur + delta`, or DoRA's `g * (cur - bias + delta) + bias`
+    where the slot's column scale `g` is not 1 (fp32)."""
+    new = cur + delta
+    if DORA:
+        g = tl.load(g_ptrs, mask=mask, other=1.0)
+        bias = 0.0
+        if HAS_BIAS:
+            bias = tl.load(bias_ptrs, mask=mask, other=0.0).to(tl.float32)
+        new = tl.where(g == 1.0, new, g * (cur - bias + delta) + bias)
+    return new
+
+
+@triton.jit
 def _expand_token_kernel(
-    t_ptr, b_ptr, out_ptr, slots_ptr, rank_ptr, scaling_ptr, offsets_ptr,
+    t_ptr, b_ptr, out_ptr, slots_ptr, rank_ptr, scaling_ptr, offsets_ptr, g_ptr, bias_ptr,
     num_tokens, num_splits,
-    stride_tm, stride_bs, stride_br, stride_om, stride_rs,
+    stride_tm, stride_bs, stride_br, stride_om, stride_rs, stride_gs,
     MAX_RANK: tl.constexpr, RANK_PAD: tl.constexpr, NUM_SLICES: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, DORA: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
     tok = tl.program_id(0)
     slot = tl.load(slots_ptr + tok)
@@ -165,17 +180,20 @@ def _expand_token_kernel(
     )
     o_ptrs = out_ptr + tok.to(tl.int64) * stride_om + offs_n
     cur = tl.load(o_ptrs, mask=n_mask, other=0.0)
-    tl.store(o_ptrs, (cur.to(tl.float32) + delta).to(cur.dtype), mask=n_mask)
+    g_ptrs = g_ptr + slot.to(tl.int64) * stride_gs + offs_n
+    new = _dora_update(cur.to(tl.float32), delta, g_ptrs, bias_ptr + offs_n, n_mask, DORA, HAS_BIAS)
+    tl.store(o_ptrs, new.to(cur.dtype), mask=n_mask)
 
 
 @triton.jit
 def _expand_group_kernel(
     t_ptr, b_ptr, out_ptr, order_ptr, start_ptr, count_ptr, rank_ptr, scaling_ptr, offsets_ptr,
+    g_ptr, bias_ptr,
     num_tokens, num_slots, num_splits,
-    stride_tm, stride_bs, stride_br, stride_om, stride_rs,
+    stride_tm, stride_bs, stride_br, stride_om, stride_rs, stride_gs,
     MAX_RANK: tl.constexpr, RANK_PAD: tl.constexpr, NUM_SLICES: tl.constexpr,
     SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, DORA: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
     """Program (block, tile) writes CHUNKS consecutive BLOCK_N-column chunks of one slice for a
     block of tokens, so it reads (and sums the split partials of) `t` once for all of them."""
@@ -209,7 +227,10 @@ def _expand_group_kernel(
         acc = tl.dot(t.to(b.dtype), b, input_precision=PRECISION) * scaling
         mask = m_mask[:, None] & n_mask[None, :]
         cur = tl.load(o_rows + offs_n[None, :], mask=mask, other=0.0)
-        tl.store(o_rows + offs_n[None, :], (cur.to(tl.float32) + acc).to(cur.dtype), mask=mask)
+        g_ptrs = g_ptr + slot.to(tl.int64) * stride_gs + offs_n[None, :]
+        new = _dora_update(cur.to(tl.float32), acc, g_ptrs, bias_ptr + offs_n[None, :],
+                           n_mask[None, :], DORA, HAS_BIAS)  # fmt: skip
+        tl.store(o_rows + offs_n[None, :], new.to(cur.dtype), mask=mask)
 
 
 @triton.jit
@@ -308,6 +329,11 @@ def lora_triton(
     shrink_n = max(16, triton.next_power_of_2(num_slices * max_rank))
     t, a, b_t = workspace, lora.a, lora.b_t
     stride_rs = lora.ranks.stride(0)
+    dora = lora.dora_scale is not None
+    g = lora.dora_scale if lora.dora_scale is not None else lora.scaling  # a dummy without DoRA
+    bias = lora.base_bias if lora.base_bias is not None else g
+    dora_args = (g, bias)
+    dora_flags = {"DORA": dora, "HAS_BIAS": lora.base_bias is not None}
     if config.use_token_kernels(num_tokens):
         _shrink_token_kernel[(num_tokens, splits)](
             x, a, t, meta.lora_slots, lora.ranks, num_tokens, k, k_per_split,
@@ -317,10 +343,11 @@ def lora_triton(
         )  # fmt: skip
         tiles = sum(triton.cdiv(n, config.expand_block_n) for n in lora.slice_sizes)
         _expand_token_kernel[(num_tokens, tiles)](
-            t, b_t, out, meta.lora_slots, lora.ranks, lora.scaling, offsets, num_tokens, splits,
-            t.stride(0), b_t.stride(0), b_t.stride(1), out.stride(0), stride_rs,
+            t, b_t, out, meta.lora_slots, lora.ranks, lora.scaling, offsets, *dora_args,
+            num_tokens, splits,
+            t.stride(0), b_t.stride(0), b_t.stride(1), out.stride(0), stride_rs, g.stride(0),
             MAX_RANK=max_rank, RANK_PAD=rank_pad, NUM_SLICES=num_slices,
-            BLOCK_N=config.expand_block_n,
+            BLOCK_N=config.expand_block_n, **dora_flags,
         )  # fmt: skip
         return
     bm, slots_pad = config.group_block_m, max(16, triton.next_power_of_2(num_slots))
@@ -337,11 +364,12 @@ def lora_triton(
     width = chunks * config.group_block_n
     tiles = sum(triton.cdiv(n, width) for n in lora.slice_sizes)
     _expand_group_kernel[(blocks, tiles)](
-        t, b_t, out, *group, lora.ranks, lora.scaling, offsets, num_tokens, num_slots, splits,
-        t.stride(0), b_t.stride(0), b_t.stride(1), out.stride(0), stride_rs,
+        t, b_t, out, *group, lora.ranks, lora.scaling, offsets, *dora_args,
+        num_tokens, num_slots, splits,
+        t.stride(0), b_t.stride(0), b_t.stride(1), out.stride(0), stride_rs, g.stride(0),
         MAX_RANK=max_rank, RANK_PAD=rank_pad, NUM_SLICES=num_slices, SLOTS=slots_pad,
         BLOCK_M=bm, BLOCK_N=config.group_block_n, CHUNKS=chunks, PRECISION=_precision(b_t.dtype),
-        num_warps=_warps(bm * config.group_block_n),
+        num_warps=_warps(bm * config.group_block_n), **dora_flags,
     )  # fmt: skip
 
 

@@ -47,16 +47,20 @@ B_SCALE = 3.0
 
 
 class PeftReference:
-    """One HF PEFT model holding every adapter of `ADAPTER_SPECS` (non-zero B), saved as PEFT
-    folders; greedy generations are computed one prompt at a time and cached."""
+    """One HF PEFT model holding every adapter of `specs` (default `ADAPTER_SPECS`; non-zero
+    B, DoRA magnitudes moved off their initial norms), saved as PEFT folders; greedy
+    generations are computed one prompt at a time and cached."""
 
-    def __init__(self, model_dir: Path, folder: Path, max_new_tokens: int) -> None:
+    def __init__(
+        self, model_dir: Path, folder: Path, max_new_tokens: int, specs: dict | None = None
+    ) -> None:
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
+        specs = ADAPTER_SPECS if specs is None else specs
         base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         model = None
-        for index, (name, options) in enumerate(ADAPTER_SPECS.items()):
+        for index, (name, options) in enumerate(specs.items()):
             torch.manual_seed(1000 + index)
             config = LoraConfig(init_lora_weights=False, **options)
             if model is None:
@@ -65,15 +69,20 @@ class PeftReference:
                 model.add_adapter(name, config)
         assert model is not None
         model.eval()
+        gen = torch.Generator().manual_seed(7)
         with torch.no_grad():
             for module in model.modules():
                 for b in getattr(module, "lora_B", {}).values():
                     b.weight.mul_(B_SCALE)
+                for b in (getattr(module, "lora_embedding_B", None) or {}).values():
+                    b.mul_(B_SCALE)
+                for dora in (getattr(module, "lora_magnitude_vector", None) or {}).values():
+                    dora.weight.mul_(0.5 + torch.rand(dora.weight.shape, generator=gen))
         model.save_pretrained(
             str(folder)
         )  # NOTE: an adapter not named "default" lands in folder/name
         self.model = model
-        self.paths = {name: folder / name for name in ADAPTER_SPECS}
+        self.paths = {name: folder / name for name in specs}
         self.max_new_tokens = max_new_tokens
         self._cache: dict[tuple[str | None, tuple[int, ...]], list[int]] = {}
 
@@ -156,13 +165,13 @@ def _sizes(src: Path) -> tuple[int, int, int]:
 
 
 def lm_head_target(src: Path, dst: Path) -> Path:
-    """`lm_head` in target_modules, with its A/B tensors."""
+    """`lm_head` in target_modules, with A/B tensors one vocabulary row short."""
     config = json.loads((src / CONFIG_FILE).read_text())
     rank, hidden, vocab = _sizes(src)
 
     def edit(tensors: dict[str, torch.Tensor]) -> None:
         tensors["base_model.model.lm_head.lora_A.weight"] = torch.randn(rank, hidden)
-        tensors["base_model.model.lm_head.lora_B.weight"] = torch.randn(vocab, rank)
+        tensors["base_model.model.lm_head.lora_B.weight"] = torch.randn(vocab - 1, rank)
 
     targets = [*config["target_modules"], "lm_head"]
     return _edit(_copy(src, dst), edit, target_modules=targets)

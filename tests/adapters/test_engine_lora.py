@@ -158,8 +158,8 @@ BAD_ADAPTERS = {
     "pickle": (pickle_only, r"\[.adapter_model.bin.\] are pickle checkpoints and are refused"),
     "truncated": (truncated, r"unreadable safetensors file \(truncated or corrupt\)"),
     "wrong-shape": (wrong_shape, r"has lora_A \(\d+, \d+\) .* expected"),
-    "lm-head": (lm_head_target, r"target modules \['lm_head'\] are not supported"),
-    "embed-tokens": (embed_tokens_tensors, r"embed_tokens.*unsupported module"),
+    "lm-head": (lm_head_target, r"lm_head has lora_A \(\d+, \d+\) and lora_B \(\d+, \d+\)"),
+    "embed-tokens": (embed_tokens_tensors, r"embed_tokens has LoRA weights, but"),
     "rank-over-max": (rank_over(MAX_RANK), rf"rank {MAX_RANK + 16}, over max_lora_rank={MAX_RANK}"),
     "nan": (nan_weights, r"lora_B holds NaN"),
 }

@@ -126,6 +126,28 @@ def _embed_tokens(folder: Path) -> None:
     _edit_tensors(folder, edit)
 
 
+def _short_lm_head(folder: Path) -> None:
+    def edit(t):
+        key = "base_model.model.lm_head.lora_B.weight"
+        t[key] = t[key][:-1].contiguous()  # one vocabulary row short
+
+    _edit_tensors(folder, edit)
+
+
+def _no_magnitude(folder: Path) -> None:
+    _edit_tensors(
+        folder,
+        lambda t: t.pop("base_model.model.model.layers.1.mlp.up_proj.lora_magnitude_vector"),
+    )
+
+
+def _resized_vocabulary(folder: Path) -> None:
+    def edit(t):
+        t["base_model.model.model.embed_tokens.base_layer.weight"] = torch.zeros(130, 64)
+
+    _edit_tensors(folder, edit)
+
+
 def _missing_b(folder: Path) -> None:
     _edit_tensors(
         folder, lambda t: t.pop("base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight")
@@ -143,7 +165,12 @@ BAD_ADAPTERS = [
     # (name, adapter options, edit of the saved folder, expected message)
     ("truncated", {}, _truncate, "truncated or corrupt"),
     ("wrong shapes", {"model_overrides": {"hidden_size": 32}}, None, "expected"),
-    ("lm_head", {"target_modules": ["q_proj", "lm_head"]}, None, "lm_head"),
+    (
+        "lm_head short",
+        {"target_modules": ["q_proj", "lm_head"]},
+        _short_lm_head,
+        "lm_head has lora_A",
+    ),
     ("embed_tokens", {}, _embed_tokens, "embed_tokens"),
     ("rank over max", {"r": 32}, None, "max_lora_rank=16"),
     ("nan weights", {}, _nan, "layers.1.mlp.up_proj.lora_B holds NaN"),
@@ -151,7 +178,19 @@ BAD_ADAPTERS = [
     ("missing weights", {}, lambda f: (f / WEIGHTS_FILE).unlink(), "missing adapter_model"),
     ("missing lora_B", {}, _missing_b, "k_proj has no lora_B"),
     ("layer beyond model", {}, _extra_layer, "layer 5"),
-    ("dora", {"use_dora": True}, None, "DoRA"),
+    (
+        "added tokens",
+        {"target_modules": ["q_proj", "embed_tokens"]},
+        _resized_vocabulary,
+        "adapters that resize the vocabulary",
+    ),
+    ("dora without magnitude", {"use_dora": True}, _no_magnitude, "up_proj has no lora_magn"),
+    (
+        "dora on lm_head",
+        {"use_dora": True, "target_modules": ["q_proj", "lm_head"]},
+        None,
+        "on lm_head is not supported",
+    ),
     ("modules_to_save", {"modules_to_save": ["lm_head"]}, None, "modules_to_save"),
     ("bias", {"bias": "all"}, None, "bias='all'"),
     ("rank disagrees with config", {}, lambda f: _edit_config(f, r=8), "config.json says 8"),

@@ -186,3 +186,55 @@ def test_triton_bf16_on_gpu_replays_in_a_cuda_graph(num_tokens):
         # bf16 (as Punica does): ~2^-8 relative error on the rank-16 intermediate.
         atol = 2e-2 if num_tokens <= 64 else 8e-2
         torch.testing.assert_close(out.cpu().double(), expected, rtol=2e-2, atol=atol)
+
+
+def _with_dora(lora: LoRAStack, seed: int, bias: bool) -> LoRAStack:
+    """`lora` with a DoRA column scale on every other slot (slot 0 among them; the others
+    1.0, plain LoRA) and optionally a base bias."""
+    from dataclasses import replace
+
+    g = torch.Generator().manual_seed(seed + 2)
+    num_slots, width = lora.a.shape[0], lora.b_t.shape[2]
+    scale = torch.ones(num_slots, width)
+    scale[::2] = 0.5 + torch.rand(len(range(0, num_slots, 2)), width, generator=g)
+    base_bias = torch.randn(width, generator=g) if bias else None
+    return replace(lora, dora_scale=scale, base_bias=base_bias)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("token_kernels", [True, False])
+@pytest.mark.parametrize(
+    ("num_tokens", "in_features", "slice_sizes", "num_slots", "max_rank"),
+    [(1, 9, (11,), 2, 5), (21, 70, (37, 9, 9), 3, 20)],
+)
+def test_dora_rescales_base_and_delta_per_slot(
+    bias, token_kernels, num_tokens, in_features, slice_sizes, num_slots, max_rank
+):
+    """out = g * (base - bias + delta) + bias on DoRA slots, base + delta elsewhere, in the
+    reference and in both Triton variants."""
+    from loraplex.kernels.triton_lora import lora_triton
+
+    lora = _with_dora(_stack(in_features, slice_sizes, num_slots, max_rank, 5, first=2), 5, bias)
+    x, slots = _inputs(num_tokens, in_features, num_slots, 5)
+    slots[0] = 0  # a DoRA token in every case
+    meta = lora_kernel_meta(slots, num_slots)
+    base = torch.randn(num_tokens, lora.b_t.shape[2])
+    width = len(slice_sizes) * max_rank
+    out_ref, out_tri = base.clone(), base.clone()
+    add_lora(x, out_ref, lora, meta, torch.zeros(num_tokens, width))
+    delta = _dense_delta(x, lora, slots, base.shape[1])
+    b = lora.base_bias.double() if lora.base_bias is not None else 0.0
+    expected = base.double() + delta
+    for i, slot in enumerate(slots.tolist()):
+        for s in range(lora.num_slices):
+            lo, hi = lora.slice_offsets[s], lora.slice_offsets[s + 1]
+            if slot < 0 or int(lora.ranks[s, slot]) == 0 or slot % 2:
+                continue
+            g = lora.dora_scale[slot, lo:hi].double()
+            bias_s = b[lo:hi] if isinstance(b, torch.Tensor) else b
+            expected[i, lo:hi] = g * (base[i, lo:hi].double() - bias_s + delta[i, lo:hi]) + bias_s
+    torch.testing.assert_close(out_ref.double(), expected, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(out_ref.double(), base.double() + delta, atol=1e-3)  # DoRA acted
+    config = LoRAKernelConfig(token_kernels_max_tokens=64 if token_kernels else 0, **TINY)
+    lora_triton(x, out_tri, lora, meta, torch.zeros(4 * num_tokens, width), config)
+    torch.testing.assert_close(out_tri, out_ref, rtol=1e-4, atol=1e-4)

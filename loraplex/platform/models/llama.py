@@ -4,7 +4,7 @@ ask for (RoPE variants, biases, sliding window) is decided by `ArchConfig`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -182,6 +182,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Parameter(
                 torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False
             )
+        # LoRA hooks on the vocabulary ends, set by `adapters` (see `adapters.vocab_lora`)
+        self.embed_lora: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+        self.logits_lora: (
+            Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], None] | None
+        ) = None
         self.register_buffer(
             "rope_cache",
             cos_sin_cache(
@@ -198,15 +203,24 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         hidden = self.embed_tokens[input_ids]
+        if self.embed_lora is not None:
+            self.embed_lora(input_ids, hidden)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta, self.rope_cache)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [num_sampled, hidden] -> [num_sampled, vocab] in fp32
-        return linear(hidden, self.lm_head, None).float()
+    def compute_logits(
+        self, hidden: torch.Tensor, token_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """hidden: [num_rows, hidden] -> [num_rows, vocab] in fp32. `token_rows` ([num_rows]
+        int64, on the device): the step's token each row was computed from (what lm_head LoRA
+        reads its adapter by); None: every token of the step, in order."""
+        logits = linear(hidden, self.lm_head, None).float()
+        if self.logits_lora is not None:
+            self.logits_lora(hidden, logits, token_rows)
+        return logits
 
     # Checkpoint names (after the "model." prefix) that differ from our module paths.
     checkpoint_renames = {

@@ -277,11 +277,12 @@ class ModelRunner:
             for lo in range(0, len(targets), _SCORE_CHUNK):  # bounds the [rows, vocab] logits
                 rows = hidden[offset + lo : offset + min(lo + _SCORE_CHUNK, len(targets))]
                 chunk = torch.from_numpy(targets[lo : lo + _SCORE_CHUNK]).to(dev)
-                entries += score_tokens(self.model.compute_logits(rows), chunk, k)
+                token_rows = torch.arange(offset + lo, offset + lo + rows.shape[0], device=dev)
+                entries += score_tokens(self.model.compute_logits(rows, token_rows), chunk, k)
             prompt_logprobs[req_id] = (first_pos, entries)
         if not batch.sample_req_ids:
             return hidden[:0], prompt_logprobs
         if len(batch.logits_indices) == hidden.shape[0]:  # every token samples (decode)
             return self.model.compute_logits(hidden), prompt_logprobs
         indices = to_device(batch.logits_indices, dev)
-        return self.model.compute_logits(hidden[indices]), prompt_logprobs
+        return self.model.compute_logits(hidden[indices], indices), prompt_logprobs

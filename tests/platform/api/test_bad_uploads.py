@@ -1,5 +1,7 @@
 """Bad adapter uploads each get a 4xx, leave the registry and its files as they were, and leave
-the server healthy (on the server of test_tenants.py, so no second model load)."""
+the server healthy (on the server of test_tenants.py, so no second model load); each adapter
+form beyond plain LoRA (DoRA, embed_tokens and lm_head LoRA) uploads and serves as PEFT runs
+it, and its malformed variants are refused like the others."""
 
 from __future__ import annotations
 
@@ -23,11 +25,17 @@ def _config(**overrides) -> bytes:
     return json.dumps({**config, **overrides}).encode()
 
 
-def _weights(rank: int = 4, in_features: int = 576, out_features: int = 576) -> bytes:
+def _weights(rank: int = 4, in_features: int = 576, out_features: int = 576, **extra) -> bytes:
     return save({
         f"{LAYER0}.lora_A.weight": torch.randn(rank, in_features),
         f"{LAYER0}.lora_B.weight": torch.randn(out_features, rank),
+        **extra,
     })  # fmt: skip
+
+
+VOCAB = 49152  # the embedded model's
+LM_HEAD = "base_model.model.lm_head"
+EMBED = "base_model.model.model.embed_tokens"
 
 
 def _tar(members: dict[str, bytes]) -> bytes:
@@ -74,6 +82,39 @@ CASES = {
         "ok", [("a.zip", _zip({f"/x/{CONFIG}": _config(), f"/x/{WEIGHTS}": _weights()}))]
     ),
     "no files": ("ok", []),
+    "DoRA without magnitudes": ("ok", _pair(_config(use_dora=True), _weights())),
+    "DoRA magnitude too short": ("ok", _pair(
+        _config(use_dora=True),
+        _weights(**{f"{LAYER0}.lora_magnitude_vector": torch.ones(575)}),
+    )),
+    "DoRA magnitude with NaN": ("ok", _pair(
+        _config(use_dora=True),
+        _weights(**{f"{LAYER0}.lora_magnitude_vector": torch.full((576,), float("nan"))}),
+    )),
+    "magnitude without use_dora": ("ok", _pair(
+        _config(), _weights(**{f"{LAYER0}.lora_magnitude_vector": torch.ones(576)})
+    )),
+    "lm_head one row short": ("ok", _pair(
+        _config(target_modules=["q_proj", "lm_head"]),
+        _weights(**{f"{LM_HEAD}.lora_A.weight": torch.randn(4, 576),
+                    f"{LM_HEAD}.lora_B.weight": torch.randn(VOCAB - 1, 4)}),
+    )),
+    "embed_tokens ranks disagree": ("ok", _pair(
+        _config(target_modules=["q_proj", "embed_tokens"]),
+        _weights(**{f"{EMBED}.lora_embedding_A": torch.randn(4, VOCAB),
+                    f"{EMBED}.lora_embedding_B": torch.randn(576, 8)}),
+    )),
+    "embed_tokens not in target_modules": ("ok", _pair(
+        _config(),
+        _weights(**{f"{EMBED}.lora_embedding_A": torch.randn(4, VOCAB),
+                    f"{EMBED}.lora_embedding_B": torch.randn(576, 4)}),
+    )),
+    "DoRA on lm_head": ("ok", _pair(
+        _config(use_dora=True, target_modules=["lm_head"]),
+        save({f"{LM_HEAD}.lora_A.weight": torch.randn(4, 576),
+              f"{LM_HEAD}.lora_B.weight": torch.randn(VOCAB, 4),
+              f"{LM_HEAD}.lora_magnitude_vector": torch.ones(VOCAB)}),
+    )),
 }  # fmt: skip
 
 
@@ -109,3 +150,45 @@ def test_a_good_archive_upload_works(world):  # noqa: F811
     )
     assert response.status_code == 201, response.text
     assert client.delete("/v1/adapters/zipped").status_code == 200
+
+
+FORMS = {
+    "dora": {"target_modules": ["q_proj", "v_proj", "down_proj"], "use_dora": True},
+    "lm-head": {"target_modules": ["q_proj", "lm_head"]},
+    "embed": {"target_modules": ["embed_tokens", "v_proj"]},
+}
+
+
+def _form_adapter(base, folder, options: dict):
+    """A PEFT adapter of one form for the embedded model: non-zero B, DoRA magnitudes moved off
+    their initial norms, the embedding layers not saved (PEFT's `save_embedding_layers=False`;
+    a full copy of the embedding would pass the upload size limit); `base` is left unchanged."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(5)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=32, init_lora_weights=False, **options))
+    with torch.no_grad():
+        for module in model.modules():
+            for dora in (getattr(module, "lora_magnitude_vector", None) or {}).values():
+                dora.weight.mul_(0.5 + torch.rand(dora.weight.shape))
+    model.save_pretrained(str(folder), save_embedding_layers=False)
+    model.unload()
+    return folder
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_each_adapter_form_uploads_and_serves_as_peft_runs_it(world, tmp_path, form):  # noqa: F811
+    from tenant_helpers import complete, peft_greedy, upload
+    from test_tenants import MAX_TOKENS, PROMPT
+
+    base, server = world["base"], world["server"]
+    folder = _form_adapter(base, tmp_path / form, FORMS[form])
+    client = server.client(world["keys"]["beta"])
+    response = upload(client, f"form-{form}", folder)
+    assert response.status_code == 201, response.text
+    assert f"form-{form}" in [m["id"] for m in client.get("/v1/models").json()["data"]]
+    response = complete(client, f"form-{form}", PROMPT, MAX_TOKENS)
+    assert response.status_code == 200, response.text
+    text = response.json()["choices"][0]["text"]
+    assert text == server.engine.tokenizer.decode(peft_greedy(base, folder, PROMPT, MAX_TOKENS))
+    assert text != complete(client, None, PROMPT, MAX_TOKENS).json()["choices"][0]["text"]

@@ -1,0 +1,181 @@
+"""The adapters users train beyond plain LoRA, served end to end and compared with HF PEFT in
+fp32: DoRA (alone, beside plain LoRA adapters and base rows in one batch, and on an AWQ base
+against PEFT on the dequantized weights), LoRA on embed_tokens and lm_head."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from engine_lora_helpers import PeftReference
+from random_adapters import write_tiny_model
+from safetensors.torch import save_file
+
+from loraplex import LLM, LoRARequest, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+NUM_TOKENS = 8
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+SPECS: dict[str, dict] = {
+    "plain": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]},
+    "dora": {"r": 8, "lora_alpha": 16, "target_modules": ALL, "use_dora": True},
+    "dora-qv": {"r": 4, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj"],
+                "use_dora": True, "use_rslora": True},
+    # NOTE: large scalings: the tiny model's tied embeddings make it repeat its last token
+    "lm-head": {"r": 8, "lora_alpha": 256, "target_modules": ["lm_head", "q_proj"]},
+    "embed": {"r": 4, "lora_alpha": 8, "target_modules": ["embed_tokens", "v_proj"]},
+    "embed-lm-head": {"r": 16, "lora_alpha": 256, "target_modules": ["embed_tokens", "lm_head"]},
+}  # fmt: skip
+PROMPTS = ["The capital of France is", "def quicksort(xs):", "Once upon a time", "Q: 2+2?"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(model_dir, tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny"), model_dir)
+
+
+@pytest.fixture(scope="module")
+def peft(tiny_dir, tmp_path_factory) -> PeftReference:
+    return PeftReference(tiny_dir, tmp_path_factory.mktemp("forms"), NUM_TOKENS, SPECS)
+
+
+def _llm(model: Path, **kwargs) -> LLM:
+    options = dict(dtype="float32", device="cpu", num_kv_blocks=64, max_loras=4,
+                   max_lora_rank=16, max_cpu_loras=8, async_scheduling=True)  # fmt: skip
+    options.update(kwargs)
+    return LLM(str(model), **options)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir) -> LLM:
+    return _llm(tiny_dir)
+
+
+def _generate(llm: LLM, peft: PeftReference, names: list[str | None], prompts: list[str]):
+    requests = [None if n is None else LoRARequest(n, str(peft.paths[n])) for n in names]
+    return llm.generate(prompts, GREEDY, lora_request=requests)
+
+
+def test_dora_alone_equals_peft(llm, peft):
+    out = _generate(llm, peft, ["dora"], PROMPTS[:1])[0]
+    assert out.outputs[0].token_ids == peft.greedy("dora", out.prompt_token_ids)
+    assert out.outputs[0].token_ids != peft.greedy(None, out.prompt_token_ids)
+
+
+def test_dora_mixed_with_plain_lora_and_base_rows_equals_peft(llm, peft):
+    names = [None, "plain", "dora", "dora-qv", "dora", None]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names))]
+    outputs = _generate(llm, peft, names, prompts)
+    for name, out in zip(names, outputs):
+        assert out.outputs[0].token_ids == peft.greedy(name, out.prompt_token_ids), name
+
+
+def test_vocabulary_lora_alone_equals_peft(llm, peft):
+    out = _generate(llm, peft, ["embed-lm-head"], PROMPTS[1:2])[0]
+    assert out.outputs[0].token_ids == peft.greedy("embed-lm-head", out.prompt_token_ids)
+    assert out.outputs[0].token_ids != peft.greedy(None, out.prompt_token_ids)
+
+
+def test_every_form_mixed_in_one_batch_equals_peft(llm, peft):
+    """Seven rows, six adapters of four forms and a base row: more adapters than the four
+    slots, so some wait for a slot and run in later steps beside others; each lm_head or
+    embedding LoRA row changes the base model's text."""
+    names = ["embed-lm-head", None, "lm-head", "dora", "embed", "plain", "lm-head"]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names))]
+    outputs = _generate(llm, peft, names, prompts)
+    for name, out in zip(names, outputs):
+        assert out.outputs[0].token_ids == peft.greedy(name, out.prompt_token_ids), name
+        if name in ("lm-head", "embed", "embed-lm-head"):
+            assert out.outputs[0].token_ids != peft.greedy(None, out.prompt_token_ids), name
+
+
+def test_lm_head_lora_applies_to_prompt_logprobs(llm, peft):
+    """Prompt logprobs come from the adapter's logits too (rows scored outside sampling)."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    request = LoRARequest("lm-head", str(peft.paths["lm-head"]))
+    out = llm.generate(PROMPTS[0], params, lora_request=request)[0]
+    ids = out.prompt_token_ids
+    peft.model.set_adapter("lm-head")
+    with torch.no_grad():
+        logits = peft.model(torch.tensor([ids])).logits[0, :-1].float()
+    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    ours = [entry[tok].logprob for entry, tok in zip(out.prompt_logprobs[1:], ids[1:])]
+    torch.testing.assert_close(torch.tensor(ours), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_the_magnitude_changes_what_is_generated(llm, peft, tmp_path):
+    """The same A and B without their magnitudes (served as plain LoRA) generate otherwise, so
+    the equalities above check DoRA's scale, not only the LoRA delta."""
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "no-magnitude"
+    folder.mkdir()
+    tensors = load_file(str(peft.paths["dora"] / "adapter_model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if "magnitude" not in k},
+              str(folder / "adapter_model.safetensors"))  # fmt: skip
+    config = json.loads((peft.paths["dora"] / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, "use_dora": False}))
+    dora = _generate(llm, peft, ["dora"], PROMPTS[1:2])[0].outputs[0].token_ids
+    plain = llm.generate(PROMPTS[1], GREEDY, lora_request=LoRARequest("plain-ab", str(folder)))
+    assert plain[0].outputs[0].token_ids != dora
+
+
+def _dequantized_copy(llm: LLM, source: Path, folder: Path) -> Path:
+    """A dense checkpoint of what the quantized model computes: every projection's dequantized
+    weight, the rest copied from `source`."""
+    from safetensors.torch import load_file
+
+    folder.mkdir()
+    tensors = load_file(str(source / "model.safetensors"))
+    for module in llm.engine.runner.model.modules():
+        shards = getattr(module, "shard_names", None)
+        if shards is None or not hasattr(module, "method"):
+            continue
+        weight = module.method.dequantized_weight(module).float()  # [out, in]
+        parent = module.prefix.rsplit(".", 1)[0]
+        for name, lo, hi in zip(shards, module.shard_offsets(), module.shard_offsets()[1:]):
+            tensors[f"{parent}.{name}.weight"] = weight[lo:hi].contiguous()
+    save_file(tensors, str(folder / "model.safetensors"))
+    for path in source.iterdir():
+        if path.name != "model.safetensors":
+            (folder / path.name).write_bytes(path.read_bytes())
+    return folder
+
+
+def test_dora_on_an_awq_base_equals_peft_on_the_dequantized_base(tiny_dir, tmp_path):
+    from loraplex.quant.quantize import quantize_model
+
+    awq_dir = quantize_model(tiny_dir, tmp_path / "awq", progress=False, method="awq",
+                             group_size=32)  # fmt: skip
+    llm = _llm(awq_dir)
+    dense_dir = _dequantized_copy(llm, tiny_dir, tmp_path / "dequantized")
+    specs = {"dora": {**SPECS["dora"], "lora_alpha": 64}}  # a strong delta: AWQ's text is flat
+    peft = PeftReference(dense_dir, tmp_path / "adapters", NUM_TOKENS, specs)
+    config = json.loads((peft.paths["dora"] / "adapter_config.json").read_text())
+    assert config["use_dora"] is True
+    names = ["dora", None, "dora", "dora"]
+    outputs = _generate(llm, peft, names, PROMPTS[:4])
+    for name, out in zip(names, outputs):
+        assert out.outputs[0].token_ids == peft.greedy(name, out.prompt_token_ids), name
+    assert any(
+        out.outputs[0].token_ids != peft.greedy(None, out.prompt_token_ids)
+        for name, out in zip(names, outputs)
+        if name
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_every_form_on_cuda_graphs_equals_peft(tiny_dir, peft):
+    """The Triton kernels and CUDA-graph replay (decode) serve each form as PEFT does (fp32)."""
+    llm = _llm(tiny_dir, device="cuda", enforce_eager=False)
+    assert llm.engine.runner.graphs is not None
+    names = ["embed-lm-head", None, "lm-head", "dora", "embed", "plain", "dora-qv"]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names))]
+    outputs = _generate(llm, peft, names, prompts)
+    for name, out in zip(names, outputs):
+        assert out.outputs[0].token_ids == peft.greedy(name, out.prompt_token_ids), name
