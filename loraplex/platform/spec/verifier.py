@@ -99,7 +99,10 @@ def verify(
     if bitmask is not None:
         raw = raw.clone() if raw is logits else raw
         apply_token_bitmask_(raw, bitmask, bitmask_rows)
-    row_of_logit = torch.repeat_interleave(torch.arange(n, device=dev), lens_dev + 1)  # [L]
+    num_logits = int(lens.sum())
+    row_of_logit = torch.repeat_interleave(  # [L]; NOTE: output_size: no device read
+        torch.arange(n, device=dev), lens_dev + 1, output_size=num_logits
+    )
     position = torch.arange(len(row_of_logit), device=dev) - pad_dev[:, 0][row_of_logit]
     expanded = expand_metadata(metadata, row_of_logit, position)
     processed = Sampler.process_logits(raw, expanded)
