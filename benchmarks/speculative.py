@@ -255,7 +255,7 @@ def engine_8b(llm: LLM, model: str) -> dict[str, float]:
     lookup predicts, so this measures the engine's real TPOT at the acceptance it gets."""
     out: dict[str, float] = {}
     prompt = [[100 + (i * 7) % 50 for i in range(64)]]
-    spec = bench_llm(model, num_kv_blocks=_KV_BLOCKS_8B, speculative_config=NGRAM)
+    spec = bench_llm(model, num_kv_blocks=_KV_BLOCKS_8B, max_num_seqs=8, speculative_config=NGRAM)
     for name, engine in (("plain", llm), ("ngram", spec)):
         for mode in ("greedy", "t1"):
             params = SamplingParams(max_tokens=129, ignore_eos=True, seed=7, **MODES[mode][0])
