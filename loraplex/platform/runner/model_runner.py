@@ -264,7 +264,8 @@ class ModelRunner:
             params = ib.params[row]
             assert params is not None
             tokens = ib.token_ids[row, : ib.num_tokens[row]]  # a view: no copy
-            batch.append(ProposalRequest(req_id, tokens, params, max_tokens))
+            step = int(ib.num_tokens[row] - ib.num_prompt_tokens[row])
+            batch.append(ProposalRequest(req_id, tokens, params, max_tokens, step))
         proposals = self.proposer.propose(batch)
         self._draft_probs = proposals.probs
         return proposals.token_ids

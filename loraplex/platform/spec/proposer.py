@@ -31,9 +31,10 @@ class ProposalRequest:
     output) and how many tokens it may be proposed (`max_tokens` <= k)."""
 
     req_id: str
-    token_ids: np.ndarray  # [num_tokens] int64
+    token_ids: np.ndarray  # [num_tokens] int
     sampling_params: SamplingParams
     max_tokens: int
+    step: int = 0  # tokens the request has sampled: the noise counter of its first draft
 
 
 @dataclass(frozen=True)
