@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from loraplex.grammar.config import GrammarConfig
+from loraplex.platform.spec.config import SpeculativeConfig
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {
@@ -156,6 +157,8 @@ class EngineConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     grammar: GrammarConfig = field(default_factory=GrammarConfig)
+    # None: no speculative decoding (`speculative_config`, vLLM's option name).
+    speculative: SpeculativeConfig | None = None
 
     # Flat option names (vLLM's, as `LLM(...)` and `loraplex serve` take them) that differ from
     # the field they set.
@@ -179,9 +182,12 @@ class EngineConfig:
         }
         owner = {f.name: part for part, c in parts.items() for f in fields(c)}
         kwargs: dict[str, dict[str, Any]] = {part: {} for part in parts}
+        spec = options.pop("speculative_config", None)
         for name, value in options.items():
             key = cls._ALIASES.get(name, name)
             if key not in owner:
                 raise ValueError(f"unknown engine option {name!r}")
             kwargs[owner[key]][key] = value
-        return cls(**{part: parts[part](**kw) for part, kw in kwargs.items()})
+        built = {part: parts[part](**kw) for part, kw in kwargs.items()}
+        speculative = SpeculativeConfig.parse(spec) if spec is not None else None
+        return cls(**built, speculative=speculative)

@@ -151,10 +151,34 @@ class ServerMetrics:
         for kind, name, help, value in _ENGINE_SERIES:
             lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}"]
             lines.append(f"{name}{_labels(self.labels)} {_number(value(snapshot))}")
+        lines += self._render_spec_decoding(snapshot)
         lines += self._render_finished()
         for histogram in (self.ttft, self.itl, self.e2e):
             lines += histogram.render(self.labels)
         return "\n".join(lines) + "\n"
+
+    def _render_spec_decoding(self, snapshot: EngineSnapshot) -> list[str]:
+        """vLLM's `spec_decode_*` counters, when speculative decoding is on."""
+        spec = snapshot.stats.spec_decoding
+        if spec is None:
+            return []
+        lines: list[str] = []
+        for name, help, value in (
+            ("num_drafts", "Verifications of a request's draft tokens.", spec.num_drafts),
+            ("num_draft_tokens", "Draft tokens proposed and verified.", spec.num_draft_tokens),
+            ("num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens),
+        ):
+            full = f"loraplex:spec_decode_{name}_total"
+            lines += [f"# HELP {full} {help}", f"# TYPE {full} counter"]
+            lines.append(f"{full}{_labels(self.labels)} {value}")
+        full = "loraplex:spec_decode_num_accepted_tokens_per_pos_total"
+        lines += [
+            f"# HELP {full} Draft tokens accepted at each draft position (0: the first).",
+            f"# TYPE {full} counter",
+        ]
+        for pos, count in enumerate(spec.num_accepted_tokens_per_pos):
+            lines.append(f"{full}{_labels({**self.labels, 'position': str(pos)})} {count}")
+        return lines
 
     def _render_finished(self) -> list[str]:
         name = "loraplex:request_success_total"

@@ -27,6 +27,7 @@ class _Option:
     help: str
     type: Any = str
     boolean: bool = False
+    json_object: bool = False  # JSON text on the command line; in YAML a mapping or JSON text
 
     @property
     def key(self) -> str:
@@ -68,6 +69,11 @@ _OPTIONS = (
     _Option("--async-scheduling", None, "schedule and prepare step N+1 while the GPU runs step "
             "N (default: on for CUDA; requests with penalties or a grammar run steps in lock "
             "step)", boolean=True),
+    _Option("--speculative-config", None, "speculative decoding, as a JSON object (vLLM's "
+            "shape): '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+            "\"prompt_lookup_max\": 4}' or '{\"model\": PATH, \"num_speculative_tokens\": 3}'; "
+            "\"disable_by_batch_size\": N turns it off while N or more requests run (default: "
+            "off)", json_object=True),
     _Option("--enable-lora", True, "serve LoRA adapters (slots are reserved at start)",
             boolean=True),
     _Option("--max-loras", 8, "adapters resident on the device at once (slots)", int),
@@ -162,6 +168,8 @@ def load_yaml_options(path: str | Path) -> dict[str, Any]:
     for option in _OPTIONS:
         value = data.get(option.key)
         if value is None:
+            continue
+        if option.json_object and isinstance(value, dict):
             continue
         expected = bool if option.boolean else option.type
         if expected is float and isinstance(value, int) and not isinstance(value, bool):

@@ -83,6 +83,9 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []  # hashes of this request's full blocks, in order
+        # Draft tokens a proposer bet for the next step (speculative decoding); the scheduler
+        # verifies them in its next step if the request decodes, and clears them.
+        self.spec_token_ids: list[int] = []
 
     @property
     def output_token_ids(self) -> list[int]:

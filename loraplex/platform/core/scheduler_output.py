@@ -37,6 +37,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     # Requests the runner must forget before this step (finished, aborted or preempted).
     finished_req_ids: frozenset[str] = field(default_factory=frozenset)
+    # req_id -> draft tokens this step verifies after the request's last token (vLLM's name);
+    # num_scheduled_tokens counts them.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -55,6 +58,9 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[list[tuple[int, float, int]]]]] = field(
         default_factory=dict
     )
+    # req_id -> the tokens a speculative step emitted after `sampled[req_id]` (its accepted
+    # drafts after the first, then the recovered or bonus token).
+    extra_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

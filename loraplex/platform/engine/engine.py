@@ -36,6 +36,8 @@ from loraplex.platform.models.model_store import resolve_model_path
 from loraplex.platform.models.tokenizer import load_tokenizer
 from loraplex.platform.runner.model_runner import LaunchedStep, ModelRunner, StepOutput
 from loraplex.platform.scheduler.scheduler import Scheduler
+from loraplex.platform.spec.proposer import can_speculate
+from loraplex.platform.spec.stats import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +61,7 @@ class EngineStats:
     prefix_cache_hits: int
     num_preemptions: int
     lora: LoRAStats | None = None
+    spec_decoding: SpecDecodingStats | None = None  # None: speculative decoding is off
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -281,8 +284,11 @@ class Engine:
         masks are filled after step N's tokens are read, while the device computes step N+1's
         forward pass, and its sampling is launched after them."""
         failed = self._poll_grammars() + self._poll_adapters()
-        lock_step = not self.async_scheduling or bool(self.scheduler.num_lock_step)
+        speculate = self._speculating()
+        lock_step = not self.async_scheduling or bool(self.scheduler.num_lock_step) or speculate
         outputs = self._finish_in_flight() if lock_step else []
+        if speculate:
+            self._propose()
         so = self.scheduler.schedule()
         constrained = self.structured.num_active > 0
         launched = self.runner.launch(so, need_sampler=constrained)
@@ -298,6 +304,41 @@ class Engine:
         self._in_flight = (so, step)
         return failed + outputs
 
+    def _speculating(self) -> bool:
+        """Whether this step proposes drafts: a proposer is configured and fewer requests
+        than `disable_by_batch_size` run or wait. A speculative step runs in lock step (its
+        proposals read every request's latest tokens on the host)."""
+        spec = self.config.speculative
+        if spec is None or not self.scheduler.num_running:
+            return False
+        limit = spec.disable_by_batch_size
+        return limit is None or self.scheduler.num_running + self.scheduler.num_waiting < limit
+
+    def _propose(self) -> None:
+        """Draft tokens for the running requests that decode and may speculate."""
+        spec = self.config.speculative
+        assert spec is not None
+        asks: list[tuple[str, int]] = []
+        for request in self.scheduler.running:
+            request.spec_token_ids = []
+            if (
+                request.grammar is None
+                and request.num_computed_tokens == request.num_tokens - 1
+                and not request.num_pending
+                and can_speculate(request.sampling_params)
+            ):
+                k = min(
+                    spec.num_speculative_tokens,
+                    request.max_tokens - request.num_output_tokens - 1,
+                    self.max_model_len - request.num_tokens,
+                )
+                if k > 0:
+                    asks.append((request.request_id, k))
+        drafts = self.runner.propose(asks)
+        if drafts:
+            for request in self.scheduler.running:
+                request.spec_token_ids = drafts.get(request.request_id, [])
+
     def _finish_in_flight(self) -> list[RequestOutput]:
         if self._in_flight is None:
             return []
@@ -309,7 +350,7 @@ class Engine:
         if runner_out.prompt_logprobs:
             self.output_processor.add_prompt_logprobs(runner_out.prompt_logprobs)
         core_outputs = self.scheduler.update_from_output(so, runner_out)
-        self.generation_tokens_total += len(core_outputs)
+        self.generation_tokens_total += sum(len(o.new_token_ids) for o in core_outputs)
         outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:
             # NOTE: the stop-string hit was already recorded on the sample; freeing the core
@@ -393,6 +434,9 @@ class Engine:
             prefix_cache_hits=kv.stats.hits,
             num_preemptions=self.scheduler.num_preemptions,
             lora=self.lora_manager.stats() if self.lora_manager is not None else None,
+            spec_decoding=(
+                self.scheduler.spec_stats.snapshot() if self.config.speculative else None
+            ),
         )
 
     def generate_blocking(self, deadline_s: float | None = None) -> list[RequestOutput]:

@@ -48,6 +48,7 @@ class LLM:
         enable_lora: bool = True,
         async_scheduling: bool | None = None,
         grammar_overlap: bool = True,
+        speculative_config: str | dict[str, Any] | None = None,
     ) -> None:
         config = EngineConfig.from_options(
             model=model, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
@@ -57,7 +58,7 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization, enable_lora=enable_lora,
             max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
             enforce_eager=enforce_eager, async_scheduling=async_scheduling,
-            grammar_overlap=grammar_overlap,
+            grammar_overlap=grammar_overlap, speculative_config=speculative_config,
         )  # fmt: skip
         self.engine = Engine(config)
 

@@ -120,12 +120,12 @@ class OutputProcessor:
             if parent.first_token_time is None:
                 parent.first_token_time = now
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
-            parent.num_generated += len(out.new_token_ids)
-            sample.token_ids.extend(out.new_token_ids)
+            new_ids, stop_str = self._detokenize(sample.detokenizer, out.new_token_ids)
+            parent.num_generated += len(new_ids)
+            sample.token_ids.extend(new_ids)
             if sample.logprobs is not None and out.new_logprobs is not None:
                 sample.logprobs.append(self._decode_logprobs(out.new_logprobs))
                 sample.cumulative_logprob += out.new_logprobs[0][1]
-            stop_str = sample.detokenizer.add_tokens(out.new_token_ids)
             if stop_str is not None and out.finish_reason is None:
                 sample.finish_reason, sample.stop_reason = "stop", stop_str
                 stopped.append(out.req_id)
@@ -140,6 +140,20 @@ class OutputProcessor:
             if result is not None:
                 results.append(result)
         return results, stopped
+
+    @staticmethod
+    def _detokenize(detokenizer, token_ids: list[int]) -> tuple[list[int], str | None]:
+        """Add a step's tokens; returns those kept and the stop string found, if any. Several
+        tokens (a speculative step's accepted run) go one at a time when stop strings are
+        set, so the tokens after the one that completes a stop string are dropped, as they
+        would never have been sampled without speculation."""
+        if len(token_ids) == 1 or not detokenizer.stop:
+            return token_ids, detokenizer.add_tokens(token_ids)
+        for n, token in enumerate(token_ids, 1):
+            stop_str = detokenizer.add_tokens([token])
+            if stop_str is not None:
+                return token_ids[:n], stop_str
+        return token_ids, None
 
     def abort(self, request_id: str, finish_reason: str = "abort") -> RequestOutput | None:
         """End a request's unfinished samples with `finish_reason` ("abort", or "error" for a

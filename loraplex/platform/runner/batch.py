@@ -50,6 +50,16 @@ class Batch:
     # (req_id, token row of its first scored token, the prompt tokens those rows score
     # [n] int64, prompt position of the first of them), for prompt logprobs
     prompt_scores: tuple[tuple[str, int, np.ndarray, int], ...] = ()
+    # Speculative steps: drafts each sampled row verifies [num_sampled] int64 (its logits
+    # rows are its last spec_lens + 1 token rows, in order); None when no row has drafts.
+    spec_lens: np.ndarray | None = None
+
+    @property
+    def sample_logits_rows(self) -> np.ndarray:
+        """The first logits row of each sampled row. [num_sampled] int64"""
+        if self.spec_lens is None:
+            return np.arange(len(self.sample_rows), dtype=np.int64)
+        return np.cumsum(self.spec_lens + 1) - (self.spec_lens + 1)
 
     @property
     def num_seqs(self) -> int:
@@ -74,7 +84,8 @@ def build_batch(
         order = np.argsort(rows)
         rows, counts = rows[order], counts[order]
     starts = ib.num_computed_tokens[rows]
-    known = ib.num_tokens[rows]
+    spec = ib.num_spec[rows]
+    known = ib.num_tokens[rows] + spec  # NOTE: a step's draft tokens are inputs on the host
     max_query_len = int(counts.max())
     if max_query_len == 1:
         positions = starts
@@ -93,7 +104,7 @@ def build_batch(
         token_rows = rows[seq_of_token]
     # NOTE: a token at or past what the host knows is the pending one (a decoding request's
     # one input, sampled by the step before and still on the device).
-    on_host = positions < ib.num_tokens[token_rows]
+    on_host = positions < (ib.num_tokens + ib.num_spec)[token_rows]
     input_ids = np.where(on_host, ib.token_ids[token_rows, positions], PENDING).astype(np.int64)
     block_ids = ib.block_table[token_rows, positions // block_size]
     slot_mapping = block_ids.astype(np.int64) * block_size + positions % block_size
@@ -120,6 +131,15 @@ def build_batch(
             sample_index, at = dev[:k], k
         if not pending_compact:
             pending_index = (dev[at : at + p], dev[at + p : at + 2 * p])
+    ends = query_start[1:][samples].astype(np.int64)
+    spec_lens = spec[samples] if bool(spec.any()) else None
+    if spec_lens is None:
+        logits_indices = ends - 1
+    else:  # each sampled row's last spec_lens + 1 tokens
+        lens = spec_lens + 1
+        logits_indices = np.repeat(ends - lens, lens) + (
+            np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+        )
     sampling = None
     if k and (need_sampler or not ib.plain_greedy):
         sampling = ib.sampling_metadata(sample_rows, sample_index)
@@ -138,12 +158,13 @@ def build_batch(
         sample_req_ids=[req_ids[r] for r in sample_rows.tolist()],  # type: ignore[misc]
         sample_rows=sample_rows,
         sample_index=sample_index,
-        logits_indices=query_start[1:][samples].astype(np.int64) - 1,
+        logits_indices=logits_indices,
         pending_tokens=pending_tokens,
         pending_rows=pending_rows,
         pending_index=pending_index,
         sampling=sampling,
         prompt_scores=prompt_scores,
+        spec_lens=spec_lens,
     )
 
 

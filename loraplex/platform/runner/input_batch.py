@@ -113,6 +113,8 @@ class InputBatch:
         self.token_ids = np.zeros((n, max_model_len + 1), dtype=np.int32)
         self.num_tokens = np.zeros(n, dtype=np.int64)  # tokens known on the host
         self.num_pending = np.zeros(n, dtype=np.int64)  # sampled, not read back yet
+        # Draft tokens written after a row's known tokens for this step's verification.
+        self.num_spec = np.zeros(n, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(n, dtype=np.int64)
         self.num_computed_tokens = np.zeros(n, dtype=np.int64)
         self.block_table = np.zeros((n, max_blocks_per_seq), dtype=np.int32)
@@ -193,7 +195,8 @@ class InputBatch:
         assert len(sources) == len(holes)
         dst, src = np.asarray(holes), np.asarray(sources)
         for array in (
-            self.num_tokens, self.num_pending, self.num_prompt_tokens, self.num_computed_tokens,
+            self.num_tokens, self.num_pending, self.num_spec, self.num_prompt_tokens,
+            self.num_computed_tokens,
             self.block_table, self.num_blocks, self.lora_slots, self.generation,
         ):  # fmt: skip
             array[dst] = array[src]
@@ -247,6 +250,7 @@ class InputBatch:
             self.token_ids[row, : len(tokens)] = tokens
             self.num_tokens[row] = len(tokens)
             self.num_pending[row] = 0
+            self.num_spec[row] = 0
             self.num_prompt_tokens[row] = len(new.prompt_token_ids)
             self.num_computed_tokens[row] = new.num_computed_tokens
             self.block_table[row, : len(new.block_ids)] = new.block_ids
@@ -415,19 +419,54 @@ class InputBatch:
             ones = torch.ones(k, dtype=torch.int32, device=self.device)
             self.output_counts.index_put_((index, tokens), ones, accumulate=True)
 
+    def set_drafts(self, drafts: dict[str, list[int]]) -> None:
+        """Write this step's draft tokens after each request's known tokens (the step
+        verifies them); rows not named propose nothing."""
+        self.num_spec[: self.num_reqs] = 0
+        for req_id, tokens in drafts.items():
+            row = self.req_index[req_id]
+            start = self.num_tokens[row]
+            self.token_ids[row, start : start + len(tokens)] = tokens
+            self.num_spec[row] = len(tokens)
+
+    def record_verified(
+        self,
+        tokens: torch.Tensor,  # [k, K + 1] int64 on the device, valid up to num_emitted
+        num_emitted: torch.Tensor,  # [k] int64 on the device, 1..K + 1
+        rows: np.ndarray,  # [k] int64, the rows that verified drafts and sampled
+        index: torch.Tensor | None,  # rows on the device, or None when rows are 0..k-1
+    ) -> None:
+        """`record_sampled` for a step that emitted several tokens per row: each row's last
+        emitted token and its step counter advanced by the tokens it emitted (rows with
+        penalties never speculate, so output counts are untouched)."""
+        self.num_pending[rows] += 1
+        self.num_spec[rows] = 0
+        last = tokens.gather(1, (num_emitted - 1)[:, None]).squeeze(1)  # [k]
+        dev_rows = index if index is not None else torch.arange(len(rows), device=self.device)
+        self.last_token[dev_rows] = last
+        self._int64[_STEP].index_add_(0, dev_rows, num_emitted)
+
     def generations(self, rows: np.ndarray) -> np.ndarray:
         return self.generation[rows].copy()
 
     def receive(
-        self, req_ids: list[str], generations: np.ndarray, token_ids: list[int]
+        self,
+        req_ids: list[str],
+        generations: np.ndarray,
+        token_ids: list[int],
+        extra: dict[str, list[int]] | None = None,
     ) -> dict[str, int]:
-        """Append a step's tokens, read back, to the rows that still hold the same requests."""
+        """Append a step's tokens, read back, to the rows that still hold the same requests;
+        `extra` holds the tokens a speculative row emitted after its first."""
         sampled = {}
         for req_id, gen, token in zip(req_ids, generations.tolist(), token_ids):
             sampled[req_id] = token
             row = self.req_index.get(req_id)
             if row is not None and self.generation[row] == gen:
-                self.token_ids[row, self.num_tokens[row]] = token
-                self.num_tokens[row] += 1
+                more = extra.get(req_id, ()) if extra else ()
+                at = self.num_tokens[row]
+                self.token_ids[row, at] = token
+                self.token_ids[row, at + 1 : at + 1 + len(more)] = more
+                self.num_tokens[row] += 1 + len(more)
                 self.num_pending[row] -= 1
         return sampled

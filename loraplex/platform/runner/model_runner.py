@@ -26,6 +26,9 @@ from loraplex.platform.runner.kv_sizing import kv_block_bytes, num_kv_blocks
 from loraplex.platform.runner.lora_slots import LoRASlotWriter
 from loraplex.platform.runner.sampler import Sampler, score_tokens
 from loraplex.platform.runner.step_output import StepOutput
+from loraplex.platform.spec.factory import build_proposer
+from loraplex.platform.spec.proposer import ProposalRequest
+from loraplex.platform.spec.verifier import verify
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +57,8 @@ class LaunchedStep:
             return np.full(len(batch_rows), -1, dtype=np.int64)
         sample_rows = self.batch.sample_rows  # ascending
         at = np.searchsorted(sample_rows, batch_rows).clip(max=len(sample_rows) - 1)
+        if self.batch.spec_lens is not None:  # NOTE: rows with a mask never speculate
+            return np.where(sample_rows[at] == batch_rows, self.batch.sample_logits_rows[at], -1)
         return np.where(sample_rows[at] == batch_rows, at, -1)
 
 
@@ -111,6 +116,10 @@ class ModelRunner:
             max_seqs, self.max_model_len, self.max_blocks_per_seq, self.arch.vocab_size, self.device
         )
         self.eos_token_ids = eos_token_ids
+        # NOTE: verification steps run eager: their query lengths (1 + each row's drafts)
+        # vary per row and per step, so only plain decode steps replay CUDA graphs.
+        self.proposer = build_proposer(config, self.arch.vocab_size, self.device)
+        self._draft_probs: dict[str, torch.Tensor] | None = None
         self.graphs = None
         if self.device.type == "cuda" and not config.runner.enforce_eager:
             self.graphs = CudaGraphRunner(
@@ -164,6 +173,8 @@ class ModelRunner:
         for req_id in so.finished_req_ids:
             ib.remove(req_id)
             self._scoring.discard(req_id)
+        if self.proposer is not None and so.finished_req_ids:
+            self.proposer.remove(so.finished_req_ids)
         ib.condense()
         ib.add(so.new_reqs)
         for new in so.new_reqs:
@@ -192,6 +203,8 @@ class ModelRunner:
         `need_sampler`: a grammar row may sample, so even a plain-greedy step goes through the
         sampler (which applies the mask)."""
         self._update_states(so)
+        if self.proposer is not None:
+            self.input_batch.set_drafts(so.scheduled_spec_decode_tokens)
         if so.is_empty:
             return LaunchedStep(None, None, {})
         batch = self.prepare(so, need_sampler=need_sampler)
@@ -214,6 +227,8 @@ class ModelRunner:
         if not batch.sample_req_ids:
             return StepOutput.ready(ModelRunnerOutput(sampled={}, prompt_logprobs=prompt_logprobs))
         ib = self.input_batch
+        if batch.spec_lens is not None:
+            return self._verify(launched, bitmask, bitmask_rows)
         logprobs = None
         num_logprobs: list[int | None] = []
         if batch.sampling is None:
@@ -236,6 +251,67 @@ class ModelRunner:
         return StepOutput(
             ib, batch.sample_req_ids, generations, tokens, logprobs, num_logprobs, prompt_logprobs
         )
+
+    def propose(self, requests: list[tuple[str, int]]) -> dict[str, list[int]]:
+        """Draft tokens for the next step's verification of these (request id, most drafts)
+        pairs, from the tokens the input batch holds (all known: lock step); the proposer's
+        distributions, if it has them, are kept for it. {} without a proposer."""
+        self._draft_probs = None
+        if self.proposer is None or not requests:
+            return {}
+        ib = self.input_batch
+        batch = []
+        for req_id, max_tokens in requests:
+            row = ib.req_index.get(req_id)
+            if row is None or ib.num_pending[row]:
+                continue
+            params = ib.params[row]
+            assert params is not None
+            tokens = ib.token_ids[row, : ib.num_tokens[row]]  # a view: no copy
+            step = int(ib.num_tokens[row] - ib.num_prompt_tokens[row])
+            batch.append(ProposalRequest(req_id, tokens, params, max_tokens, step))
+        proposals = self.proposer.propose(batch)
+        self._draft_probs = proposals.probs
+        return proposals.token_ids
+
+    def _verify(
+        self,
+        launched: LaunchedStep,
+        bitmask: torch.Tensor | None,
+        bitmask_rows: torch.Tensor | None,
+    ) -> StepOutput:
+        """Sample a speculative step: accept each row's drafts exactly (`spec.rejection`)."""
+        batch, logits = launched.batch, launched.logits
+        assert batch is not None and logits is not None and batch.spec_lens is not None
+        ib = self.input_batch
+        rows, lens = batch.sample_rows, batch.spec_lens
+        width = int(lens.max())
+        drafts = np.full((len(rows), width), -1, dtype=np.int64)
+        for i in np.flatnonzero(lens).tolist():
+            start = ib.num_tokens[rows[i]]
+            drafts[i, : lens[i]] = ib.token_ids[rows[i], start : start + lens[i]]
+        draft_probs = None
+        if self._draft_probs is not None:
+            vocab = logits.shape[1]
+            draft_probs = torch.zeros((len(rows), width, vocab), device=logits.device)
+            for i, req_id in enumerate(batch.sample_req_ids):
+                q = self._draft_probs.get(req_id)
+                if q is not None and lens[i]:
+                    draft_probs[i, : lens[i]] = q[: lens[i]]
+        mask = mask_rows = None
+        if bitmask is not None and bitmask_rows is not None and len(bitmask_rows):
+            mask = bitmask.to(logits.device, non_blocking=True)
+            mask_rows = bitmask_rows.to(logits.device, non_blocking=True)
+        out = verify(logits, lens, drafts, batch.sampling, draft_probs, mask, mask_rows)
+        num_logprobs: list[int | None] = []
+        if out.logprobs is not None:
+            num_logprobs = [ib.params[r].logprobs for r in rows.tolist()]  # type: ignore[union-attr]
+        generations = ib.generations(rows)
+        ib.record_verified(out.tokens, out.num_emitted, rows, batch.sample_index)
+        return StepOutput(
+            ib, batch.sample_req_ids, generations, out.tokens, out.logprobs, num_logprobs,
+            launched.prompt_logprobs, num_emitted=out.num_emitted,
+        )  # fmt: skip
 
     def _forward(self, batch: Batch) -> tuple[torch.Tensor, dict]:
         """Logits [num_sampled, vocab] of the rows that sample (graph replay for pure decode),

@@ -27,11 +27,16 @@ class StepOutput:
         logprobs: LogprobsTensors | None,
         num_logprobs: list[int | None],  # per sampled row, its top-k count (None: no logprobs)
         prompt_logprobs: dict,
+        # A speculative step: tokens is [k, K + 1] and each row emitted its first num_emitted
+        num_emitted: torch.Tensor | None = None,  # [k] int64 on the device
     ) -> None:
         self._batch, self._req_ids, self._generations = batch, req_ids, generations
         self._num_logprobs, self._prompt_logprobs = num_logprobs, prompt_logprobs
         self._event: torch.cuda.Event | None = None
         packed = _pack(logprobs) if logprobs is not None else None
+        self._speculative = num_emitted is not None
+        if num_emitted is not None and tokens is not None:
+            tokens = torch.cat([tokens, num_emitted[:, None]], dim=1)  # one copy back
         if tokens is not None and tokens.is_cuda:
             tokens = _to_pinned(tokens)
             packed = _to_pinned(packed) if packed is not None else None
@@ -51,12 +56,21 @@ class StepOutput:
             if self._event is not None:
                 self._event.synchronize()
             assert self._batch is not None and self._tokens is not None
-            token_ids = self._tokens.tolist()
+            extra: dict[str, list[int]] = {}
+            if self._speculative:
+                rows = self._tokens.tolist()
+                token_ids = [row[0] for row in rows]
+                for req_id, row in zip(self._req_ids, rows):
+                    if row[-1] > 1:
+                        extra[req_id] = row[1 : row[-1]]
+            else:
+                token_ids = self._tokens.tolist()
             logprobs = _unpack(self._packed, self._req_ids, self._num_logprobs, token_ids)
             self._output = ModelRunnerOutput(
-                sampled=self._batch.receive(self._req_ids, self._generations, token_ids),
+                sampled=self._batch.receive(self._req_ids, self._generations, token_ids, extra),
                 logprobs=logprobs,
                 prompt_logprobs=self._prompt_logprobs,
+                extra_token_ids=extra,
             )
         return self._output
 

@@ -36,6 +36,7 @@ from loraplex.platform.core.scheduler_output import (
 )
 from loraplex.platform.scheduler.kv_cache_manager import KVCacheManager
 from loraplex.platform.scheduler.request_queue import FairRequestQueue
+from loraplex.platform.spec.stats import SpecDecodingStats
 
 
 class AdapterAdmission(Protocol):
@@ -79,6 +80,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: set[str] = set()
         self.num_preemptions = 0
+        self.spec_stats = SpecDecodingStats()
         # Unfinished requests that cannot be scheduled ahead of their last token (async_ok
         # False); while there are any, the engine steps in lock step.
         self.num_lock_step = 0
@@ -153,6 +155,7 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
+        spec_tokens: dict[str, list[int]] = {}
         preempted = False
         can_admit = len(self.waiting) > 0 and len(self.running) < self.config.max_num_seqs
         cap = self.config.prefill_chunk_cap
@@ -170,6 +173,23 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            drafts, request.spec_token_ids = request.spec_token_ids, []
+            if n == 1 and drafts:
+                drafts = self._fit_drafts(request, drafts, budget)
+                new_block_ids = self.kv.allocate_slots(request, 1 + len(drafts)) if drafts else None
+                if new_block_ids is not None:  # NOTE: drafts never preempt anyone
+                    n = 1 + len(drafts)
+                    spec_tokens[request.request_id] = drafts
+                    num_scheduled[request.request_id] = n
+                    cached_reqs.append(
+                        CachedRequestData(
+                            request.request_id, new_block_ids, request.num_computed_tokens
+                        )
+                    )
+                    _advance(request, n, len(drafts))
+                    budget -= n
+                    i += 1
+                    continue
             while True:
                 new_block_ids = self.kv.allocate_slots(request, n)
                 if new_block_ids is not None:
@@ -255,7 +275,21 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=finished,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
+
+    def _fit_drafts(self, request: Request, drafts: list[int], budget: int) -> list[int]:
+        """The drafts a decoding request may verify now: within the step's token budget, its
+        max_tokens (the step emits up to len + 1 tokens) and the model's length."""
+        if request.num_pending:
+            return []
+        k = min(
+            len(drafts),
+            budget - 1,
+            request.max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - request.num_tokens,
+        )
+        return drafts[: max(k, 0)]
 
     def _num_new_tokens(self, request: Request, budget: int, extra_computed: int = 0) -> int:
         pending = request.num_pending
@@ -283,6 +317,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_pending = 0  # a token still in flight is dropped and sampled again
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._finished_ids.add(request.request_id)
@@ -299,14 +334,27 @@ class Scheduler:
                 still_running.append(request)
                 continue
             request.num_pending -= 1
-            request.append_output_token(token)
-            if request.grammar is not None:
-                request.grammar.accept_token(token)
-            status = self._check_stop(request, token)
+            tokens = [token, *runner_output.extra_token_ids.get(request.request_id, ())]
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(request.request_id)
+            if drafts:
+                # NOTE: the K/V of rejected drafts is rolled back by counting it uncomputed:
+                # their slots are rewritten by the next tokens, and no block holding them was
+                # published to the prefix cache (hashes cover known tokens only).
+                request.num_computed_tokens -= len(drafts) - (len(tokens) - 1)
+                self.spec_stats.observe(len(drafts), len(tokens) - 1)
+            status = None
+            for n, token in enumerate(tokens, 1):
+                request.append_output_token(token)
+                if request.grammar is not None:
+                    request.grammar.accept_token(token)
+                status = self._check_stop(request, token)
+                if status is not None:
+                    del tokens[n:]  # NOTE: an EOS or a length limit inside an accepted run
+                    break
             outputs.append(
                 EngineCoreOutput(
                     req_id=request.request_id,
-                    new_token_ids=[token],
+                    new_token_ids=tokens,
                     new_logprobs=runner_output.logprobs.get(request.request_id),
                     finish_reason=None,
                     stop_reason=request.stop_reason,
@@ -340,10 +388,11 @@ class Scheduler:
         return None
 
 
-def _advance(request: Request, n: int) -> None:
-    """Count a scheduled step's tokens as computed; one that reaches the end samples a token."""
+def _advance(request: Request, n: int, num_drafts: int = 0) -> None:
+    """Count a scheduled step's tokens as computed; one that reaches the end samples a token
+    (a speculative step's `num_drafts` draft tokens count, and are rolled back if rejected)."""
     request.num_computed_tokens += n
-    if request.num_computed_tokens == request.num_tokens + request.num_pending:
+    if request.num_computed_tokens == request.num_tokens + request.num_pending + num_drafts:
         request.num_pending += 1
 
 

@@ -65,3 +65,26 @@ def test_help_explains_every_option(capsys):
                  "--enforce-eager", "--seed", "--host", "--port", "--config",
                  "--max-request-body-bytes"):  # fmt: skip
         assert flag in text
+
+
+def test_speculative_config_from_the_command_line_and_yaml(tmp_path):
+    flag = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
+    config = engine_config(resolve_options(_parse("--speculative-config", flag)))
+    assert config.speculative is not None
+    assert (config.speculative.num_speculative_tokens, config.speculative.prompt_lookup_max) == (
+        4, 3,
+    )  # fmt: skip
+    path = tmp_path / "serve.yaml"
+    path.write_text("speculative_config:\n  method: ngram\n  num_speculative_tokens: 2\n")
+    config = engine_config(resolve_options(_parse("--config", str(path))))
+    assert config.speculative is not None and config.speculative.num_speculative_tokens == 2
+
+
+def test_a_bad_speculative_config_exits_2_with_the_reason(capsys):
+    from loraplex.cli import main
+
+    assert main(["serve", "--speculative-config", '{"method": "eagle"}']) == 2
+    err = capsys.readouterr().err
+    assert "loraplex serve: error:" in err and "num_speculative_tokens" in err
+    assert main(["serve", "--speculative-config", "{nope"]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
