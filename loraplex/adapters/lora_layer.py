@@ -11,6 +11,11 @@ can take any adapter and loads never fragment.
 
 One `LoRABatchMeta`, shared by all layers, holds the step's per-token slots in persistent
 buffers (stable addresses, so CUDA graphs captured over them replay with new contents).
+
+Tensor parallelism (the S-LoRA / Punica split): beside a column-parallel layer each rank keeps
+A whole and the rows of B for its output features; beside a row-parallel layer, the columns of
+A for its input features and B whole, so its partial delta joins the layer's partial output in
+the layer's one all-reduce.
 """
 
 from __future__ import annotations
@@ -40,6 +45,15 @@ class LoRATarget(Protocol):
     lora: object
 
     def shard_offsets(self) -> list[int]: ...
+
+
+def _split_of(target: LoRATarget) -> tuple[str | None, list[tuple[int, int]], tuple[int, int]]:
+    """How a (tensor-parallel) target is split: (None | "column" | "row", each shard's output
+    range, the input range), ranges as (start, size) within the full projection."""
+    shard = getattr(target, "tp_shard", None)
+    if shard is None:
+        return None, [(0, size) for size in target.output_sizes], (0, target.input_size)
+    return shard.kind, list(shard.output_ranges), shard.input_range
 
 
 class LoRABatchMeta:
@@ -122,6 +136,10 @@ class LoRALayer:
         self.input_size = target.input_size
         self.output_sizes = list(target.output_sizes)
         self.offsets = target.shard_offsets()
+        self.split, self.output_ranges, self.input_range = _split_of(target)
+        # The full projections' sizes, which adapters are written for.
+        self.full_input_size = getattr(target, "full_input_size", target.input_size)
+        self.full_output_sizes = list(getattr(target, "full_output_sizes", target.output_sizes))
         self.meta = meta
         slots, shards = meta.num_slots, len(self.shard_names)
         self.weights = LoRAStack(
@@ -147,8 +165,15 @@ class LoRALayer:
                 w.ranks[i, slot] = 0
                 continue
             r, lo, hi = module.rank, self.offsets[i], self.offsets[i + 1]
-            w.a[slot, i * max_rank : i * max_rank + r].copy_(module.a, non_blocking=True)
-            w.b_t[slot, :r, lo:hi].copy_(module.b.T, non_blocking=True)
+            a, b = module.a, module.b  # [r, in], [out, r]
+            if self.split == "column":
+                start, size = self.output_ranges[i]
+                b = b[start : start + size]
+            elif self.split == "row":
+                start, size = self.input_range
+                a = a[:, start : start + size]
+            w.a[slot, i * max_rank : i * max_rank + r].copy_(a, non_blocking=True)
+            w.b_t[slot, :r, lo:hi].copy_(b.T, non_blocking=True)
             w.ranks[i, slot] = r
             w.scaling[i, slot] = module.scaling
 
@@ -173,10 +198,10 @@ class LoRAModelState:
                     f"{layer.prefix}: layer {layer.layer_index} is beyond the "
                     f"spec's {spec.num_layers} layers"
                 )
-            for name, out in zip(layer.shard_names, layer.output_sizes):
-                if spec.module_shape(name) != (layer.input_size, out):
+            for name, out in zip(layer.shard_names, layer.full_output_sizes):
+                if spec.module_shape(name) != (layer.full_input_size, out):
                     raise ValueError(
-                        f"{layer.prefix}.{name}: shape {(layer.input_size, out)} "
+                        f"{layer.prefix}.{name}: shape {(layer.full_input_size, out)} "
                         f"differs from the spec's {spec.module_shape(name)}"
                     )
 
