@@ -25,6 +25,7 @@ from loraplex.platform.distributed.messages import ExecuteStep
 from loraplex.platform.distributed.parallel_state import (
     SINGLE,
     TensorParallel,
+    destroy_tensor_parallel,
     init_tensor_parallel,
 )
 from loraplex.platform.distributed.sharding import attention_shard
@@ -211,6 +212,7 @@ class ModelRunner:
         """Stop the other tensor-parallel ranks (rank 0; a no-op otherwise)."""
         if self.workers is not None:
             self.workers.shutdown()
+            destroy_tensor_parallel(getattr(self, "tp", SINGLE))
 
     def _lora_for_graph(self, padded_bs: int, lora_slots: np.ndarray | None) -> None:
         assert self.lora_writer is not None
