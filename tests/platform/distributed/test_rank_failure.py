@@ -78,3 +78,34 @@ def test_killing_one_rank_ends_the_engine_with_an_error_and_leaves_no_process(mo
         served.stop(signal.SIGKILL)
         for pid in alive(pids):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_offline_llm_raises_once_a_rank_dies_and_reaps_the_others(tmp_path):
+    from loraplex import LLM, SamplingParams
+    from loraplex.platform.distributed.workers import WorkerDiedError
+
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(dict(TINY, vocab_size=256)))
+    llm = LLM(str(path), device="cpu", tensor_parallel_size=4, num_kv_blocks=32,
+              max_num_seqs=4, enable_lora=False)  # fmt: skip
+    ranks = llm.engine.runner.workers.pids
+    try:
+        params = SamplingParams(max_tokens=4, temperature=0)
+        assert len(llm.generate([[1, 2, 3]], params)[0].outputs[0].token_ids) == 4
+        os.kill(ranks[1], signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        while alive(ranks) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert alive(ranks) == []  # the other ranks were ended too
+        started = time.monotonic()
+        try:
+            llm.generate([[4, 5, 6]], params)
+        except WorkerDiedError as error:
+            assert "tensor-parallel rank 2" in str(error)
+        else:
+            raise AssertionError("a step ran without one of its ranks")
+        assert time.monotonic() - started < 5.0
+    finally:
+        llm.shutdown()
+        for pid in alive(ranks):
+            os.kill(pid, signal.SIGKILL)
