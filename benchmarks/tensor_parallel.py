@@ -77,6 +77,7 @@ def run_size(args: argparse.Namespace, model: str, tp: int) -> dict[str, float]:
             tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
             out[f"{case}_tok_s"] = round(tokens / seconds, 2)
             out[f"{case}_s"] = round(seconds, 3)
+            print(f"tp={tp} {case}: {tokens} tokens in {seconds:.2f} s", flush=True)
         return out
     finally:
         llm.shutdown()

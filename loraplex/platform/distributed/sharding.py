@@ -99,12 +99,3 @@ def vocab_range(vocab_size: int, tp: TensorParallel) -> Range:
     slice may run past V: those rows are padding, zero, and their logits are cut off)."""
     per_rank = -(-vocab_size // tp.size)
     return tp.rank * per_rank, per_rank
-
-
-def check_tensor_parallel(
-    num_heads: int, num_kv_heads: int, intermediate_size: int, tp_size: int
-) -> None:
-    """Raise ValueError, naming the count, when `tp_size` cannot split this model."""
-    probe = TensorParallel(0, tp_size, object()) if tp_size > 1 else TensorParallel()  # type: ignore[arg-type]
-    attention_shard(num_heads, num_kv_heads, probe)
-    divide(intermediate_size, tp_size, "intermediate size")
