@@ -150,6 +150,18 @@ class RunnerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How many ranks (GPUs of one host, or CPU processes) one model is split over (vLLM's
+    `tensor_parallel_size`); rank 0 schedules and samples, every rank runs each step."""
+
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -159,6 +171,7 @@ class EngineConfig:
     grammar: GrammarConfig = field(default_factory=GrammarConfig)
     # None: no speculative decoding (`speculative_config`, vLLM's option name).
     speculative: SpeculativeConfig | None = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     # Flat option names (vLLM's, as `LLM(...)` and `loraplex serve` take them) that differ from
     # the field they set.
@@ -179,6 +192,7 @@ class EngineConfig:
             "lora": LoRAConfig,
             "runner": RunnerConfig,
             "grammar": GrammarConfig,
+            "parallel": ParallelConfig,
         }
         owner = {f.name: part for part, c in parts.items() for f in fields(c)}
         kwargs: dict[str, dict[str, Any]] = {part: {} for part in parts}

@@ -15,6 +15,11 @@ every slot can hold a DoRA adapter; it costs 4 bytes per output feature per slot
 
 One `LoRABatchMeta`, shared by all layers, holds the step's per-token slots in persistent
 buffers (stable addresses, so CUDA graphs captured over them replay with new contents).
+
+Tensor parallelism (the S-LoRA / Punica split): beside a column-parallel layer each rank keeps
+A whole and the rows of B for its output features; beside a row-parallel layer, the columns of
+A for its input features and B whole, so its partial delta joins the layer's partial output in
+the layer's one all-reduce.
 """
 
 from __future__ import annotations
@@ -62,6 +67,15 @@ class LoRATarget(Protocol):
     method: BaseWeightMethod  # its `apply` and `dequantized_weight` give DoRA's base norms
 
     def shard_offsets(self) -> list[int]: ...
+
+
+def _split_of(target: LoRATarget) -> tuple[str | None, list[tuple[int, int]], tuple[int, int]]:
+    """How a (tensor-parallel) target is split: (None | "column" | "row", each shard's output
+    range, the input range), ranges as (start, size) within the full projection."""
+    shard = getattr(target, "tp_shard", None)
+    if shard is None:
+        return None, [(0, size) for size in target.output_sizes], (0, target.input_size)
+    return shard.kind, list(shard.output_ranges), shard.input_range
 
 
 class LoRABatchMeta:
@@ -145,6 +159,10 @@ class LoRALayer:
         self.input_size = target.input_size
         self.output_sizes = list(target.output_sizes)
         self.offsets = target.shard_offsets()
+        self.split, self.output_ranges, self.input_range = _split_of(target)
+        # The full projections' sizes, which adapters are written for.
+        self.full_input_size = getattr(target, "full_input_size", target.input_size)
+        self.full_output_sizes = list(getattr(target, "full_output_sizes", target.output_sizes))
         self.meta = meta
         slots, shards = meta.num_slots, len(self.shard_names)
         self.weights = LoRAStack(
@@ -176,8 +194,22 @@ class LoRALayer:
                 w.ranks[i, slot] = 0
                 continue
             r = module.rank
-            w.a[slot, i * max_rank : i * max_rank + r].copy_(module.a, non_blocking=True)
-            w.b_t[slot, :r, lo:hi].copy_(module.b.T, non_blocking=True)
+            a, b = module.a, module.b  # [r, in], [out, r]
+            if self.split == "column":
+                start, size = self.output_ranges[i]
+                b = b[start : start + size]
+            elif self.split == "row":
+                start, size = self.input_range
+                a = a[:, start : start + size]
+                if module.magnitude is not None:
+                    # NOTE: DoRA's norm runs over the whole input dimension, which a
+                    # row-parallel rank holds only a slice of.
+                    raise ValueError(
+                        "DoRA adapters are not served with tensor parallelism (a row-parallel "
+                        f"layer, {self.prefix}, holds only part of each norm)"
+                    )
+            w.a[slot, i * max_rank : i * max_rank + r].copy_(a, non_blocking=True)
+            w.b_t[slot, :r, lo:hi].copy_(b.T, non_blocking=True)
             w.ranks[i, slot] = r
             w.scaling[i, slot] = module.scaling
             if module.magnitude is not None:
@@ -223,10 +255,10 @@ class LoRAModelState:
                     f"{layer.prefix}: layer {layer.layer_index} is beyond the "
                     f"spec's {spec.num_layers} layers"
                 )
-            for name, out in zip(layer.shard_names, layer.output_sizes):
-                if spec.module_shape(name) != (layer.input_size, out):
+            for name, out in zip(layer.shard_names, layer.full_output_sizes):
+                if spec.module_shape(name) != (layer.full_input_size, out):
                     raise ValueError(
-                        f"{layer.prefix}.{name}: shape {(layer.input_size, out)} "
+                        f"{layer.prefix}.{name}: shape {(layer.full_input_size, out)} "
                         f"differs from the spec's {spec.module_shape(name)}"
                     )
 

@@ -88,9 +88,16 @@ class AWQLinearMethod(WNA16LinearMethod):
             torch.empty(groups, n // _PACK, dtype=torch.int32), requires_grad=False
         )
         scales = nn.Parameter(torch.empty(groups, n, dtype=torch.float16), requires_grad=False)
-        set_weight_attrs(qweight, output_dim=1, output_pack=_PACK)
-        set_weight_attrs(qzeros, output_dim=1, output_pack=_PACK)
-        set_weight_attrs(scales, output_dim=1, output_pack=1)
+        # NOTE: a row-parallel rank holds whole groups of inputs; with one group over the whole
+        # input (group_size -1) every rank keeps the one row of scales and zeros.
+        group_dim = 0 if self.checkpoint_group_size != -1 else None
+        set_weight_attrs(qweight, output_dim=1, output_pack=_PACK, input_dim=0, input_pack=1)
+        set_weight_attrs(
+            qzeros, output_dim=1, output_pack=_PACK, input_dim=group_dim, input_pack=self.group_size
+        )
+        set_weight_attrs(
+            scales, output_dim=1, output_pack=1, input_dim=group_dim, input_pack=self.group_size
+        )
         layer.register_parameter("qweight", qweight)
         layer.register_parameter("qzeros", qzeros)
         layer.register_parameter("scales", scales)

@@ -13,6 +13,8 @@ Parameter attributes read by the generic weight loader:
   packed into int32 along N; 128 for 128x128 block scales; 1 otherwise).
 - `shard_indexed`: the parameter holds one row per logical shard (per-tensor scales of a merged
   layer); shard i loads into row i.
+- `input_dim` / `input_pack`: the same for the input features, read when a row-parallel layer
+  (tensor parallelism) loads its slice of the inputs; None: every rank loads the whole tensor.
 """
 
 from __future__ import annotations

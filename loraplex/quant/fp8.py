@@ -185,7 +185,10 @@ class Fp8LinearMethod(LinearMethod):
         n = sum(output_sizes)
         weight_dtype = FP8_DTYPE if scheme.serialized else params_dtype
         params: dict[str, tuple[torch.Tensor, dict[str, Any]]] = {
-            "weight": (torch.empty(n, input_size, dtype=weight_dtype), {"output_pack": 1})
+            "weight": (
+                torch.empty(n, input_size, dtype=weight_dtype),
+                {"output_pack": 1, "input_dim": 1, "input_pack": 1},
+            )
         }
         if scheme.serialized and scheme.strategy == "tensor":
             params[scheme.scale_name] = (torch.empty(shards), {"shard_indexed": True})
@@ -195,7 +198,10 @@ class Fp8LinearMethod(LinearMethod):
             block_n, block_k = scheme.block_size  # type: ignore[misc]
             rows = sum(-(-size // block_n) for size in output_sizes)
             scale = torch.empty(rows, -(-input_size // block_k))
-            params[scheme.scale_name] = (scale, {"output_pack": block_n})
+            params[scheme.scale_name] = (
+                scale,
+                {"output_pack": block_n, "input_dim": 1, "input_pack": block_k},
+            )
         if scheme.static_input:
             params["input_scale"] = (torch.empty(shards), {"shard_indexed": True})
         for name, (tensor, attrs) in params.items():

@@ -9,6 +9,13 @@ Per linear layer with input size K, output size N, pack = 32 // bits, G groups:
 weight[n, k] = (q[k, n] - zero[g_idx[k], n]) * scale[g_idx[k], n].
 At load, act-order rows are sorted by group (so groups are contiguous for the kernel) and the
 permutation is kept to gather the activations; see `loraplex.quant.wna16`.
+
+Tensor parallelism: a column-parallel layer keeps the whole input (act-order included) and a
+slice of the outputs. A row-parallel layer without act-order keeps whole groups of its inputs.
+A row-parallel act-order layer cannot: its rank's inputs (whole heads, a slice of the MLP)
+belong to any group. It is loaded whole, sorted by group, and each rank keeps whole groups
+of the *sorted* rows; its input is all-gathered before the layer and each rank gathers the
+features of its rows (`gathers_input`: one all-gather more per such layer).
 """
 
 from __future__ import annotations
@@ -74,12 +81,22 @@ class GPTQLinearMethod(WNA16LinearMethod):
     def __init__(self, prefix: str, config: GPTQConfig) -> None:
         super().__init__(prefix, bits=config.bits)
         self.config = config
+        # Row-parallel layers: (rank, size, this rank's first input feature); see the module doc.
+        self.row_split: tuple[int, int, int] | None = None
+        self.gathers_input = False
 
     def create_weights(
         self, layer: nn.Module, input_size: int, output_sizes: list[int], params_dtype: torch.dtype
     ) -> None:
         pack = pack_factor(self.bits)
         check_output_sizes(self.prefix, "GPTQ", output_sizes, pack)
+        shard = getattr(layer, "tp_shard", None)
+        if shard is not None and shard.kind == "row":
+            tp = layer.tp
+            self.row_split = (tp.rank, tp.size, shard.input_range[0])
+            self.gathers_input = self.config.desc_act and self.config.group_size != -1
+            if self.gathers_input:
+                input_size = layer.full_input_size  # loaded whole, split after sorting
         if input_size % pack:
             raise ValueError(
                 f"{self.prefix}: GPTQ packs {pack} inputs per int32 word, "
@@ -98,15 +115,23 @@ class GPTQLinearMethod(WNA16LinearMethod):
         g_idx = (torch.arange(input_size, dtype=torch.int32) // self.group_size).repeat(
             len(output_sizes), 1
         )
+        # NOTE: `input_dim` is read only by a row-parallel rank that keeps a slice of the inputs.
+        split = self.row_split is not None and not self.gathers_input
+        group_dim = 0 if split and self.config.group_size != -1 else None
+        k_dim = 0 if split else None
         params = {
-            "qweight": (qweight, {"output_dim": 1, "output_pack": 1}),
-            "qzeros": (qzeros, {"output_dim": 1, "output_pack": pack}),
-            "scales": (scales, {"output_dim": 1, "output_pack": 1}),
+            "qweight": (qweight, {"output_dim": 1, "output_pack": 1, "input_dim": k_dim,
+                                  "input_pack": pack}),
+            "qzeros": (qzeros, {"output_dim": 1, "output_pack": pack, "input_dim": group_dim,
+                                "input_pack": self.group_size}),
+            "scales": (scales, {"output_dim": 1, "output_pack": 1, "input_dim": group_dim,
+                                "input_pack": self.group_size}),
             "g_idx": (
                 g_idx,
-                {"output_dim": None, "shard_indexed": True, "optional": not self.config.desc_act},
+                {"output_dim": None, "shard_indexed": True, "optional": not self.config.desc_act,
+                 "input_dim": k_dim, "input_pack": 1},
             ),
-        }
+        }  # fmt: skip
         for name, (tensor, attrs) in params.items():
             param = nn.Parameter(tensor, requires_grad=False)
             set_weight_attrs(param, **attrs)
@@ -119,8 +144,13 @@ class GPTQLinearMethod(WNA16LinearMethod):
             # NOTE: v1 stores zero - 1 (AutoGPTQ's convention); the stored value is read
             # through the bit mask before the + 1, as AutoGPTQ's own kernels do.
             zeros = zeros + 1
-        g_idx = self._shared_g_idx(layer.g_idx.data, zeros.shape[0])  # [K]
+        g_idx = layer.g_idx.data
+        if self.row_split is not None and not self.gathers_input and self.config.group_size != -1:
+            # NOTE: a row-parallel rank's slice of a plain g_idx names global groups.
+            g_idx = g_idx - self.row_split[2] // group_size
+        g_idx = self._shared_g_idx(g_idx, zeros.shape[0])  # [K]
         qweight = layer.qweight.data  # [K / pack, N]
+        scales = layer.scales.data  # [G, N]
         perm = None
         k = g_idx.shape[0]
         sequential = torch.arange(k, device=g_idx.device, dtype=torch.int32) // group_size
@@ -133,7 +163,46 @@ class GPTQLinearMethod(WNA16LinearMethod):
             q = unpack_int32(qweight, bits, dim=0)[order]  # [K, N], rows sorted by group
             qweight = pack_int32(q, bits, dim=0)
             perm = order.to(torch.int32)
-        self.finish_wna16(layer, qweight, layer.scales.data, zeros.to(torch.float16), perm)
+        if self.gathers_input:
+            qweight, scales, zeros, perm = self._keep_sorted_groups(qweight, scales, zeros, perm)
+            layer.register_buffer("input_index", perm.long())  # [K / tp] features of its rows
+            perm = None
+        self.finish_wna16(layer, qweight, scales, zeros.to(torch.float16), perm)
+
+    def _keep_sorted_groups(
+        self,
+        qweight: torch.Tensor,  # [K / pack, N], rows sorted by group
+        scales: torch.Tensor,  # [G, N]
+        zeros: torch.Tensor,  # [G, N]
+        perm: torch.Tensor | None,  # [K] int32: the input feature of each sorted row
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A row-parallel act-order rank's whole groups [r * G / tp, (r + 1) * G / tp) of the
+        sorted rows, and the input feature each of its rows multiplies."""
+        rank, size, _ = self.row_split  # type: ignore[misc]
+        groups = scales.shape[0]
+        if groups % size:
+            raise ValueError(
+                f"{self.prefix}: --tensor-parallel-size {size} does not divide its {groups} "
+                f"act-order groups of {self.group_size} inputs; use a size that divides {groups}"
+            )
+        per_rank = groups // size
+        rows = per_rank * self.group_size
+        k = qweight.shape[0] * pack_factor(self.bits)
+        if perm is None:
+            perm = torch.arange(k, dtype=torch.int32, device=qweight.device)
+        pack = pack_factor(self.bits)
+        g0 = rank * per_rank
+        return (
+            qweight[g0 * self.group_size // pack : (g0 * self.group_size + rows) // pack],
+            scales[g0 : g0 + per_rank],
+            zeros[g0 : g0 + per_rank],
+            perm[g0 * self.group_size : g0 * self.group_size + rows],
+        )
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.gathers_input:
+            x = x.index_select(1, layer.input_index)  # [num_tokens, full K] -> [.., K / tp]
+        return super().apply(layer, x, bias)
 
     def _shared_g_idx(self, g_idx: torch.Tensor, groups: int) -> torch.Tensor:
         """The one g_idx of all shards (act-order of one input is the same for each)."""

@@ -18,7 +18,7 @@ class UnquantizedLinearMethod(LinearMethod):
         weight = nn.Parameter(
             torch.empty(sum(output_sizes), input_size, dtype=params_dtype), requires_grad=False
         )
-        set_weight_attrs(weight, output_dim=0, output_pack=1)
+        set_weight_attrs(weight, output_dim=0, output_pack=1, input_dim=1, input_pack=1)
         layer.register_parameter("weight", weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

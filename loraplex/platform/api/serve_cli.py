@@ -46,6 +46,9 @@ _OPTIONS = (
     _Option("--quantization", None, "quantize at load (fp8); AWQ / GPTQ / FP8 checkpoints are "
             "detected from their config"),
     _Option("--device", "auto", "auto, cpu, cuda or cuda:N"),
+    _Option("--tensor-parallel-size", 1, "split the model over this many GPUs of the host "
+            "(ranks; CPU processes on CPU); it must divide the attention heads, and the KV heads "
+            "or be a multiple of them", int),
     _Option("--seed", 0, "the engine's base random seed", int),
     _Option("--gpu-memory-utilization", 0.9, "on CUDA, the fraction of GPU memory for weights "
             "plus KV cache; the KV cache gets what is left", float),

@@ -26,6 +26,7 @@ import msgspec
 import zmq
 
 from loraplex.config import EngineConfig
+from loraplex.platform.distributed.workers import set_worker_death_handler
 from loraplex.platform.engine.async_engine import (
     _ACCEPTED,
     AsyncEngine,
@@ -240,6 +241,12 @@ class EngineCore(AsyncEngine):
                 logger.warning("could not send to API process %r; dropped its batch", client)
 
 
+def _exit_on_worker_death(reason: str) -> None:
+    logger.error("engine core exiting: %s", reason)
+    logging.shutdown()
+    os._exit(1)
+
+
 # The engine core's exit status when its model or options are refused at start-up (a
 # ValueError or FileNotFoundError): the launcher reports the message sent before it.
 STARTUP_REFUSED_EXIT = 2
@@ -251,6 +258,10 @@ def run_engine_core(config: EngineConfig, address: str, refusals: Connection | N
     STARTUP_REFUSED_EXIT (no traceback: it is the user's input, not a crash)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # NOTE: a tensor-parallel rank that dies ends this process at once with status 1 (a step
+    # may be waiting on it in a collective); the API processes then answer 503 and exit, as
+    # when the engine core itself dies.
+    set_worker_death_handler(_exit_on_worker_death)
     try:
         core = EngineCore(config, address)
     except (ValueError, FileNotFoundError) as exc:

@@ -421,6 +421,7 @@ class Engine:
         self.structured.shutdown()
         if self.lora_manager is not None:
             self.lora_manager.shutdown()
+        self.runner.shutdown()
 
     def stats(self) -> EngineStats:
         kv = self.scheduler.kv

@@ -49,6 +49,7 @@ class LLM:
         async_scheduling: bool | None = None,
         grammar_overlap: bool = True,
         speculative_config: str | dict[str, Any] | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         config = EngineConfig.from_options(
             model=model, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
@@ -59,8 +60,13 @@ class LLM:
             max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
             enforce_eager=enforce_eager, async_scheduling=async_scheduling,
             grammar_overlap=grammar_overlap, speculative_config=speculative_config,
+            tensor_parallel_size=tensor_parallel_size,
         )  # fmt: skip
         self.engine = Engine(config)
+
+    def shutdown(self) -> None:
+        """Stop the engine's helpers: grammar compiles, adapter loads, tensor-parallel ranks."""
+        self.engine.shutdown()
 
     @property
     def tokenizer(self):

@@ -9,18 +9,23 @@ format: packed int32 words of random 4/8-bit values, zero points near the middle
 positive scales; FP8 weights with their scales. Scales are chosen so the dequantized weights
 have the same std as the dense ones. The caller then runs the post-load processing a real
 checkpoint goes through (`model_loader.finish_loading`), so the kernels see the same layout.
+
+A tensor-parallel rank (`init_random_weights_sharded`) generates each full tensor exactly as the
+unsplit model would, one at a time, and loads it through the checkpoint loader, which keeps only
+its slice: every tensor-parallel size holds the same full weights.
 """
 
 from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
 from loraplex.platform.models.linear import Linear
+from loraplex.platform.models.weight_loader import load_named_weights
 from loraplex.quant.packing import AWQ_PACK_ORDER, pack_int32
 
 _STD = 0.02
@@ -175,12 +180,63 @@ def init_random_weights(model: nn.Module, seed: int) -> None:
     quantized layers in their checkpoint format (run `finish_loading` afterwards)."""
     fills = _linear_fills(model)
     for name, param in model.named_parameters():
-        gen = _generator(param, seed, name)
-        if name in fills:
-            layer, fill = fills[name]
-            fill(layer, param, gen)
+        _fill(fills, name, param, seed)
+
+
+def _fill(
+    fills: dict[str, tuple[Linear, ParamFill]], name: str, param: torch.Tensor, seed: int
+) -> None:
+    gen = _generator(param, seed, name)
+    if name in fills:
+        layer, fill = fills[name]
+        fill(layer, param, gen)
+    else:
+        _fill_dense(param, name, gen)
+
+
+def _checkpoint_shards(
+    layer: Linear, base: str, pname: str, full: torch.Tensor
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A merged layer's full parameter split back into its checkpoint projections' tensors."""
+    sizes = layer.full_output_sizes
+    dim = getattr(full, "output_dim", None)
+    start = 0
+    for i, shard in enumerate(layer.shard_names):
+        name = f"model.{base}.{shard}.{pname}"
+        if getattr(full, "shard_indexed", False):
+            yield name, full.data[i]
+        elif dim is not None:
+            rows = -(-sizes[i] // getattr(full, "output_pack", 1))
+            yield name, full.data.narrow(dim, start, rows)
+            start += rows
         else:
-            _fill_dense(param, name, gen)
+            yield name, full.data
+
+
+@torch.no_grad()
+def init_random_weights_sharded(
+    model: nn.Module, full_model: nn.Module, seed: int, device: torch.device
+) -> None:
+    """Fill a tensor-parallel rank's `model` with its slices of the weights `init_random_weights`
+    gives the unsplit model. `full_model`: the unsplit model built on the meta device (its
+    shapes and parameter attributes only)."""
+    fills = _linear_fills(full_model)
+    renames = {v: k for k, v in getattr(full_model, "checkpoint_renames", {}).items()}
+    linears = {path: m for path, m in full_model.named_modules() if isinstance(m, Linear)}
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, meta_param in full_model.named_parameters():
+            full = torch.empty(meta_param.shape, dtype=meta_param.dtype, device=device)
+            full.__dict__.update(meta_param.__dict__)  # the loader's attributes
+            _fill(fills, name, full, seed)
+            module_path, _, pname = name.rpartition(".")
+            layer = linears.get(module_path)
+            if layer is not None:
+                yield from _checkpoint_shards(layer, module_path.rpartition(".")[0], pname, full)
+            else:
+                yield renames.get(name, f"model.{name}"), full
+
+    load_named_weights(model, tensors())
 
 
 @torch.no_grad()

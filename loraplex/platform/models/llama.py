@@ -1,6 +1,9 @@
 """The Llama family: Llama 2/3 (llama3 rope scaling), Mistral, Qwen2 (qkv bias), Qwen3 (qk norm),
 SmolLM2; tied or separate embeddings. Attention runs over the paged KV cache. What a config may
-ask for (RoPE variants, biases, sliding window) is decided by `ArchConfig`."""
+ask for (RoPE variants, biases, sliding window) is decided by `ArchConfig`.
+
+Under tensor parallelism (`tp`) each rank holds its attention heads (and their KV cache), a
+slice of the MLP, and a slice of the vocabulary (`loraplex.platform.distributed.sharding`)."""
 
 from __future__ import annotations
 
@@ -14,6 +17,14 @@ from loraplex.kernels.attention import paged_attention
 from loraplex.kernels.gemv import linear
 from loraplex.kernels.layernorm import fused_add_rms_norm, rms_norm
 from loraplex.kernels.rotary import cos_sin_cache, rotary_write_kv
+from loraplex.platform.distributed.parallel_state import SINGLE, TensorParallel
+from loraplex.platform.distributed.sharding import (
+    LinearShard,
+    attention_shard,
+    column_shard,
+    row_shard,
+    vocab_range,
+)
 from loraplex.platform.models.arch_config import ArchConfig
 from loraplex.platform.models.attention_metadata import AttentionMetadata
 from loraplex.platform.models.linear import Linear
@@ -40,15 +51,20 @@ class RMSNorm(nn.Module):
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, cfg: ArchConfig, quant: QuantizationConfig | None, dtype: torch.dtype, prefix: str
+        self,
+        cfg: ArchConfig,
+        quant: QuantizationConfig | None,
+        dtype: torch.dtype,
+        prefix: str,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-        )
+        heads = attention_shard(cfg.num_heads, cfg.num_kv_heads, tp)
+        hd = cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = heads.num_heads, heads.num_kv_heads, hd
         self.scale = cfg.head_dim**-0.5
+        q_range = (heads.q_start * hd, heads.num_heads * hd)
+        kv_range = (heads.kv_start * hd, heads.num_kv_heads * hd)
         self.qkv_proj = Linear(
             cfg.hidden_size,
             [cfg.q_size, cfg.kv_size, cfg.kv_size],
@@ -57,6 +73,8 @@ class LlamaAttention(nn.Module):
             quant_config=quant,
             prefix=f"{prefix}.qkv_proj",
             params_dtype=dtype,
+            tp=tp,
+            tp_shard=LinearShard("column", (q_range, kv_range, kv_range), (0, cfg.hidden_size)),
         )
         self.o_proj = Linear(
             cfg.q_size,
@@ -65,6 +83,8 @@ class LlamaAttention(nn.Module):
             quant_config=quant,
             prefix=f"{prefix}.o_proj",
             params_dtype=dtype,
+            tp=tp,
+            tp_shard=LinearShard("row", ((0, cfg.hidden_size),), q_range),
         )
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
@@ -106,7 +126,12 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(
-        self, cfg: ArchConfig, quant: QuantizationConfig | None, dtype: torch.dtype, prefix: str
+        self,
+        cfg: ArchConfig,
+        quant: QuantizationConfig | None,
+        dtype: torch.dtype,
+        prefix: str,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         inter = cfg.intermediate_size
@@ -117,6 +142,8 @@ class LlamaMLP(nn.Module):
             quant_config=quant,
             prefix=f"{prefix}.gate_up_proj",
             params_dtype=dtype,
+            tp=tp,
+            tp_shard=column_shard([inter, inter], cfg.hidden_size, tp) if tp.enabled else None,
         )
         self.down_proj = Linear(
             inter,
@@ -124,6 +151,10 @@ class LlamaMLP(nn.Module):
             quant_config=quant,
             prefix=f"{prefix}.down_proj",
             params_dtype=dtype,
+            tp=tp,
+            tp_shard=(
+                row_shard(cfg.hidden_size, inter, tp, "intermediate size") if tp.enabled else None
+            ),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -132,13 +163,18 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, cfg: ArchConfig, quant: QuantizationConfig | None, dtype: torch.dtype, prefix: str
+        self,
+        cfg: ArchConfig,
+        quant: QuantizationConfig | None,
+        dtype: torch.dtype,
+        prefix: str,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(cfg, quant, dtype, f"{prefix}.self_attn")
+        self.self_attn = LlamaAttention(cfg, quant, dtype, f"{prefix}.self_attn", tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(cfg, quant, dtype, f"{prefix}.mlp")
+        self.mlp = LlamaMLP(cfg, quant, dtype, f"{prefix}.mlp", tp)
 
     def forward(
         self,
@@ -166,34 +202,53 @@ class LlamaForCausalLM(nn.Module):
         cfg: ArchConfig,
         quant: QuantizationConfig | None = None,
         dtype: torch.dtype = torch.float32,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Parameter(
-            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False
-        )
+        self.tp = tp
+        # NOTE: vocabulary-parallel: this rank's rows [vocab_start, vocab_start + vocab_rows)
+        # of the embedding and the LM head (rows past the vocabulary are zero padding).
+        self.vocab_start, vocab_rows = vocab_range(cfg.vocab_size, tp)
+        self.embed_tokens = self._vocab_param(vocab_rows, cfg.hidden_size, dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, quant, dtype, f"model.layers.{i}") for i in range(cfg.num_layers)
+            LlamaDecoderLayer(cfg, quant, dtype, f"model.layers.{i}", tp)
+            for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if cfg.tie_word_embeddings:
             self.lm_head = self.embed_tokens
         else:
-            self.lm_head = nn.Parameter(
-                torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False
-            )
+            self.lm_head = self._vocab_param(vocab_rows, cfg.hidden_size, dtype)
         # LoRA hooks on the vocabulary ends, set by `adapters` (see `adapters.vocab_lora`)
         self.embed_lora: Callable[[torch.Tensor, torch.Tensor], None] | None = None
         self.logits_lora: (
             Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], None] | None
         ) = None
-        self.register_buffer(
-            "rope_cache",
-            cos_sin_cache(
-                cfg.head_dim, cfg.max_position_embeddings, cfg.rope.theta, cfg.rope.scaling()
-            ),
-            persistent=False,
-        )
+        # NOTE: a model built on the meta device only lends its parameters' shapes (random
+        # weights of a tensor-parallel rank): it gets no RoPE table, whose arange on the meta
+        # device would import torch's compiler stack (seconds).
+        on_meta = torch.empty(0).device.type == "meta"
+        rope = torch.empty(0) if on_meta else cos_sin_cache(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope.theta, cfg.rope.scaling()
+        )  # fmt: skip
+        self.register_buffer("rope_cache", rope, persistent=False)
+
+    def _vocab_param(self, rows: int, hidden: int, dtype: torch.dtype) -> nn.Parameter:
+        param = nn.Parameter(torch.empty(rows, hidden, dtype=dtype), requires_grad=False)
+        if self.tp.enabled:
+            param.vocab_range = (self.vocab_start, rows)  # type: ignore[attr-defined]
+        return param
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # input_ids: [num_tokens] -> [num_tokens, hidden]
+        if not self.tp.enabled:
+            return self.embed_tokens[input_ids]
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.embed_tokens.shape[0])  # [num_tokens]
+        hidden = self.embed_tokens[local.clamp(0, self.embed_tokens.shape[0] - 1)]
+        hidden = hidden * mine.unsqueeze(1).to(hidden.dtype)
+        return self.tp.all_reduce(hidden)
 
     def forward(
         self,
@@ -202,7 +257,7 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        hidden = self.embed_tokens[input_ids]
+        hidden = self.embed(input_ids)
         if self.embed_lora is not None:
             self.embed_lora(input_ids, hidden)
         residual = None
@@ -218,6 +273,9 @@ class LlamaForCausalLM(nn.Module):
         int64, on the device): the step's token each row was computed from (what lm_head LoRA
         reads its adapter by); None: every token of the step, in order."""
         logits = linear(hidden, self.lm_head, None).float()
+        if self.tp.enabled:
+            # NOTE: every rank gets the whole logits (rank 0 samples; the others discard them).
+            logits = self.tp.all_gather(logits)[:, : self.config.vocab_size]
         if self.logits_lora is not None:
             self.logits_lora(hidden, logits, token_rows)
         return logits

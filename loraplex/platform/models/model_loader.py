@@ -9,8 +9,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from loraplex.platform.distributed.parallel_state import SINGLE, TensorParallel
 from loraplex.platform.models.arch_config import ArchConfig
-from loraplex.platform.models.dummy_weights import init_random_weights
+from loraplex.platform.models.dummy_weights import (
+    init_random_weights,
+    init_random_weights_sharded,
+)
 from loraplex.platform.models.linear import Linear
 from loraplex.platform.models.registry import get_model_class
 from loraplex.platform.models.weight_loader import iterate_checkpoint
@@ -46,10 +50,12 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device,
     quant: QuantizationConfig | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> nn.Module:
+    """The architecture's model with empty weights; under tensor parallelism, this rank's part."""
     cls = get_model_class(arch.architecture)
     with torch.device(device):
-        model = cls(arch, quant, dtype)
+        model = cls(arch, quant, dtype, tp=tp) if tp.enabled else cls(arch, quant, dtype)
     return model.eval()
 
 
@@ -69,17 +75,19 @@ def load_model(
     device: torch.device,
     quantization: str | None = None,
     random_seed: int | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> tuple[nn.Module, ArchConfig, torch.dtype]:
     """Load a Hugging Face-layout folder, or, given a config.json file, build that architecture
-    with random weights generated on the device from `random_seed` (for benchmarks)."""
+    with random weights generated on the device from `random_seed` (for benchmarks). Under
+    tensor parallelism (`tp`) this rank's part, reading only its slices of the checkpoint."""
     model_path = Path(model_path)
     if model_path.is_file():
-        return load_random_model(model_path, dtype, device, quantization, random_seed or 0)
+        return load_random_model(model_path, dtype, device, quantization, random_seed or 0, tp)
     arch = ArchConfig.from_path(model_path)
     torch_dtype = resolve_dtype(dtype, arch, device)
     quant = quantization_for(model_path, arch, quantization)
-    model = build_model(arch, torch_dtype, device, quant)
-    model.load_weights(iterate_checkpoint(model_path))
+    model = build_model(arch, torch_dtype, device, quant, tp)
+    model.load_weights(iterate_checkpoint(model_path, lazy=tp.enabled))
     finish_loading(model)
     return model, arch, torch_dtype
 
@@ -90,6 +98,7 @@ def load_random_model(
     device: torch.device,
     quantization: str | None,
     seed: int,
+    tp: TensorParallel = SINGLE,
 ) -> tuple[nn.Module, ArchConfig, torch.dtype]:
     """The architecture of a bare config.json with random weights generated on the device.
 
@@ -112,8 +121,12 @@ def load_random_model(
             f"quantized at load only by {list(LOAD_TIME_QUANTIZATION)}"
         )
     quant = get_quantization_config(quantization, checkpoint_quant)
-    model = build_model(arch, torch_dtype, device, quant)
-    init_random_weights(model, seed)
+    model = build_model(arch, torch_dtype, device, quant, tp)
+    if tp.enabled:
+        full = build_model(arch, torch_dtype, torch.device("meta"), quant)
+        init_random_weights_sharded(model, full, seed, device)
+    else:
+        init_random_weights(model, seed)
     finish_loading(model)
     return model, arch, torch_dtype
 

@@ -4,6 +4,8 @@ Generic over architectures: a model class declares `checkpoint_renames` (whole-n
 `stacked_shards` (checkpoint projection → merged layer) and `ignored_suffixes`; each `Linear`
 loads its own shards. Every parameter must be filled exactly once per shard, and every tensor
 in the checkpoint must land somewhere, so a malformed checkpoint fails with a clear message.
+Under tensor parallelism the checkpoint is iterated lazily (`CheckpointTensor`), so each rank
+reads only its slices.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from loraplex.platform.models.checkpoint_tensor import CheckpointTensor, narrow
 from loraplex.platform.models.linear import Linear
 
 
@@ -40,12 +43,16 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iterate_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_checkpoint(
+    model_dir: Path, lazy: bool = False
+) -> Iterator[tuple[str, torch.Tensor | CheckpointTensor]]:
+    """Every tensor of the checkpoint, read at once, or (`lazy`) as a `CheckpointTensor` the
+    consumer reads in part or whole while the iteration stands on it."""
     for path in checkpoint_files(model_dir):
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118  (safe_open has no __iter__)
-                    yield name, f.get_tensor(name)
+                    yield name, CheckpointTensor(f, name) if lazy else f.get_tensor(name)
         except (OSError, RuntimeError) as exc:
             if "safetensors" in type(exc).__module__ or "header" in str(exc).lower():
                 raise ValueError(f"{path.name} is not a valid safetensors file: {exc}") from exc
@@ -57,7 +64,9 @@ def _split(name: str) -> tuple[str, str]:
     return module, param
 
 
-def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_named_weights(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | CheckpointTensor]]
+) -> None:
     renames: dict[str, str] = getattr(model, "checkpoint_renames", {})
     stacked: dict[str, str] = getattr(model, "stacked_shards", {})
     ignored: tuple[str, ...] = getattr(model, "ignored_suffixes", ())
@@ -94,6 +103,12 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
                 raise ValueError(f"{exc} (checkpoint tensor {ckpt_name})") from None
             loaded.add((id(param), shard))
         else:
+            vocab_rows = getattr(param, "vocab_range", None)
+            if vocab_rows is not None:
+                _load_vocab_rows(ckpt_name, param, tensor, vocab_rows)
+                loaded.add((id(param), 0))
+                continue
+            tensor = narrow(tensor, None, 0, 0)
             if tuple(param.shape) != tuple(tensor.shape):
                 raise ValueError(
                     f"tensor {ckpt_name} has shape {tuple(tensor.shape)}, "
@@ -102,6 +117,26 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
             param.data.copy_(tensor)
             loaded.add((id(param), 0))
     _check_complete(model, loaded, renames)
+
+
+def _load_vocab_rows(
+    name: str,
+    param: torch.Tensor,
+    tensor: torch.Tensor | CheckpointTensor,
+    rows: tuple[int, int],
+) -> None:
+    """A vocabulary-parallel embedding or LM head: rows [start, start + size) of the full
+    [vocab, hidden] tensor; rows past the vocabulary (padding of the last rank) are zero."""
+    start, size = rows
+    vocab, hidden = tensor.shape
+    if (size, hidden) != tuple(param.shape) or start >= vocab:
+        raise ValueError(
+            f"tensor {name} has shape {tuple(tensor.shape)}, which does not hold rows "
+            f"[{start}, {start + size}) of width {param.shape[1]}"
+        )
+    take = min(size, vocab - start)
+    param.data[take:].zero_()
+    param.data[:take].copy_(narrow(tensor, 0, start, take))
 
 
 def _check_complete(model: nn.Module, loaded: set[tuple[int, int]], renames: dict) -> None:

@@ -12,10 +12,14 @@ from loraplex.platform.models.arch_config import ArchConfig
 ACTIVATION_RESERVE_BYTES = 2 << 30
 
 
-def kv_block_bytes(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block of K and V over all layers."""
+def kv_block_bytes(
+    arch: ArchConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None
+) -> int:
+    """Bytes of one block of K and V over all layers (of `num_kv_heads` heads: a
+    tensor-parallel rank's share; default all of the model's)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * elem
+    heads = arch.num_kv_heads if num_kv_heads is None else num_kv_heads
+    return 2 * arch.num_layers * block_size * heads * arch.head_dim * elem
 
 
 def num_kv_blocks(cache: CacheConfig, device: torch.device, block_bytes: int) -> int:

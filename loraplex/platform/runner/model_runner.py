@@ -1,10 +1,15 @@
 """ModelRunner: applies a SchedulerOutput to the persistent InputBatch, runs the model, and
-samples on the device; batch building, KV sizing and output read-back live beside it."""
+samples on the device; batch building, KV sizing and output read-back live beside it.
+
+Under tensor parallelism the runner of rank 0 starts the other ranks and sends each of them
+every step it launches; each rank runs its own runner over its shard of the model, mirrors the
+input batch, and takes rank 0's sampled tokens from a broadcast (`follow`)."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +21,16 @@ from loraplex.config import EngineConfig
 from loraplex.kernels.attention import decode_plan
 from loraplex.kernels.sampling import warm_up as warm_up_sampler
 from loraplex.platform.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from loraplex.platform.distributed.lora_state import TensorParallelLoRAState
+from loraplex.platform.distributed.messages import ExecuteStep
+from loraplex.platform.distributed.parallel_state import (
+    SINGLE,
+    TensorParallel,
+    destroy_tensor_parallel,
+    init_tensor_parallel,
+)
+from loraplex.platform.distributed.sharding import attention_shard
+from loraplex.platform.distributed.workers import TensorParallelWorkers
 from loraplex.platform.models.attention_metadata import AttentionMetadata
 from loraplex.platform.models.model_loader import load_model
 from loraplex.platform.runner.batch import Batch, build_batch, fill_pending
@@ -72,20 +87,57 @@ def resolve_device(name: str) -> torch.device:
 
 class ModelRunner:
     def __init__(
-        self, config: EngineConfig, model_dir: Path, eos_token_ids: tuple[int, ...]
+        self,
+        config: EngineConfig,
+        model_dir: Path,
+        eos_token_ids: tuple[int, ...],
+        tp: TensorParallel | None = None,
+        on_loaded: Callable[[], None] | None = None,
     ) -> None:
+        """`tp` None: rank 0 (starting the other ranks when tensor_parallel_size > 1); a
+        worker rank passes its group, and `on_loaded` to report its model loaded."""
         self.config = config
         self.device = resolve_device(config.model.device)
         self.block_size = config.cache.block_size
         if self.device.type == "cpu":
             configure_cpu_threads()
+        self.workers: TensorParallelWorkers | None = None
+        self._owed_tokens = 0  # rows of a launched step whose tokens were not broadcast
+        if tp is None and config.parallel.tensor_parallel_size > 1:
+            if self.device.type == "cuda":
+                self.device = torch.device("cuda:0")
+            self.workers = TensorParallelWorkers(config, model_dir)
+        try:
+            self._init(config, model_dir, eos_token_ids, tp, on_loaded)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _init(
+        self,
+        config: EngineConfig,
+        model_dir: Path,
+        eos_token_ids: tuple[int, ...],
+        tp: TensorParallel | None,
+        on_loaded: Callable[[], None] | None,
+    ) -> None:
+        if self.workers is not None:
+            tp = init_tensor_parallel(0, self.workers.size, self.workers.init_file, self.device)
+        self.tp = tp or SINGLE
         self.model, self.arch, self.dtype = load_model(
             model_dir,
             config.model.dtype,
             self.device,
             config.model.quantization,
             random_seed=config.model.seed,
+            tp=self.tp,
         )
+        # NOTE: every rank reports its load before the first collective below, so a rank that
+        # refuses the model (a size that splits a group) fails the start-up, not a hang.
+        if on_loaded is not None:
+            on_loaded()
+        if self.workers is not None:
+            self.workers.wait_ready()
         # NOTE: LoRA slots are allocated before the KV cache is sized from what memory is left.
         # The engine builds the adapter manager over `lora_state`; the runner only writes each
         # step's per-token slots (`lora_writer`).
@@ -93,9 +145,14 @@ class ModelRunner:
         self.lora_writer = (
             LoRASlotWriter(self.lora_state.meta, self.device) if self.lora_state else None
         )
-        self.kv_block_bytes = kv_block_bytes(self.arch, self.block_size, self.dtype)
-        self.num_blocks = num_kv_blocks(config.cache, self.device, self.kv_block_bytes)
-        shape = (self.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        kv_heads = attention_shard(self.arch.num_heads, self.arch.num_kv_heads, self.tp)
+        self.kv_block_bytes = kv_block_bytes(
+            self.arch, self.block_size, self.dtype, kv_heads.num_kv_heads
+        )
+        self.num_blocks = self.tp.min_int(
+            num_kv_blocks(config.cache, self.device, self.kv_block_bytes), self.device
+        )
+        shape = (self.num_blocks, self.block_size, kv_heads.num_kv_heads, self.arch.head_dim)
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -156,9 +213,19 @@ class ModelRunner:
     def _init_lora(self) -> LoRAModelState:
         cfg = self.config
         max_tokens = max(cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs)
-        return attach_lora_layers(
+        state = attach_lora_layers(
             self.model, cfg.lora, self.device, self.dtype, max_num_tokens=max_tokens
         )
+        if self.workers is None:
+            return state
+        # NOTE: every slot write goes to the other ranks too, ahead of the step that uses it.
+        return TensorParallelLoRAState(state.meta, state.layers, self.workers.send)
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (rank 0; a no-op otherwise)."""
+        if self.workers is not None:
+            self.workers.shutdown()
+            destroy_tensor_parallel(getattr(self, "tp", SINGLE))
 
     def _lora_for_graph(self, padded_bs: int, lora_slots: np.ndarray | None) -> None:
         assert self.lora_writer is not None
@@ -202,6 +269,12 @@ class ModelRunner:
         Between the two the host may fill grammar masks while the device computes.
         `need_sampler`: a grammar row may sample, so even a plain-greedy step goes through the
         sampler (which applies the mask)."""
+        if self.workers is not None:
+            if self._owed_tokens:
+                # NOTE: the last launched step was never sampled (it failed in between); the
+                # other ranks wait in its token broadcast, which this ends.
+                self._broadcast_tokens(torch.zeros(self._owed_tokens, dtype=torch.int64))
+            self.workers.send(ExecuteStep(so, need_sampler))
         self._update_states(so)
         if self.proposer is not None:
             self.input_batch.set_drafts(so.scheduled_spec_decode_tokens)
@@ -209,7 +282,28 @@ class ModelRunner:
             return LaunchedStep(None, None, {})
         batch = self.prepare(so, need_sampler=need_sampler)
         logits, prompt_logprobs = self._forward(batch)
+        if self.workers is not None and batch.sample_req_ids:
+            self._owed_tokens = len(batch.sample_rows)
         return LaunchedStep(batch, logits, prompt_logprobs)
+
+    @torch.inference_mode()
+    def follow(self, step: ExecuteStep) -> None:
+        """A worker rank: run the step rank 0 launched, then take its sampled tokens."""
+        launched = self.launch(step.scheduler_output, step.need_sampler)
+        batch = launched.batch
+        if batch is None or not batch.sample_req_ids:
+            return
+        ib = self.input_batch
+        tokens = torch.empty(len(batch.sample_rows), dtype=torch.int64, device=self.device)
+        self.tp.broadcast(tokens)  # [num_sampled]
+        generations = ib.generations(batch.sample_rows)
+        ib.record_sampled(tokens, batch.sample_rows, batch.sample_index)
+        StepOutput(ib, batch.sample_req_ids, generations, tokens, None, [], {}).get()
+
+    def _broadcast_tokens(self, tokens: torch.Tensor) -> None:
+        """Rank 0: this step's sampled tokens [num_sampled] to the other ranks."""
+        self._owed_tokens = 0
+        self.tp.broadcast(tokens.to(device=self.device, dtype=torch.int64).contiguous())
 
     @torch.inference_mode()
     def sample(
@@ -246,6 +340,8 @@ class ModelRunner:
             if logprobs is not None:
                 params = ib.params
                 num_logprobs = [params[r].logprobs for r in batch.sample_rows.tolist()]  # type: ignore[union-attr]
+        if self.workers is not None:
+            self._broadcast_tokens(tokens)
         generations = ib.generations(batch.sample_rows)
         ib.record_sampled(tokens, batch.sample_rows, batch.sample_index)
         return StepOutput(

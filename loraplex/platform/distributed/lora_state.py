@@ -1,0 +1,24 @@
+"""Rank 0's LoRA layers under tensor parallelism: each slot write also goes to the other ranks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from loraplex.adapters.lora_layer import LoRAModelState
+from loraplex.adapters.peft_format import LoRAWeights
+from loraplex.platform.distributed.messages import LoadLoRASlot
+
+
+@dataclass(frozen=True)
+class TensorParallelLoRAState(LoRAModelState):
+    """`load_slot` writes rank 0's slices and sends every other rank a `LoadLoRASlot`; the
+    ranks read the adapter's folder themselves (checked against its digest), so an adapter's
+    tensors never cross the pipes. The pipe keeps the order, so a slot is written on every
+    rank before any step that reads it."""
+
+    send: Callable[[object], None]
+
+    def load_slot(self, slot: int, weights: LoRAWeights) -> None:
+        self.send(LoadLoRASlot(slot, weights.path, weights.digest))
+        super().load_slot(slot, weights)
