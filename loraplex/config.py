@@ -173,6 +173,14 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
+    def __post_init__(self) -> None:
+        if self.speculative is not None and self.parallel.tensor_parallel_size > 1:
+            # NOTE: the other ranks run each step from the batch rank 0 broadcasts, which does
+            # not carry draft tokens yet.
+            raise ValueError(
+                "speculative_config cannot be combined with tensor_parallel_size > 1 yet"
+            )
+
     # Flat option names (vLLM's, as `LLM(...)` and `loraplex serve` take them) that differ from
     # the field they set.
     _ALIASES = {

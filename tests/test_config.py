@@ -23,3 +23,11 @@ def test_unknown_or_bad_options_are_refused():
         EngineConfig.from_options(max_batch=4)
     with pytest.raises(ValueError, match="max_num_seqs"):
         EngineConfig.from_options(max_num_seqs=0)
+
+
+def test_speculative_decoding_with_tensor_parallelism_is_refused_clearly() -> None:
+    with pytest.raises(ValueError, match="speculative_config cannot be combined"):
+        EngineConfig.from_options(
+            tensor_parallel_size=2,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+        )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from loraplex.adapters.lora_layer import LoRAModelState
 from loraplex.adapters.peft_format import LoRAWeights
@@ -17,7 +17,7 @@ class TensorParallelLoRAState(LoRAModelState):
     tensors never cross the pipes. The pipe keeps the order, so a slot is written on every
     rank before any step that reads it."""
 
-    send: Callable[[object], None]
+    send: Callable[[object], None] = field(kw_only=True)
 
     def load_slot(self, slot: int, weights: LoRAWeights) -> None:
         self.send(LoadLoRASlot(slot, weights.path, weights.digest))

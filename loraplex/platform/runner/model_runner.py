@@ -219,7 +219,9 @@ class ModelRunner:
         if self.workers is None:
             return state
         # NOTE: every slot write goes to the other ranks too, ahead of the step that uses it.
-        return TensorParallelLoRAState(state.meta, state.layers, self.workers.send)
+        return TensorParallelLoRAState(
+            state.meta, state.layers, state.vocab, send=self.workers.send
+        )
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (rank 0; a no-op otherwise)."""
