@@ -136,9 +136,12 @@ def smol_part(max_tokens: int, batch_sizes: list[int]) -> dict[str, float]:
     return metrics
 
 
-def forward_cost(llm: LLM, bs: int, num_new: int, context: int, iters: int) -> float:
-    """Seconds of one eager target forward (and logits of every new token) for `bs` sequences
-    of `context` cached tokens each verifying `num_new` new ones."""
+def forward_cost(
+    llm: LLM, bs: int, num_new: int, context: int, iters: int, graphed: bool = False
+) -> float:
+    """Seconds of one target forward (and logits of every new token) for `bs` sequences of
+    `context` cached tokens each verifying `num_new` new ones: eager, or replayed from a CUDA
+    graph (`graphed`; NaN if the shape cannot be captured)."""
     runner = llm.engine.runner
     dev, block = runner.device, runner.block_size
     total = context + num_new
@@ -164,7 +167,20 @@ def forward_cost(llm: LLM, bs: int, num_new: int, context: int, iters: int) -> f
             runner.model.compute_logits(runner.model(ids, pos, runner.kv_caches, meta))
 
     step()
-    return min(cuda_timed(lambda: [step() for _ in range(iters)]) for _ in range(3)) / iters
+    eager = min(cuda_timed(lambda: [step() for _ in range(iters)]) for _ in range(3)) / iters
+    if not graphed or not torch.cuda.is_available():
+        return eager
+    # NOTE: the step replayed from a CUDA graph, as plain decode runs: the cost that capturing
+    # the verification shapes would give (eager steps are bound by kernel launches).
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        graph.replay()
+    except RuntimeError as e:  # a shape whose kernels cannot be captured: say so, keep eager
+        print(f"graph capture failed for bs {bs} x {num_new}: {e}")
+        return float("nan")
+    return min(cuda_timed(lambda: [graph.replay() for _ in range(iters)]) for _ in range(3)) / iters
 
 
 def verify_cost(vocab: int, bs: int, k: int, mode: str, dev: torch.device, iters: int) -> float:
@@ -204,7 +220,9 @@ def alpha_for_length(k: int, length: float) -> float:
     return (lo + hi) / 2
 
 
-def eight_b_part(model: str, batch_sizes: list[int], max_k: int, context: int) -> dict:
+def eight_b_part(
+    model: str, batch_sizes: list[int], max_k: int, context: int, graphed: bool, engine: bool
+) -> dict:
     """(b) The 8B shape: forward + acceptance cost of k = 1..max_k drafts against a plain
     decode step (graph replay + sampling), and the expected TPOT speed-up from them."""
     llm = bench_llm(model, max_num_seqs=max(batch_sizes), num_kv_blocks=_KV_BLOCKS_8B)
@@ -229,6 +247,16 @@ def eight_b_part(model: str, batch_sizes: list[int], max_k: int, context: int) -
         forwards = {k: forward_cost(llm, bs, k + 1, context, iters) for k in range(1, max_k + 1)}
         for k, fwd in forwards.items():
             metrics[f"bs{bs}_k{k}_forward_ms"] = fwd * 1e3
+        if graphed:
+            plain_graph = forward_cost(llm, bs, 1, context, iters, graphed=True)
+            metrics[f"bs{bs}_decode_graph_context_ms"] = plain_graph * 1e3
+            if plain_graph == plain_graph:  # NOTE: the same context as the verify shapes
+                plain = plain_graph
+            for k in forwards:
+                fwd = forward_cost(llm, bs, k + 1, context, iters, graphed=True)
+                metrics[f"bs{bs}_k{k}_forward_graph_ms"] = fwd * 1e3
+                if fwd == fwd:
+                    forwards[k] = fwd
         for mode in MODES:
             plain_step = plain + verify_cost(vocab, bs, 0, mode, dev, iters)
             metrics[f"bs{bs}_{mode}_plain_step_ms"] = plain_step * 1e3
@@ -247,7 +275,7 @@ def eight_b_part(model: str, batch_sizes: list[int], max_k: int, context: int) -
             if mode == "mixed" and best < 1.0 and disable_at is None:
                 disable_at = bs
     metrics["suggested_disable_by_batch_size"] = float(disable_at or 0)
-    return {"metrics": metrics, "engine": engine_8b(llm, model)}
+    return {"metrics": metrics, "engine": engine_8b(llm, model) if engine else {}}
 
 
 def engine_8b(llm: LLM, model: str) -> dict[str, float]:
@@ -290,6 +318,10 @@ def main() -> int:
     parser.add_argument("--max-k", type=int, default=8)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--out", default="h200_speculative.json")
+    parser.add_argument(
+        "--graphed", action="store_true", help="8B costs of forwards replayed from CUDA graphs"
+    )
+    parser.add_argument("--no-engine", action="store_true", help="skip the 8B engine runs")
     args = parser.parse_args()
     metrics: dict[str, float] = {}
     extra: dict = {}
@@ -298,7 +330,9 @@ def main() -> int:
         metrics.update(smol_part(args.max_tokens, sizes))
     if args.part in ("all", "8b"):
         sizes = [int(b) for b in args.verify_batch_sizes.split(",")]
-        result = eight_b_part(args.model, sizes, args.max_k, args.context)
+        result = eight_b_part(
+            args.model, sizes, args.max_k, args.context, args.graphed, not args.no_engine
+        )
         metrics.update(result["metrics"])
         metrics.update(result["engine"])
     extra["workload"] = {

@@ -176,6 +176,11 @@ class ModelRunner:
         # NOTE: verification steps run eager: their query lengths (1 + each row's drafts)
         # vary per row and per step, so only plain decode steps replay CUDA graphs.
         self.proposer = build_proposer(config, self.arch.vocab_size, self.device)
+        if self.proposer is not None and self.device.type == "cuda":
+            logger.warning(
+                "speculative decoding: verification steps run eager (not from CUDA graphs); on "
+                "a GPU whose eager step is launch-bound they cost several plain decode steps"
+            )
         self._draft_probs: dict[str, torch.Tensor] | None = None
         self.graphs = None
         if self.device.type == "cuda" and not config.runner.enforce_eager:
