@@ -25,8 +25,9 @@ def replicas(model_dir, tmp_path_factory):
     tiny = write_tiny_model(root / "tiny", Path(model_dir))
     url = f"file://{root / 'shared'}"
     servers = [
-        start_server(tiny, root / f"data{i}", admin_key=None, adapter_registry=url,
-                     registry_sync_s=0.2)  # fmt: skip
+        start_server(
+            tiny, root / f"data{i}", admin_key=None, adapter_registry=url, registry_sync_s=0.2
+        )  # fmt: skip
         for i in range(2)
     ]
     hf_config = json.loads((tiny / "config.json").read_text())
