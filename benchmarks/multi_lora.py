@@ -152,6 +152,13 @@ def write_adapters(args, llm: LLM, folder: Path, count: int) -> list[AddAdapter]
     return commands
 
 
+def _workload(args) -> dict:
+    """What every record of this benchmark says about its requests."""
+    return {"model": args.model, "num_requests": args.num_requests,
+            "input_uniform": list(args.input_len), "output_uniform": list(args.output_len),
+            "rank": RANK}  # fmt: skip
+
+
 def _add_command(name: str, path: Path) -> AddAdapter:
     digest = content_digest((path / CONFIG_FILE).read_bytes(), (path / WEIGHTS_FILE).read_bytes())
     return AddAdapter(name, str(path), digest)
@@ -302,11 +309,7 @@ def run_forms(args, folder: Path) -> int:
         metrics,
         baseline,
         workload={
-            "model": args.model,
-            "num_requests": args.num_requests,
-            "input_uniform": list(args.input_len),
-            "output_uniform": list(args.output_len),
-            "rank": RANK,
+            **_workload(args),
             "target_modules": "q,k,v,o,gate,up,down (+ lm_head for lm_head)",
             "adapters_per_form": count,
             "forms": ["plain", *forms],
@@ -413,11 +416,7 @@ def main() -> int:
         metrics,
         baseline,
         workload={
-            "model": args.model,
-            "num_requests": args.num_requests,
-            "input_uniform": list(args.input_len),
-            "output_uniform": list(args.output_len),
-            "rank": RANK,
+            **_workload(args),
             "target_modules": "q,k,v,o,gate,up,down",
             "adapters": args.adapters,
             "adapter_choice": f"i mod k for k <= slots; Zipf(s={ZIPF_S}) over k beyond",
