@@ -40,7 +40,7 @@ browser:
 	else echo "browser: not root or no apt-get; the dashboard browser test skips"; fi
 
 test: $(STAMP) browser
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The API fuzz suite at length: FUZZ_EXAMPLES examples per operation (`make test` runs 15).
 FUZZ_EXAMPLES ?= 300

@@ -36,19 +36,6 @@ WALL_BUDGET_ENV = "LORAPLEX_TEST_WALL_BUDGET_S"
 _session: dict[str, object] = {}  # the running session and its start (controller side)
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under `--dist loadgroup`, a test without an `xdist_group` mark joins its module's group,
-    so each module runs on one worker and builds its module-scoped fixtures once (as
-    `--dist loadscope` would), while explicit groups still span modules.
-
-    NOTE: tryfirst: xdist reads the marks in its own hook of the same name.
-    """
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
-
-
 def pytest_sessionstart(session: pytest.Session) -> None:
     _session.update(session=session, start=time.monotonic())
 

@@ -311,7 +311,10 @@ def _attach_vocab(
         weight = getattr(model, weight_name, None)
         if not hasattr(model, attr) or not isinstance(weight, torch.Tensor):
             continue
-        vocab, hidden = weight.shape
+        # NOTE: the whole vocabulary, not the weight's rows: a tensor-parallel rank holds a
+        # slice of them, while these hooks see global token ids and the gathered logits.
+        hidden = weight.shape[1]
+        vocab = getattr(getattr(model, "config", None), "vocab_size", weight.shape[0])
         hook = kind(meta, vocab, hidden, rank, dtype, weight.device)
         setattr(model, attr, hook)
         hooks.append(hook)
