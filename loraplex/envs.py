@@ -65,3 +65,10 @@ def cpu_threads() -> int | None:
 def omp_num_threads_set() -> bool:
     """Whether OMP_NUM_THREADS is set (torch then already took its thread count from it)."""
     return bool(os.environ.get("OMP_NUM_THREADS"))
+
+
+def quant_gemm_table() -> Path | None:
+    """A W4A16 kernel selection table file written by `benchmarks.quant_gemm --table`
+    (LORAPLEX_QUANT_GEMM_TABLE); None: the built-in table."""
+    value = os.environ.get("LORAPLEX_QUANT_GEMM_TABLE")
+    return Path(value).expanduser() if value else None

@@ -1,6 +1,6 @@
 """Launch configurations of the W4A16 / W8A16 dequant-GEMM, the one place dispatch on M lives.
 
-Seven kernels (see `quant_gemm_w4a16`):
+Eight kernels (see `quant_gemm_w4a16`):
 - "gemv": one token row per program, FMA dot products, split-K (decode, M <= 2);
 - "fma": like "gemv", with a dequantization of ~2 instructions per weight and no layout change
   or cross-thread reduction in the loop (the bandwidth-bound decode kernel, M of 1 to a few);
@@ -10,16 +10,23 @@ Seven kernels (see `quant_gemm_w4a16`):
   its N side), for M = 16..64 where a token tile would waste most of a Hopper MMA;
 - "sliced" / "sliced_t": the tensor-core kernel of `triton_quant_gemm_sliced`, one dot per
   value position of a word instead of one reshaped tile ("_t": weight on the MMA's M side);
+- "stream": the decode tensor-core kernel of `triton_quant_gemm_stream` (weight on the MMA's
+  M side, two values per integer op, zero point outside the loop, split-K), M = 1..64;
 - "dequant": dequantize `block_n` output columns at a time into a reused buffer (it stays in L2)
   and run the dense matmul on it (prefill, M >= `DEQUANT_MATMUL_MIN_M`).
 
 `TUNED_CONFIGS` holds measured winners per (bits, M bucket, N, K); `python -m benchmarks.quant_gemm`
-prints the dict to paste here. Shapes without an entry fall back to `heuristic_config`.
+prints the dict to paste here. Shapes without an entry fall back to `heuristic_config`. A
+selection table file (`write_selection_table`, written by the benchmark's sweep) overrides
+entries at run time: `use_selection_table(path)`, which the quantized linear layers call with
+LORAPLEX_QUANT_GEMM_TABLE, so one GPU session can sweep and then serve with the winners.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import astuple, dataclass
+from pathlib import Path
 
 #: Without a tuned entry, from this many tokens on dequantize and run the dense matmul (on the
 #: H200 it beat every fused tensor-core kernel from M = 128 on, 3 shapes of 4).
@@ -28,11 +35,14 @@ DEQUANT_MATMUL_MIN_M = 128
 #: Token counts the tuned table is keyed by; M uses the smallest bucket >= M.
 M_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 1024, 4096)
 
-KINDS = ("gemv", "fma", "gemm", "gemm_t", "sliced", "sliced_t", "dequant")
+KINDS = ("gemv", "fma", "gemm", "gemm_t", "sliced", "sliced_t", "stream", "dequant")
 
 #: The sliced kernels take one dot per value position; a GPU dot needs a depth of >= 16 words.
 SLICED_KINDS = ("sliced", "sliced_t")
 SLICED_MIN_WORDS = 16
+#: Kinds with one dot per value position, and the reshaping kernel each falls back to on the
+#: GPU when a K tile holds fewer than SLICED_MIN_WORDS words.
+SHALLOW_FALLBACK = {"sliced": "gemm", "sliced_t": "gemm_t", "stream": "gemm_t"}
 
 
 #: Kinds that run one token row per program (block_m must be 1).
@@ -108,6 +118,52 @@ TUNED_CONFIGS: dict[tuple[int, int, int, int], GemmConfig] = {
 }
 
 
+#: Entries of the selection table file in use (they take precedence over TUNED_CONFIGS).
+_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {}
+_TABLE_PATH: list[Path] = []
+
+
+def write_selection_table(path: Path, table: dict[tuple[int, int, int, int], GemmConfig]) -> None:
+    """Write (bits, M bucket, N, K) -> config as JSON, for `use_selection_table`."""
+    entries = [
+        {"bits": b, "m_bucket": m, "n": n, "k": k, "config": list(astuple(c))}
+        for (b, m, n, k), c in sorted(table.items())
+    ]
+    path.write_text(json.dumps({"w4a16": entries}, indent=1) + "\n")
+
+
+def read_selection_table(path: Path) -> dict[tuple[int, int, int, int], GemmConfig]:
+    """The table `write_selection_table` wrote; ValueError naming the file if it is malformed."""
+    try:
+        entries = json.loads(Path(path).read_text())["w4a16"]
+        table = {
+            (int(e["bits"]), int(e["m_bucket"]), int(e["n"]), int(e["k"])): GemmConfig(
+                str(e["config"][0]), *(int(v) for v in e["config"][1:])
+            )
+            for e in entries
+        }
+    except (OSError, KeyError, TypeError, IndexError, json.JSONDecodeError) as exc:
+        raise ValueError(f"bad W4A16 selection table {path}: {exc!r}") from exc
+    if any(key[1] not in M_BUCKETS for key in table):
+        raise ValueError(f"bad W4A16 selection table {path}: M buckets must be in {M_BUCKETS}")
+    return table
+
+
+def use_selection_table(path: Path | None) -> None:
+    """Dispatch from the table file at `path` before TUNED_CONFIGS (None: TUNED_CONFIGS only).
+    Reading the same path again is a no-op."""
+    if path is None:
+        _TABLE.clear()
+        _TABLE_PATH.clear()
+        return
+    if _TABLE_PATH == [Path(path)]:
+        return
+    table = read_selection_table(path)
+    _TABLE.clear()
+    _TABLE.update(table)
+    _TABLE_PATH[:] = [Path(path)]
+
+
 def m_bucket(m: int) -> int:
     """The smallest tuned token count >= m (the largest bucket beyond it)."""
     return next((b for b in M_BUCKETS if m <= b), M_BUCKETS[-1])
@@ -154,7 +210,8 @@ def fit_split_k(config: GemmConfig, m: int, n: int, k: int, num_sms: int) -> int
 def select_config(m: int, n: int, k: int, group_size: int, bits: int, num_sms: int) -> GemmConfig:
     """The launch for M tokens of an [N, K] weight: the tuned entry or the heuristic, with
     block_k fitted to the group size and split_k resolved."""
-    config = TUNED_CONFIGS.get((bits, m_bucket(m), n, k)) or heuristic_config(m)
+    key = (bits, m_bucket(m), n, k)
+    config = _TABLE.get(key) or TUNED_CONFIGS.get(key) or heuristic_config(m)
     return resolve(config, m, n, k, group_size, bits, num_sms)
 
 
@@ -177,12 +234,12 @@ def resolve(
 
 
 def without_shallow_slices(config: GemmConfig, bits: int) -> GemmConfig:
-    """On the GPU, a sliced config whose K tile holds < 16 words per value position (a group
-    too small) runs the reshaping kernel of the same orientation instead."""
-    if config.kind not in SLICED_KINDS or config.block_k // (32 // bits) >= SLICED_MIN_WORDS:
+    """On the GPU, a sliced or stream config whose K tile holds < 16 words per value position
+    (a group too small) runs the reshaping kernel of the same orientation instead."""
+    fallback = SHALLOW_FALLBACK.get(config.kind)
+    if fallback is None or config.block_k // (32 // bits) >= SLICED_MIN_WORDS:
         return config
-    kind = "gemm_t" if config.kind == "sliced_t" else "gemm"
     return GemmConfig(
-        kind, config.block_m, config.block_n, config.block_k, config.split_k,
+        fallback, config.block_m, config.block_n, config.block_k, config.split_k,
         config.num_warps, config.num_stages,
     )  # fmt: skip

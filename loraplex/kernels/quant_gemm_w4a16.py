@@ -10,10 +10,11 @@ The kernels take one weight layout, to which AWQ and GPTQ checkpoints are repack
 
 On CUDA `wna16_gemm` asks `quant_gemm_configs.select_config` (the one place that dispatches on
 the token count M) for a kernel: "gemv" or "fma" (FMA, split-K) for decode, "gemm", "gemm_t",
-"sliced" or "sliced_t" (tiled tensor-core, split-K when the tiles do not fill the GPU) for mid
+"sliced", "sliced_t" or "stream" (tiled tensor-core, split-K when the tiles do not fill the GPU) for mid
 and large sizes (dequantization inside the main loop, no bf16 copy of the weight), "dequant"
 (chunked dequantization into an L2-resident buffer + dense matmul) for prefill. The kernels are
-in `triton_quant_gemm`, `triton_quant_gemm_small_m` and `triton_quant_gemm_sliced`.
+in `triton_quant_gemm`, `triton_quant_gemm_small_m`, `triton_quant_gemm_sliced` and
+`triton_quant_gemm_stream`.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from loraplex.kernels.triton_quant_gemm import (
 )
 from loraplex.kernels.triton_quant_gemm_sliced import _wna16_sliced_kernel
 from loraplex.kernels.triton_quant_gemm_small_m import _wna16_fma_kernel, _wna16_gemm_t_kernel
+from loraplex.kernels.triton_quant_gemm_stream import _wna16_stream_kernel
 
 __all__ = [
     "DEQUANT_MATMUL_MIN_M",
@@ -243,6 +245,12 @@ def wna16_gemm_triton(
         MAGIC=magic, OFFSET=offset, BLOCK_M=config.block_m,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
     )  # fmt: skip
+    if config.kind == "stream":
+        _wna16_stream_kernel[(rows * n_tiles, split)](
+            *common, m, n, group_size, k_per_split, *strides, **flags, **mma, **tiles,
+            NUM_STAGES=config.num_stages, **launch,
+        )  # fmt: skip
+        return out
     if config.kind in SLICED_KINDS:
         _wna16_sliced_kernel[(rows * n_tiles, split)](
             *common, m, n, group_size, k_per_split, *strides, **flags, **mma, **tiles,

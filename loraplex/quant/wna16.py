@@ -12,6 +12,8 @@ import logging
 import torch
 from torch import nn
 
+from loraplex import envs
+from loraplex.kernels.quant_gemm_configs import use_selection_table
 from loraplex.kernels.quant_gemm_w4a16 import (
     DEQUANT_MATMUL_MIN_M,
     wna16_dequantize_reference,
@@ -68,7 +70,11 @@ class WNA16LinearMethod(LinearMethod):
         zeros: torch.Tensor,
         perm: torch.Tensor | None,
     ) -> None:
-        """Install the kernel layout on `layer` and log which kernel it will run."""
+        """Install the kernel layout on `layer` and log which kernel it will run (dispatching
+        from the selection table file LORAPLEX_QUANT_GEMM_TABLE names, if set)."""
+        table = envs.quant_gemm_table()
+        if table is not None:
+            use_selection_table(table)
         replace_param(layer, "qweight", qweight)  # [K / pack, N] int32
         replace_param(layer, "scales", scales)  # [G, N]
         replace_param(layer, "zeros", zeros.to(scales.dtype))  # [G, N]
