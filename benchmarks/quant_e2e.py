@@ -11,7 +11,10 @@ optionally FP8 quantized at load), one engine at a time:
   [100, 1024]), `--num-requests` of them. The workload runs once untimed first, so Triton
   compiles every kernel specialization the timed run meets.
 Both greedy and `t1` (temperature 1.0, top_p 1: the openai SDK's default), the latter's metrics
-named with a `t1_` prefix after the model's name.
+named with a `t1_` prefix after the model's name; throughput also under the `mixed` sampling
+batch of `benchmarks.sampling_mixes` (request i takes the (i mod 9)-th mix), prefix `mixed_`.
+With LORAPLEX_QUANT_GEMM_TABLE set (a table `benchmarks.quant_gemm --table` wrote), the W4A16
+layers dispatch from that table; the record keeps its path and entries.
 The AWQ weights are random in AutoAWQ's checkpoint format and go through the same load-time
 repack as a real checkpoint. Prints which W4A16 kernel each layer shape runs per token count.
 Writes benchmarks/results/h200_quant_e2e.json. Skips (exit 0) without CUDA.
@@ -40,7 +43,8 @@ from benchmarks.gpu_path import (
     nano_vllm_workload,
 )
 from benchmarks.record import write_result
-from loraplex import LLM
+from benchmarks.sampling_mixes import MIXED, mix_fields
+from loraplex import LLM, SamplingParams, envs
 from loraplex.platform.models.linear import Linear
 
 #: Token counts whose W4A16 kernel choice is printed: decode at batch 1..64, prefill chunks.
@@ -64,6 +68,7 @@ class ModelFigures:
     throughput_out_tok_s: float | None
     t1_tpot_bs1_ms: float
     t1_throughput_out_tok_s: float | None
+    mixed_throughput_out_tok_s: float | None
     weight_gb: float
     engine_start_s: float
 
@@ -85,12 +90,20 @@ def kernel_choices(llm: LLM) -> dict[str, dict[int, str]]:
     return choices
 
 
-def throughput(llm: LLM, num_requests: int, sampling: dict = GREEDY, warm: bool = True) -> float:
-    """Output tokens per second over gpu_path's workload; a full untimed run warms up first
-    (unless `warm` is False)."""
+def throughput(
+    llm: LLM, num_requests: int, sampling: dict | str = GREEDY, warm: bool = True
+) -> float:
+    """Output tokens per second over gpu_path's workload under `sampling` (fields, or MIXED);
+    a full untimed run warms up first (unless `warm` is False)."""
+    fields = GREEDY if sampling == MIXED else sampling
     prompts, params, out_tokens = nano_vllm_workload(
-        llm.engine.runner.arch.vocab_size, num_requests, sampling
+        llm.engine.runner.arch.vocab_size, num_requests, fields
     )
+    if sampling == MIXED:
+        params = [
+            SamplingParams(max_tokens=p.max_tokens, ignore_eos=True, **mix_fields(MIXED, i))
+            for i, p in enumerate(params)
+        ]
     if warm:
         llm.generate(prompts, params)
     llm.engine.scheduler.kv.reset_prefix_cache()
@@ -120,6 +133,7 @@ def measure(spec: ModelSpec, num_requests: int, skip_throughput: bool) -> ModelF
     print(f"  t1 tpot bs1 {t1_tpot * 1e3:.3f} ms")
     tok_s = None if skip_throughput else throughput(llm, num_requests)
     t1_tok_s = None if skip_throughput else throughput(llm, num_requests, T1, warm=False)
+    mixed_tok_s = None if skip_throughput else throughput(llm, num_requests, MIXED, warm=False)
     llm.engine.shutdown()
     del llm, model
     gc.collect()
@@ -131,6 +145,7 @@ def measure(spec: ModelSpec, num_requests: int, skip_throughput: bool) -> ModelF
         throughput_out_tok_s=tok_s,
         t1_tpot_bs1_ms=t1_tpot * 1e3,
         t1_throughput_out_tok_s=t1_tok_s,
+        mixed_throughput_out_tok_s=mixed_tok_s,
         weight_gb=weight_gb,
         engine_start_s=engine_start,
     )
@@ -149,6 +164,8 @@ def metrics_vs_bf16(figures: dict[str, ModelFigures]) -> dict[str, float]:
         metrics[f"{name}_t1_tpot_bs1_ms"] = fig.t1_tpot_bs1_ms
         if fig.t1_throughput_out_tok_s is not None:
             metrics[f"{name}_t1_throughput_out_tok_s"] = fig.t1_throughput_out_tok_s
+        if fig.mixed_throughput_out_tok_s is not None:
+            metrics[f"{name}_mixed_throughput_out_tok_s"] = fig.mixed_throughput_out_tok_s
         metrics[f"{name}_weight_gb"] = fig.weight_gb
         if name == "bf16":
             continue
@@ -157,11 +174,21 @@ def metrics_vs_bf16(figures: dict[str, ModelFigures]) -> dict[str, float]:
             metrics[f"{name}_gpu_decode_step_ratio_vs_bf16"] = (
                 fig.gpu_decode_step_bs1_ms / bf16.gpu_decode_step_bs1_ms
             )
-        if fig.throughput_out_tok_s is not None and bf16.throughput_out_tok_s is not None:
-            metrics[f"{name}_throughput_ratio_vs_bf16"] = (
-                fig.throughput_out_tok_s / bf16.throughput_out_tok_s
-            )
+        metrics[f"{name}_t1_tpot_ratio_vs_bf16"] = fig.t1_tpot_bs1_ms / bf16.t1_tpot_bs1_ms
+        for prefix in ("", "t1_", "mixed_"):
+            ours = getattr(fig, f"{prefix}throughput_out_tok_s")
+            base = getattr(bf16, f"{prefix}throughput_out_tok_s")
+            if ours is not None and base is not None:
+                metrics[f"{name}_{prefix}throughput_ratio_vs_bf16"] = ours / base
     return metrics
+
+
+def _table_record() -> dict | None:
+    """The W4A16 selection table file in use (path and entries), or None: the built-in one."""
+    path = envs.quant_gemm_table()
+    if path is None:
+        return None
+    return {"path": str(path), **json.loads(path.read_text())}
 
 
 def main() -> int:
@@ -208,6 +235,7 @@ def main() -> int:
             "tpot": f"({DECODE_STEPS + 1} tokens - 1 token) / {DECODE_STEPS}, median of 3, "
             f"{DECODE_PROMPT_LEN} input tokens, batch 1",
             "target": "awq_tpot_ratio_vs_bf16 <= 0.45",
+            "w4a16_selection_table": _table_record(),
         },
     )
     return 0

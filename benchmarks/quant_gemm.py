@@ -19,7 +19,11 @@ copy bandwidth measured in the same run.
 
 With --sweep, every candidate W4A16 config and FP8 decode config is also checked and timed, and
 the fastest per (M bucket, N, K) is printed as the `TUNED_CONFIGS` / `FP8_TUNED_CONFIGS` dicts
-to paste into `loraplex/kernels/quant_gemm_configs.py` and `loraplex/kernels/fp8_gemm.py`.
+to paste into `loraplex/kernels/quant_gemm_configs.py` and `loraplex/kernels/fp8_gemm.py`
+(--sweep-w4a16: the W4A16 configs only). Each row keeps the dispatched kernel's own time
+(`w4a16_dispatched_*`) and the best "stream" config's (`w4a16_stream_*`) beside the winner's.
+--table PATH writes the W4A16 winners as a selection table file: run the engine with
+LORAPLEX_QUANT_GEMM_TABLE=PATH to dispatch from it (e.g. `benchmarks.quant_e2e` right after).
 Skips (exit 0) without CUDA.
 """
 
@@ -31,13 +35,14 @@ import json
 import math
 import sys
 from collections.abc import Callable
+from dataclasses import astuple
 from pathlib import Path
 
 import torch
 
 from benchmarks.record import git_commit
 from loraplex.kernels.fp8_gemm import FP8_DECODE_MAX_M, Fp8DecodeConfig
-from loraplex.kernels.quant_gemm_configs import M_BUCKETS, GemmConfig
+from loraplex.kernels.quant_gemm_configs import M_BUCKETS, GemmConfig, write_selection_table
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # (N, K)
 TOKENS = [1, 4, 16, 32, 64, 128, 256, 1024, 4096]
@@ -72,7 +77,22 @@ def w4a16_candidates(m: int) -> list[GemmConfig]:
     else:
         grid = [("dequant", 0, 0, 128, 1, 4, 1), ("dequant", 0, 2048, 128, 1, 4, 1),
                 ("dequant", 0, 1024, 128, 1, 4, 1)]  # fmt: skip
-    return [GemmConfig(*c) for c in grid]
+    return [GemmConfig(*c) for c in grid + stream_candidates(m)]
+
+
+def stream_candidates(m: int) -> list[tuple]:
+    """The "stream" decode kernel's config space at M tokens: token tile, weight columns per
+    program (the MMA's M side), split-K (0: about two programs per SM), warps, stages."""
+    if m > 64:
+        return []
+    if m <= 16:
+        return [("stream", 16, bn, 128, split, warps, stages)
+                for bn, split, warps, stages in ((64, 0, 4, 3), (128, 0, 4, 3), (128, 0, 4, 4),
+                                                 (128, 0, 8, 4), (256, 0, 8, 3), (256, 0, 8, 4),
+                                                 (128, 4, 4, 4), (64, 0, 4, 5))]  # fmt: skip
+    bm = 32 if m <= 32 else 64
+    return [("stream", bm, 64, 128, 0, 4, 3), ("stream", bm, 128, 128, 0, 8, 3),
+            ("stream", bm, 128, 128, 0, 4, 4), ("stream", 32, 128, 128, 0, 4, 3)]  # fmt: skip
 
 
 def fp8_candidates() -> list[Fp8DecodeConfig]:
@@ -192,7 +212,7 @@ def _checked(fn: Callable[[], torch.Tensor], expected: torch.Tensor) -> float:
     return err
 
 
-def _bench_point(w: ShapeWeights, m: int, timer: Timer, sweep: bool) -> dict:
+def _bench_point(w: ShapeWeights, m: int, timer: Timer, sweep: bool, sweep_fp8: bool) -> dict:
     from loraplex.kernels.fp8_gemm import fp8_linear, fp8_small_m_reference, fp8_small_m_triton
     from loraplex.kernels.quant_gemm_w4a16 import (
         kernel_name,
@@ -254,8 +274,16 @@ def _bench_point(w: ShapeWeights, m: int, timer: Timer, sweep: bool) -> dict:
         # NOTE: the dispatched config runs in the sweep too, so the winner, which becomes the
         # table entry for this (M bucket, N, K), is what dispatch runs at this M after pasting.
         row["w4a16_sweep"] = _sweep_w4a16(w, x, w4_expected, timer)
+        for key in ("ms", "gbps", "speedup"):
+            row[f"w4a16_dispatched_{key}"] = row[f"w4a16_{key}"]
+        stream = [r for r in row["w4a16_sweep"] if r["config"].startswith('GemmConfig("stream"')]
+        if stream:
+            best = min(stream, key=lambda r: r["ms"])
+            row["w4a16_stream_ms"], row["w4a16_stream_kernel"] = best["ms"], best["config"]
+            row["w4a16_stream_speedup"] = ms["bf16"] / best["ms"]
+            row["w4a16_stream_gbps"] = (weight_bytes + act_bytes) / best["ms"] / 1e6
         _take_best(row, "w4a16", row["w4a16_sweep"], ms["bf16"], weight_bytes + act_bytes)
-        if m <= FP8_DECODE_MAX_M:
+        if sweep_fp8 and m <= FP8_DECODE_MAX_M:
             row["fp8_sweep"] = _sweep_fp8(w, x, dense_fp8, timer, fp8_small_m_triton)
             # The path above the decode kernel (Triton quantization + _scaled_mm), at this M too.
             row["fp8_scaled_mm_ms"] = timer(lambda i: _ours_scaled_mm(x, *w.fp8[i]), c)
@@ -305,7 +333,8 @@ def _sweep_w4a16(w: ShapeWeights, x, expected, timer: Timer) -> list[dict]:
         run = lambda i, cfg=cfg: wna16_gemm_triton(  # noqa: E731
             x, *w.w4[i], GROUP_SIZE, BITS, config=cfg
         )
-        results.append({"config": _config_str(cfg), **_try_config(run, expected, timer, w.copies)})
+        timed = _try_config(run, expected, timer, w.copies)
+        results.append({"config": _config_str(cfg), "fields": list(astuple(cfg)), **timed})
     return results
 
 
@@ -352,15 +381,32 @@ def tuned_tables(rows: list[dict]) -> str:
     return "\n".join([*lines, "}"])
 
 
+def selection_table(rows: list[dict]) -> dict[tuple[int, int, int, int], GemmConfig]:
+    """The W4A16 sweep's winner per (bits, M bucket, N, K), for `write_selection_table`."""
+    table = {}
+    for r in rows:
+        ok = [c for c in r.get("w4a16_sweep", []) if c["ok"]]
+        if ok:
+            best = min(ok, key=lambda c: c["ms"])
+            key = (BITS, _bucket(r["m"], M_BUCKETS), r["n"], r["k"])
+            table[key] = GemmConfig(*best["fields"])
+    return table
+
+
 def metrics_of(rows: list[dict], copy_gbps: float) -> dict[str, float]:
     """Geometric means over the shapes per M: speed-ups over bf16 and achieved bandwidth."""
     metrics: dict[str, float] = {"copy_gbps": copy_gbps}
-    names = ("w4a16", "fp8", "fp8_block", "torch_int4", "torch_fp8")
+    names = ("w4a16", "w4a16_dispatched", "w4a16_stream", "fp8", "fp8_block", "torch_int4",
+             "torch_fp8")  # fmt: skip
     for m in sorted({r["m"] for r in rows}):
         for name in names:
-            metrics[f"{name}_speedup_m{m}"] = _geomean(rows, f"{name}_speedup", m)
-        for name in ("bf16", "w4a16", "fp8"):
-            metrics[f"{name}_gbps_m{m}"] = _geomean(rows, f"{name}_gbps", m)
+            value = _geomean(rows, f"{name}_speedup", m)
+            if not math.isnan(value):
+                metrics[f"{name}_speedup_m{m}"] = value
+        for name in ("bf16", "w4a16", "w4a16_dispatched", "w4a16_stream", "fp8"):
+            value = _geomean(rows, f"{name}_gbps", m)
+            if not math.isnan(value):
+                metrics[f"{name}_gbps_m{m}"] = value
     return metrics
 
 
@@ -386,6 +432,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/h200_quant.json"))
     parser.add_argument("--sweep", action="store_true", help="also time every candidate config")
+    parser.add_argument(
+        "--sweep-w4a16", action="store_true", help="like --sweep, the W4A16 configs only"
+    )
+    parser.add_argument(
+        "--table", type=Path, default=None, help="write the W4A16 winners as a selection table"
+    )
     parser.add_argument("--tokens", type=str, default="", help="comma-separated token counts")
     parser.add_argument("--shapes", type=str, default="", help="e.g. 6144x4096,4096x14336 (NxK)")
     parser.add_argument("--rep-ms", type=int, default=25)
@@ -399,17 +451,24 @@ def main() -> int:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     copy_gbps = copy_bandwidth_gbps()
     print(f"device-to-device copy: {copy_gbps:.0f} GB/s (read + write)", flush=True)
+    sweep = args.sweep or args.sweep_w4a16
+    if args.table is not None and not sweep:
+        parser.error("--table needs --sweep or --sweep-w4a16")
     timer, rows = Timer(args.rep_ms), []
     for n, k in shapes:
         weights = ShapeWeights(n, k)
-        rows += [_bench_point(weights, m, timer, args.sweep) for m in tokens]
+        rows += [_bench_point(weights, m, timer, sweep, args.sweep) for m in tokens]
         del weights
         torch.cuda.empty_cache()
         result = summary(rows, copy_gbps)  # written after each shape: a cut-off run keeps rows
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
-    if args.sweep:
+    if sweep:
         print(result["tuned_configs"])
+    if args.table is not None:
+        args.table.parent.mkdir(parents=True, exist_ok=True)
+        write_selection_table(args.table, selection_table(rows))
+        print(f"wrote the W4A16 selection table {args.table}")
     print(json.dumps({k: round(v, 3) for k, v in result["metrics"].items()}, indent=1))
     return 0
 
