@@ -65,7 +65,8 @@ def w4a16_candidates(m: int) -> list[GemmConfig]:
     if m <= 4:
         grid = [("fma", 1, 256, 64, 16, 4, 3), ("fma", 1, 64, 128, 0, 2, 3),
                 ("fma", 1, 128, 128, 0, 4, 3), ("sliced_t", 16, 128, 128, 0, 4, 3),
-                ("sliced_t", 16, 128, 128, 0, 4, 4)]  # fmt: skip
+                ("sliced_t", 16, 128, 128, 0, 4, 4), ("fma_p", 1, 256, 64, 16, 4, 3),
+                ("fma_p", 1, 64, 128, 0, 2, 3), ("fma_p", 1, 128, 128, 0, 4, 3)]  # fmt: skip
     elif m <= 32:
         bm = 16 if m <= 16 else 32
         grid = [("gemm", bm, 128, 128, 0, 4, 1), ("gemm_t", bm, 64, 128, 0, 4, 2),

@@ -38,6 +38,8 @@ def _half_of_pair(pair, HIGH: tl.constexpr, MAGIC: tl.constexpr, dtype: tl.const
     themselves when MAGIC (they already hold OFFSET + v), else the integer v converted."""
     if HIGH:
         half = pair >> 16
+    elif MAGIC > 0:
+        half = pair  # NOTE: the truncation to 16 bits below drops the high half.
     else:
         half = pair & 0xFFFF
     if MAGIC > 0:
