@@ -21,7 +21,8 @@ With --sweep, every candidate W4A16 config and FP8 decode config is also checked
 the fastest per (M bucket, N, K) is printed as the `TUNED_CONFIGS` / `FP8_TUNED_CONFIGS` dicts
 to paste into `loraplex/kernels/quant_gemm_configs.py` and `loraplex/kernels/fp8_gemm.py`
 (--sweep-w4a16: the W4A16 configs only). Each row keeps the dispatched kernel's own time
-(`w4a16_dispatched_*`) and the best "stream" config's (`w4a16_stream_*`) beside the winner's.
+(`w4a16_dispatched_*`) and the best "stream" / "stream_pair" config's (`w4a16_stream_*`)
+beside the winner's.
 --table PATH writes the W4A16 winners as a selection table file: run the engine with
 LORAPLEX_QUANT_GEMM_TABLE=PATH to dispatch from it (e.g. `benchmarks.quant_e2e` right after).
 Skips (exit 0) without CUDA.
@@ -65,8 +66,7 @@ def w4a16_candidates(m: int) -> list[GemmConfig]:
     if m <= 4:
         grid = [("fma", 1, 256, 64, 16, 4, 3), ("fma", 1, 64, 128, 0, 2, 3),
                 ("fma", 1, 128, 128, 0, 4, 3), ("sliced_t", 16, 128, 128, 0, 4, 3),
-                ("sliced_t", 16, 128, 128, 0, 4, 4), ("fma_p", 1, 256, 64, 16, 4, 3),
-                ("fma_p", 1, 64, 128, 0, 2, 3), ("fma_p", 1, 128, 128, 0, 4, 3)]  # fmt: skip
+                ("fma_p", 1, 256, 64, 16, 4, 3), ("fma_p", 1, 64, 128, 0, 2, 3)]  # fmt: skip
     elif m <= 32:
         bm = 16 if m <= 16 else 32
         grid = [("gemm", bm, 128, 128, 0, 4, 1), ("gemm_t", bm, 64, 128, 0, 4, 2),
@@ -82,18 +82,20 @@ def w4a16_candidates(m: int) -> list[GemmConfig]:
 
 
 def stream_candidates(m: int) -> list[tuple]:
-    """The "stream" decode kernel's config space at M tokens: token tile, weight columns per
-    program (the MMA's M side), split-K (0: about two programs per SM), warps, stages."""
+    """The "stream" / "stream_pair" decode kernels' config space at M tokens: token tile,
+    weight columns per program (the MMA's M side), split-K (0: about two programs per SM),
+    warps, stages."""
     if m > 64:
         return []
     if m <= 16:
-        return [("stream", 16, bn, 128, split, warps, stages)
-                for bn, split, warps, stages in ((64, 0, 4, 3), (128, 0, 4, 3), (128, 0, 4, 4),
-                                                 (128, 0, 8, 4), (256, 0, 8, 3), (256, 0, 8, 4),
-                                                 (128, 4, 4, 4), (64, 0, 4, 5))]  # fmt: skip
+        space = ((64, 0, 4, 3), (128, 0, 4, 3), (128, 0, 8, 4), (256, 0, 8, 3), (128, 4, 4, 4))
+        return [(kind, 16, bn, 128, split, warps, stages)
+                for kind in ("stream", "stream_pair")
+                for bn, split, warps, stages in space]  # fmt: skip
     bm = 32 if m <= 32 else 64
-    return [("stream", bm, 64, 128, 0, 4, 3), ("stream", bm, 128, 128, 0, 8, 3),
-            ("stream", bm, 128, 128, 0, 4, 4), ("stream", 32, 128, 128, 0, 4, 3)]  # fmt: skip
+    return [(kind, bm, bn, 128, 0, warps, stages)
+            for kind in ("stream", "stream_pair")
+            for bn, warps, stages in ((64, 4, 3), (128, 8, 3), (128, 4, 4))]  # fmt: skip
 
 
 def fp8_candidates() -> list[Fp8DecodeConfig]:
@@ -277,7 +279,7 @@ def _bench_point(w: ShapeWeights, m: int, timer: Timer, sweep: bool, sweep_fp8: 
         row["w4a16_sweep"] = _sweep_w4a16(w, x, w4_expected, timer)
         for key in ("ms", "gbps", "speedup"):
             row[f"w4a16_dispatched_{key}"] = row[f"w4a16_{key}"]
-        stream = [r for r in row["w4a16_sweep"] if r["config"].startswith('GemmConfig("stream"')]
+        stream = [r for r in row["w4a16_sweep"] if r["fields"][0].startswith("stream")]
         if stream:
             best = min(stream, key=lambda r: r["ms"])
             row["w4a16_stream_ms"], row["w4a16_stream_kernel"] = best["ms"], best["config"]
@@ -464,12 +466,12 @@ def main() -> int:
         result = summary(rows, copy_gbps)  # written after each shape: a cut-off run keeps rows
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
+        if args.table is not None:
+            args.table.parent.mkdir(parents=True, exist_ok=True)
+            write_selection_table(args.table, selection_table(rows))
+            print(f"wrote the W4A16 selection table {args.table}", flush=True)
     if sweep:
         print(result["tuned_configs"])
-    if args.table is not None:
-        args.table.parent.mkdir(parents=True, exist_ok=True)
-        write_selection_table(args.table, selection_table(rows))
-        print(f"wrote the W4A16 selection table {args.table}")
     print(json.dumps({k: round(v, 3) for k, v in result["metrics"].items()}, indent=1))
     return 0
 

@@ -1,6 +1,6 @@
 """Launch configurations of the W4A16 / W8A16 dequant-GEMM, the one place dispatch on M lives.
 
-Nine kernels (see `quant_gemm_w4a16`):
+Ten kernels (see `quant_gemm_w4a16`):
 - "gemv": one token row per program, FMA dot products, split-K (decode, M <= 2);
 - "fma": like "gemv", with a dequantization of ~2 instructions per weight and no layout change
   or cross-thread reduction in the loop (the bandwidth-bound decode kernel, M of 1 to a few);
@@ -13,6 +13,7 @@ Nine kernels (see `quant_gemm_w4a16`):
   value position of a word instead of one reshaped tile ("_t": weight on the MMA's M side);
 - "stream": the decode tensor-core kernel of `triton_quant_gemm_stream` (weight on the MMA's
   M side, two values per integer op, zero point outside the loop, split-K), M = 1..64;
+  "stream_pair": the same with the two values of each masked word adjacent along K;
 - "dequant": dequantize `block_n` output columns at a time into a reused buffer (it stays in L2)
   and run the dense matmul on it (prefill, M >= `DEQUANT_MATMUL_MIN_M`).
 
@@ -36,14 +37,19 @@ DEQUANT_MATMUL_MIN_M = 128
 #: Token counts the tuned table is keyed by; M uses the smallest bucket >= M.
 M_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 1024, 4096)
 
-KINDS = ("gemv", "fma", "fma_p", "gemm", "gemm_t", "sliced", "sliced_t", "stream", "dequant")
+KINDS = (
+    "gemv", "fma", "fma_p", "gemm", "gemm_t", "sliced", "sliced_t", "stream", "stream_pair",
+    "dequant",
+)  # fmt: skip
 
 #: The sliced kernels take one dot per value position; a GPU dot needs a depth of >= 16 words.
 SLICED_KINDS = ("sliced", "sliced_t")
 SLICED_MIN_WORDS = 16
 #: Kinds with one dot per value position, and the reshaping kernel each falls back to on the
 #: GPU when a K tile holds fewer than SLICED_MIN_WORDS words.
-SHALLOW_FALLBACK = {"sliced": "gemm", "sliced_t": "gemm_t", "stream": "gemm_t"}
+SHALLOW_FALLBACK = {
+    "sliced": "gemm", "sliced_t": "gemm_t", "stream": "gemm_t", "stream_pair": "gemm_t"
+}  # fmt: skip
 
 
 #: Kinds that run one token row per program (block_m must be 1).

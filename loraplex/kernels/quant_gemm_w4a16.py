@@ -10,7 +10,7 @@ The kernels take one weight layout, to which AWQ and GPTQ checkpoints are repack
 
 On CUDA `wna16_gemm` asks `quant_gemm_configs.select_config` (the one place that dispatches on
 the token count M) for a kernel: "gemv", "fma" or "fma_p" (FMA, split-K) for decode, "gemm", "gemm_t",
-"sliced", "sliced_t" or "stream" (tiled tensor-core, split-K when the tiles do not fill the GPU) for mid
+"sliced", "sliced_t", "stream" or "stream_pair" (tiled tensor-core, split-K when the tiles do not fill the GPU) for mid
 and large sizes (dequantization inside the main loop, no bf16 copy of the weight), "dequant"
 (chunked dequantization into an L2-resident buffer + dense matmul) for prefill. The kernels are
 in `triton_quant_gemm`, `triton_quant_gemm_small_m`, `triton_quant_gemm_sliced` and
@@ -245,10 +245,10 @@ def wna16_gemm_triton(
         MAGIC=magic, OFFSET=offset, BLOCK_M=config.block_m,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
     )  # fmt: skip
-    if config.kind == "stream":
+    if config.kind in ("stream", "stream_pair"):
         _wna16_stream_kernel[(rows * n_tiles, split)](
             *common, m, n, group_size, k_per_split, *strides, **flags, **mma, **tiles,
-            NUM_STAGES=config.num_stages, **launch,
+            NUM_STAGES=config.num_stages, JOIN_PAIRS=config.kind == "stream_pair", **launch,
         )  # fmt: skip
         return out
     if config.kind in SLICED_KINDS:

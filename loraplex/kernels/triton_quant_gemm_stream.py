@@ -16,6 +16,11 @@ the M = 1..16 shapes become bound by memory rather than by the integer pipes:
   sum_k x_k, exact integer weights times x, fp32 accumulation; the scale multiplies once per
   K tile (a K tile never crosses a group), as do the scale and zero loads;
 - split-K with fp32 atomics (`_store_tile`), so few output tiles still keep every SM streaming.
+
+JOIN_PAIRS ("stream_pair") makes the two halves of each masked word adjacent along K, one dot
+of depth 2 * BLOCK_KW per pair of positions instead of two of BLOCK_KW: K index 2 * kw + h is
+position p + h * PACK / 2 of word kw. A 16-bit MMA operand register holds two K-adjacent
+values, so each such register is then the masked word itself, with no repacking across words.
 """
 
 from __future__ import annotations
@@ -62,13 +67,33 @@ def _dot_position(
 
 
 @triton.jit
+def _dot_pair(
+    w_lo, w_hi, part, x_acc, x_ptr, perm_ptr, k0, offs_m, mask_m, stride_xm,
+    P: tl.constexpr, PACK: tl.constexpr, BLOCK_KW: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_PERM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """part^T += [w_lo; w_hi interleaved along K]^T x^T: K index 2 * kw + h holds position
+    P + h * PACK / 2 of word kw; x_acc [2 * BLOCK_KW, BLOCK_M] += the x it multiplied."""
+    w = tl.reshape(tl.join(tl.trans(w_lo), tl.trans(w_hi)), (BLOCK_N, 2 * BLOCK_KW))
+    offs_j = tl.arange(0, 2 * BLOCK_KW)
+    src_k = _source_k(
+        perm_ptr, k0 + (offs_j // 2) * PACK + P + (offs_j % 2) * (PACK // 2), HAS_PERM
+    )  # [2 * BLOCK_KW]
+    x_t = tl.load(
+        x_ptr + offs_m[None, :] * stride_xm + src_k[:, None], mask=mask_m[None, :], other=0.0
+    )  # [2 * BLOCK_KW, BLOCK_M]
+    part = tl.dot(w, x_t, part, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+    return part, x_acc + x_t.to(tl.float32)
+
+
+@triton.jit
 def _wna16_stream_kernel(
     x_ptr, qw_ptr, scales_ptr, zeros_ptr, perm_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr,
     M, N, group_size, k_per_split, stride_xm, stride_qk, stride_sg, stride_om,
     BITS: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr, HAS_PERM: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, JOIN_PAIRS: tl.constexpr,
 ):  # fmt: skip
     """Program (tile, split) covers BLOCK_M x BLOCK_N outputs over k_per_split features.
     MAGIC (16-bit pattern) > 0: each half of a masked pair becomes OFFSET + v by bits."""
@@ -78,6 +103,7 @@ def _wna16_stream_kernel(
     VALUE_MASK: tl.constexpr = (1 << BITS) - 1
     PAIR_MASK: tl.constexpr = VALUE_MASK | (VALUE_MASK << 16)
     MAGIC_PAIR: tl.constexpr = MAGIC | (MAGIC << 16)
+    X_ROWS: tl.constexpr = 2 * BLOCK_KW if JOIN_PAIRS else BLOCK_KW
     dtype = x_ptr.dtype.element_ty
     tile = tl.program_id(0)
     offs_m, offs_n = _tile_offsets(tile, M, BLOCK_M, BLOCK_N)
@@ -90,21 +116,27 @@ def _wna16_stream_kernel(
         q = _load_words(qw_ptr, k0, offs_w, offs_n, mask_n, stride_qk, BITS)  # [BLOCK_KW, BLOCK_N]
         s, z = _load_group(scales_ptr, zeros_ptr, k0, group_size, offs_n, mask_n, stride_sg)
         part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        x_acc = tl.zeros((BLOCK_KW, BLOCK_M), dtype=tl.float32)  # per-word sums of x
+        x_acc = tl.zeros((X_ROWS, BLOCK_M), dtype=tl.float32)  # partial sums of x
         for p in tl.static_range(HALF):
             pair = (q >> (p * BITS)) & PAIR_MASK if p > 0 else q & PAIR_MASK
             if MAGIC > 0:
                 pair = pair | MAGIC_PAIR
             w_lo = _half_of_pair(pair, False, MAGIC, dtype)  # position p [BLOCK_KW, BLOCK_N]
-            part, x_acc = _dot_position(
-                w_lo, part, x_acc, x_ptr, perm_ptr, k0, offs_w, offs_m, mask_m, stride_xm,
-                p, PACK, HAS_PERM, DOT_PRECISION,
-            )  # fmt: skip
             w_hi = _half_of_pair(pair, True, MAGIC, dtype)  # position p + HALF
-            part, x_acc = _dot_position(
-                w_hi, part, x_acc, x_ptr, perm_ptr, k0, offs_w, offs_m, mask_m, stride_xm,
-                p + HALF, PACK, HAS_PERM, DOT_PRECISION,
-            )  # fmt: skip
+            if JOIN_PAIRS:
+                part, x_acc = _dot_pair(
+                    w_lo, w_hi, part, x_acc, x_ptr, perm_ptr, k0, offs_m, mask_m, stride_xm,
+                    p, PACK, BLOCK_KW, BLOCK_N, HAS_PERM, DOT_PRECISION,
+                )  # fmt: skip
+            else:
+                part, x_acc = _dot_position(
+                    w_lo, part, x_acc, x_ptr, perm_ptr, k0, offs_w, offs_m, mask_m, stride_xm,
+                    p, PACK, HAS_PERM, DOT_PRECISION,
+                )  # fmt: skip
+                part, x_acc = _dot_position(
+                    w_hi, part, x_acc, x_ptr, perm_ptr, k0, offs_w, offs_m, mask_m, stride_xm,
+                    p + HALF, PACK, HAS_PERM, DOT_PRECISION,
+                )  # fmt: skip
         x_sum = tl.sum(x_acc, axis=0)  # [BLOCK_M]
         zero = z.to(tl.float32) + OFFSET  # [BLOCK_N]
         acc += (part - zero[:, None] * x_sum[None, :]) * s.to(tl.float32)[:, None]

@@ -43,7 +43,8 @@ def _weights(bits: int, n: int, k: int, group_size: int, act_order: bool, seed: 
      (8, 3, 8, 64, 16, True, 4), (4, 33, 72, 32, 32, False, 1)],
 )  # fmt: skip
 @pytest.mark.parametrize(
-    "kind", ["gemm", "gemv", "fma", "fma_p", "gemm_t", "sliced", "sliced_t", "stream"]
+    "kind",
+    ["gemm", "gemv", "fma", "fma_p", "gemm_t", "sliced", "sliced_t", "stream", "stream_pair"],
 )
 def test_fused_kernels_match_reference(bits, m, n, k, group_size, act_order, split_k, kind) -> None:
     qweight, scales, zeros, perm = _weights(bits, n, k, group_size, act_order)
@@ -84,7 +85,10 @@ def test_fma_kernel_in_bf16_matches_reference(
     ("bits", "m", "group_size", "act_order", "split_k"),
     [(4, 1, 128, False, 1), (4, 5, 128, True, 2), (8, 3, 64, False, 2), (8, 2, 64, True, 1)],
 )
-def test_stream_kernel_in_fp16_matches_reference(bits, m, group_size, act_order, split_k) -> None:
+@pytest.mark.parametrize("kind", ["stream", "stream_pair"])
+def test_stream_kernels_in_fp16_match_reference(
+    bits, m, group_size, act_order, split_k, kind
+) -> None:
     # NOTE: fp16 takes the magic-number path (two values per integer op, 1024 + v as bits);
     # the result differs from the fp32 reference by the fp16 rounding of x and of the output.
     # (bf16 runs in the GPU test: the interpreter's bf16 dot is wrong for every kernel.)
@@ -92,7 +96,7 @@ def test_stream_kernel_in_fp16_matches_reference(bits, m, group_size, act_order,
     gen = torch.Generator().manual_seed(m)
     x = torch.randn(m, 256, generator=gen).half()
     bias = torch.randn(40, generator=gen).half()
-    config = GemmConfig("stream", 16, 32, group_size, split_k, 4, 2)
+    config = GemmConfig(kind, 16, 32, group_size, split_k, 4, 2)
     out = wna16_gemm_triton(x, qweight, scales, zeros, group_size, bits, perm, bias, config)
     expected = wna16_gemm_reference(
         x.float(), qweight, scales, zeros, group_size, bits, perm, bias.float()
@@ -220,7 +224,8 @@ def test_gpu_dispatch_matches_reference(m: int, bits: int, act_order: bool) -> N
      GemmConfig("sliced_t", 16, 128, 128, 0, 4, 3), GemmConfig("sliced_t", 64, 256, 128, 0, 8, 3),
      GemmConfig("sliced", 16, 128, 128, 0, 4, 3), GemmConfig("sliced", 128, 128, 128, 1, 8, 3),
      GemmConfig("stream", 16, 128, 128, 0, 4, 3), GemmConfig("stream", 16, 256, 128, 8, 8, 4),
-     GemmConfig("stream", 64, 64, 128, 0, 4, 2)],
+     GemmConfig("stream", 64, 64, 128, 0, 4, 2), GemmConfig("stream_pair", 16, 128, 128, 0, 4, 3),
+     GemmConfig("stream_pair", 64, 128, 128, 0, 8, 3)],
 )  # fmt: skip
 @pytest.mark.parametrize("m", [1, 5, 16, 33])
 @pytest.mark.parametrize(("bits", "act_order", "dtype"), [(4, False, torch.bfloat16),
