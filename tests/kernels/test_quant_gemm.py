@@ -226,6 +226,7 @@ def test_gpu_dispatch_matches_reference(m: int, bits: int, act_order: bool) -> N
      GemmConfig("stream", 16, 128, 128, 0, 4, 3), GemmConfig("stream", 16, 256, 128, 8, 8, 4),
      GemmConfig("stream", 64, 64, 128, 0, 4, 2), GemmConfig("stream_pair", 16, 128, 128, 0, 4, 3),
      GemmConfig("stream_pair", 64, 128, 128, 0, 8, 3)],
+    ids=lambda c: f"{c.kind}-{c.block_m}x{c.block_n}x{c.block_k}-split{c.split_k}-w{c.num_warps}",
 )  # fmt: skip
 @pytest.mark.parametrize("m", [1, 5, 16, 33])
 @pytest.mark.parametrize(("bits", "act_order", "dtype"), [(4, False, torch.bfloat16),
