@@ -20,7 +20,7 @@ copy bandwidth measured in the same run.
 With --sweep, every candidate W4A16 config and FP8 decode config is also checked and timed, and
 the fastest per (M bucket, N, K) is printed as the `TUNED_CONFIGS` / `FP8_TUNED_CONFIGS` dicts
 to paste into `loraplex/kernels/quant_gemm_configs.py` and `loraplex/kernels/fp8_gemm.py`
-(--sweep-w4a16: the W4A16 configs only). Each row keeps the dispatched kernel's own time
+(--sweep-w4a16: the W4A16 configs only, FP8 not timed). Each row keeps the dispatched kernel's own time
 (`w4a16_dispatched_*`) and the best "stream" / "stream_pair" config's (`w4a16_stream_*`)
 beside the winner's.
 --table PATH writes the W4A16 winners as a selection table file: run the engine with
@@ -215,7 +215,9 @@ def _checked(fn: Callable[[], torch.Tensor], expected: torch.Tensor) -> float:
     return err
 
 
-def _bench_point(w: ShapeWeights, m: int, timer: Timer, sweep: bool, sweep_fp8: bool) -> dict:
+def _bench_point(
+    w: ShapeWeights, m: int, timer: Timer, sweep: bool, sweep_fp8: bool, with_fp8: bool = True
+) -> dict:
     from loraplex.kernels.fp8_gemm import fp8_linear, fp8_small_m_reference, fp8_small_m_triton
     from loraplex.kernels.quant_gemm_w4a16 import (
         kernel_name,
@@ -245,6 +247,8 @@ def _bench_point(w: ShapeWeights, m: int, timer: Timer, sweep: bool, sweep_fp8: 
         "torch_fp8": (lambda: _torch_fp8(x, w_q, w_s), dense_fp8),
         "fp8_block": (lambda: fp8_linear(x, bq, bs, block_k=128), dense_block),
     }
+    if not with_fp8:
+        checks = {name: check for name, check in checks.items() if "fp8" not in name}
     errors = {name: _checked(fn, expected) for name, (fn, expected) in checks.items()}
     lin = torch.nn.functional.linear
     calls = {
@@ -260,6 +264,7 @@ def _bench_point(w: ShapeWeights, m: int, timer: Timer, sweep: bool, sweep_fp8: 
     ms = {
         name: timer(fn, c) if errors.get(name, 0.0) < 2e-2 else float("nan")
         for name, fn in calls.items()
+        if with_fp8 or "fp8" not in name
     }
     act_bytes = 2 * m * (k + n)
     weight_bytes = w.int4_bytes
@@ -292,7 +297,9 @@ def _bench_point(w: ShapeWeights, m: int, timer: Timer, sweep: bool, sweep_fp8: 
             row["fp8_scaled_mm_ms"] = timer(lambda i: _ours_scaled_mm(x, *w.fp8[i]), c)
             take_faster_gemm(row, n * k + 4 * n + act_bytes)
             _take_best(row, "fp8", row["fp8_sweep"], ms["bf16"], n * k + 4 * n + act_bytes)
-        ms["w4a16"], ms["fp8"] = row["w4a16_ms"], row["fp8_ms"]
+        ms["w4a16"] = row["w4a16_ms"]
+        if with_fp8:
+            ms["fp8"] = row["fp8_ms"]
     print(
         f"N={n:5d} K={k:5d} M={m:4d} bf16 {ms['bf16'] * 1e3:7.1f}us | "
         + " ".join(f"{name} {ms['bf16'] / t:5.2f}x" for name, t in ms.items() if name != "bf16")
@@ -436,7 +443,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/h200_quant.json"))
     parser.add_argument("--sweep", action="store_true", help="also time every candidate config")
     parser.add_argument(
-        "--sweep-w4a16", action="store_true", help="like --sweep, the W4A16 configs only"
+        "--sweep-w4a16", action="store_true", help="like --sweep, W4A16 only (no FP8 timed)"
     )
     parser.add_argument(
         "--table", type=Path, default=None, help="write the W4A16 winners as a selection table"
@@ -460,7 +467,9 @@ def main() -> int:
     timer, rows = Timer(args.rep_ms), []
     for n, k in shapes:
         weights = ShapeWeights(n, k)
-        rows += [_bench_point(weights, m, timer, sweep, args.sweep) for m in tokens]
+        rows += [
+            _bench_point(weights, m, timer, sweep, args.sweep, not args.sweep_w4a16) for m in tokens
+        ]
         del weights
         torch.cuda.empty_cache()
         result = summary(rows, copy_gbps)  # written after each shape: a cut-off run keeps rows
