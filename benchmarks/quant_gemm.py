@@ -65,8 +65,7 @@ def w4a16_candidates(m: int) -> list[GemmConfig]:
     every tensor-core kernel lost to "dequant" + cuBLAS from M = 1024."""
     if m <= 4:
         grid = [("fma", 1, 256, 64, 16, 4, 3), ("fma", 1, 64, 128, 0, 2, 3),
-                ("fma", 1, 128, 128, 0, 4, 3), ("sliced_t", 16, 128, 128, 0, 4, 3),
-                ("fma_p", 1, 256, 64, 16, 4, 3), ("fma_p", 1, 64, 128, 0, 2, 3)]  # fmt: skip
+                ("fma", 1, 128, 128, 0, 4, 3), ("sliced_t", 16, 128, 128, 0, 4, 3)]  # fmt: skip
     elif m <= 32:
         bm = 16 if m <= 16 else 32
         grid = [("gemm", bm, 128, 128, 0, 4, 1), ("gemm_t", bm, 64, 128, 0, 4, 2),
@@ -82,20 +81,20 @@ def w4a16_candidates(m: int) -> list[GemmConfig]:
 
 
 def stream_candidates(m: int) -> list[tuple]:
-    """The "stream" / "stream_pair" decode kernels' config space at M tokens: token tile,
-    weight columns per program (the MMA's M side), split-K (0: about two programs per SM),
-    warps, stages."""
+    """The stream decode kernels' config space at M tokens: token tile, weight columns per
+    program (the MMA's M side), split-K (0: about two programs per SM), warps, stages. Mostly
+    "stream_pair" (sm_90 SASS: ~3-3.7 instructions per weight in its loop, "stream" ~5.3, as
+    "sliced_t" and "fma"); stages 1 loads the word tile to registers with 128-bit loads, more
+    stages copy it asynchronously, 4 bytes at a time (the MMA operand wants it K-major)."""
     if m > 64:
         return []
-    if m <= 16:
-        space = ((64, 0, 4, 3), (128, 0, 4, 3), (128, 0, 8, 4), (256, 0, 8, 3), (128, 4, 4, 4))
-        return [(kind, 16, bn, 128, split, warps, stages)
-                for kind in ("stream", "stream_pair")
-                for bn, split, warps, stages in space]  # fmt: skip
-    bm = 32 if m <= 32 else 64
-    return [(kind, bm, bn, 128, 0, warps, stages)
-            for kind in ("stream", "stream_pair")
-            for bn, warps, stages in ((64, 4, 3), (128, 8, 3), (128, 4, 4))]  # fmt: skip
+    bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+    pair = [(128, 0, 4, 1), (128, 0, 4, 3), (256, 0, 8, 1), (256, 0, 8, 3), (128, 0, 2, 3),
+            (64, 0, 4, 3), (128, 4, 4, 3)]  # fmt: skip
+    if m > 16:
+        pair = [(128, 0, 4, 1), (128, 0, 4, 3), (256, 0, 8, 3), (64, 0, 4, 3)]
+    return [("stream_pair", bm, bn, 128, split, warps, stages)
+            for bn, split, warps, stages in pair] + [("stream", bm, 128, 128, 0, 4, 3)]  # fmt: skip
 
 
 def fp8_candidates() -> list[Fp8DecodeConfig]:

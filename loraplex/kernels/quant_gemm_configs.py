@@ -1,10 +1,9 @@
 """Launch configurations of the W4A16 / W8A16 dequant-GEMM, the one place dispatch on M lives.
 
-Ten kernels (see `quant_gemm_w4a16`):
+Nine kernels (see `quant_gemm_w4a16`):
 - "gemv": one token row per program, FMA dot products, split-K (decode, M <= 2);
 - "fma": like "gemv", with a dequantization of ~2 instructions per weight and no layout change
   or cross-thread reduction in the loop (the bandwidth-bound decode kernel, M of 1 to a few);
-  "fma_p": the same, loading the activations of each value position as a vector of their own;
 - "gemm": tiled tensor-core kernel, dequant in the prologue, split-K when the tiles alone do not
   fill the GPU (M up to a few hundred);
 - "gemm_t": "gemm" with the MMA operands swapped (weight tile as the MMA's M side, tokens as
@@ -38,7 +37,7 @@ DEQUANT_MATMUL_MIN_M = 128
 M_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 1024, 4096)
 
 KINDS = (
-    "gemv", "fma", "fma_p", "gemm", "gemm_t", "sliced", "sliced_t", "stream", "stream_pair",
+    "gemv", "fma", "gemm", "gemm_t", "sliced", "sliced_t", "stream", "stream_pair",
     "dequant",
 )  # fmt: skip
 
@@ -53,7 +52,7 @@ SHALLOW_FALLBACK = {
 
 
 #: Kinds that run one token row per program (block_m must be 1).
-ONE_ROW_KINDS = ("gemv", "fma", "fma_p")
+ONE_ROW_KINDS = ("gemv", "fma")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ The kernels take one weight layout, to which AWQ and GPTQ checkpoints are repack
   perm[k]; the load sorted the rows by group so groups are contiguous again.
 
 On CUDA `wna16_gemm` asks `quant_gemm_configs.select_config` (the one place that dispatches on
-the token count M) for a kernel: "gemv", "fma" or "fma_p" (FMA, split-K) for decode, "gemm", "gemm_t",
+the token count M) for a kernel: "gemv" or "fma" (FMA, split-K) for decode, "gemm", "gemm_t",
 "sliced", "sliced_t", "stream" or "stream_pair" (tiled tensor-core, split-K when the tiles do not fill the GPU) for mid
 and large sizes (dequantization inside the main loop, no bf16 copy of the weight), "dequant"
 (chunked dequantization into an L2-resident buffer + dense matmul) for prefill. The kernels are
@@ -234,10 +234,10 @@ def wna16_gemm_triton(
             *common, n, group_size, k_per_split, *strides, **flags, **tiles, **launch,
         )  # fmt: skip
         return out
-    if config.kind in ("fma", "fma_p"):
+    if config.kind == "fma":
         _wna16_fma_kernel[(m * n_tiles, split)](
             *common, m, n, group_size, k_per_split, *strides, **flags, **tiles,
-            NUM_STAGES=config.num_stages, X_BY_POSITION=config.kind == "fma_p", **launch,
+            NUM_STAGES=config.num_stages, **launch,
         )  # fmt: skip
         return out
     magic, offset = _magic(x.dtype, bits)

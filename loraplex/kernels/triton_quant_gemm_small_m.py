@@ -53,13 +53,9 @@ def _wna16_fma_kernel(
     M, N, group_size, k_per_split, stride_xm, stride_qk, stride_sg, stride_om,
     BITS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    X_BY_POSITION: tl.constexpr,
 ):  # fmt: skip
     """FMA kernel: program (tile, split) covers one token row and BLOCK_N outputs over
-    k_per_split features; per-word partial sums stay in registers until after the loop.
-    X_BY_POSITION ("fma_p"): the activations of each value position are loaded as a [BLOCK_KW]
-    vector of their own (L1 hits), instead of picked out of one [BLOCK_KW, PACK] tile by a
-    masked sum per position."""
+    k_per_split features; per-word partial sums stay in registers until after the loop."""
     PACK: tl.constexpr = 32 // BITS
     BLOCK_KW: tl.constexpr = BLOCK_K // PACK
     tile = tl.program_id(0)
@@ -72,29 +68,21 @@ def _wna16_fma_kernel(
     k_begin = tl.program_id(1) * k_per_split
     for k0 in tl.range(k_begin, k_begin + k_per_split, BLOCK_K, num_stages=NUM_STAGES):
         q = _load_words(qw_ptr, k0, offs_w, offs_n, mask_n, stride_qk, BITS)  # [BLOCK_KW, BLOCK_N]
-        if not X_BY_POSITION:
-            src_k = k0 + offs_w[:, None] * PACK + offs_p[None, :]  # [BLOCK_KW, PACK]
-            src_k = _source_k(perm_ptr, src_k, HAS_PERM)
-            x = tl.load(x_ptr + row * stride_xm + src_k).to(tl.float32)  # [BLOCK_KW, PACK]
-            x_sum = tl.sum(x, axis=1)  # [BLOCK_KW]
-        else:
-            x_sum = tl.zeros((BLOCK_KW,), dtype=tl.float32)
+        src_k = k0 + offs_w[:, None] * PACK + offs_p[None, :]  # [BLOCK_KW, PACK]
+        src_k = _source_k(perm_ptr, src_k, HAS_PERM)
+        x = tl.load(x_ptr + row * stride_xm + src_k).to(tl.float32)  # [BLOCK_KW, PACK]
         part = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
         x_big = tl.zeros((BLOCK_KW,), dtype=tl.float32)  # sum of the pre-multiplied x
         for p in tl.static_range(PACK):
-            if X_BY_POSITION:
-                src_p = _source_k(perm_ptr, k0 + offs_w * PACK + p, HAS_PERM)  # [BLOCK_KW]
-                x_p = tl.load(x_ptr + row * stride_xm + src_p).to(tl.float32)
-                x_sum += x_p
-            else:
-                x_p = tl.sum(tl.where(offs_p[None, :] == p, x, 0.0), axis=1)  # [BLOCK_KW]
             # NOTE: mantissa bit 11, 15 or 19 (4 bits: three distinct shifts), 12 (8 bits).
+            x_p = tl.sum(tl.where(offs_p[None, :] == p, x, 0.0), axis=1)  # [BLOCK_KW]
             x_p = x_p * (2 ** (12 - (8 - BITS) * (p % 3) - (BITS == 8)))
             x_big += x_p
             part += _as_float(q, p, 11 + (8 - BITS) * (p % 3) + (BITS == 8), BITS) * x_p[:, None]
         s, z = _load_group(scales_ptr, zeros_ptr, k0, group_size, offs_n, mask_n, stride_sg)
         s = s.to(tl.float32)
         z = z.to(tl.float32)
+        x_sum = tl.sum(x, axis=1)  # [BLOCK_KW]
         acc += (part - x_big[:, None] - x_sum[:, None] * z[None, :]) * s[None, :]
     total = tl.sum(acc, axis=0)[None, :]  # [1, BLOCK_N]
     offs_m = row + tl.arange(0, 1)
