@@ -85,12 +85,14 @@ def stream_candidates(m: int) -> list[tuple]:
     program (the MMA's M side), split-K (0: about two programs per SM), warps, stages. Mostly
     "stream_pair" (sm_90 SASS: ~3-3.7 instructions per weight in its loop, "stream" ~5.3, as
     "sliced_t" and "fma"); stages 1 loads the word tile to registers with 128-bit loads, more
-    stages copy it asynchronously, 4 bytes at a time (the MMA operand wants it K-major)."""
+    stages copy it asynchronously, 4 bytes at a time (the MMA operand wants it K-major); 2 warps
+    run mma.sync with both operands in registers, 4 and 8 the warpgroup MMA (x through shared
+    memory, one wait per pair of positions)."""
     if m > 64:
         return []
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
     pair = [(128, 0, 4, 1), (128, 0, 4, 3), (256, 0, 8, 1), (256, 0, 8, 3), (128, 0, 2, 3),
-            (64, 0, 4, 3), (128, 4, 4, 3)]  # fmt: skip
+            (128, 0, 2, 1), (256, 0, 4, 3), (128, 4, 4, 3)]  # fmt: skip
     if m > 16:
         pair = [(128, 0, 4, 1), (128, 0, 4, 3), (256, 0, 8, 3), (64, 0, 4, 3)]
     return [("stream_pair", bm, bn, 128, split, warps, stages)
