@@ -140,6 +140,7 @@ class CudaGraphRunner:
         self.logits: dict[int, torch.Tensor] = {}
         self.verify_graphs: dict[int, torch.cuda.CUDAGraph | _EagerGraph] = {}
         self.verify_logits: dict[int, torch.Tensor] = {}  # [bs * query_len, vocab]
+        self._verify_out: torch.Tensor | None = None  # CUDA: the buffer they all write
 
     def _forward(self, bs: int, query_len: int) -> torch.Tensor:
         t = bs * query_len
@@ -169,11 +170,18 @@ class CudaGraphRunner:
             graph: torch.cuda.CUDAGraph | _EagerGraph
             if self._cuda:
                 for _ in range(2):  # compile / autotune Triton kernels outside the capture
-                    self._forward(bs, q)
+                    logits = self._forward(bs, q)
+                if q > 1 and self._verify_out is None:  # the largest verification shape
+                    self._verify_out = torch.empty_like(logits)
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     logits = self._forward(bs, q)
+                    if q > 1:
+                        # NOTE: every verification graph writes one shared buffer, so their
+                        # [bs * (k + 1), vocab] logits do not each stay allocated in the pool
+                        assert self._verify_out is not None
+                        logits = self._verify_out[: bs * q].copy_(logits)
                 pool = graph.pool()
             else:
                 graph = _EagerGraph(lambda bs=bs, q=q: self._forward(bs, q))
