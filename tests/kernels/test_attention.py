@@ -270,3 +270,28 @@ def test_verification_layout_gives_the_real_tokens_dense_attention(num_splits) -
     assert torch.isfinite(out.float()).all()
     torch.testing.assert_close(out[real].float(), expected, atol=2e-3, rtol=2e-3)
     assert torch.equal(out[16:], torch.zeros_like(out[16:]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_verification_layout_on_gpu_with_graph_capture() -> None:
+    """The verification layout at the 8B's head shape, replayed from a CUDA graph."""
+    rows = [(5, 1, 3000), (5, 5, 777), (5, 3, 3), (5, 2, 1500)] + [(5, 0, 0)] * 4
+    batch = make_batch([(q, s) for q, _, s in rows], 32, 8, 128, torch.bfloat16, "cuda")
+    real = torch.cat([torch.arange(5 * i + 5 - n, 5 * i + 5) for i, (_, n, _) in enumerate(rows)])
+    expected = dense_attention(batch)[real.cuda()]
+
+    def step() -> torch.Tensor:
+        return paged_attention(
+            batch.q, batch.k_cache, batch.v_cache, batch.query_start_loc, batch.seq_lens,
+            batch.block_tables, batch.scale, max_query_len=5,
+        )  # fmt: skip
+
+    step()  # autotune and compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    graph.replay()
+    assert torch.isfinite(out.float()).all()
+    torch.testing.assert_close(out[real.cuda()].float(), expected, atol=2e-2, rtol=2e-2)
+    assert torch.equal(out[20:], torch.zeros_like(out[20:]))
