@@ -126,11 +126,18 @@ def compare(eager: torch.Tensor, graphed: torch.Tensor) -> tuple[float, float, i
 
 
 class OracleProposer(Proposer):
-    """Drafts from known outputs (benchmark instrument): the next `num_right` tokens a request
-    emitted without speculation, then wrong ones (the known token + 1) up to k."""
+    """Drafts from known outputs (a benchmark instrument): the next `num_right` tokens each
+    request emitted without speculation, then wrong ones (the known token + 1) up to k.
+    `known`: a prompt's first 16 tokens -> (its length, its output tokens)."""
 
-    def __init__(self, known: dict[tuple[int, ...], tuple[int, list[int]]], k: int, num_right: int):
-        self.known, self.k, self.num_right = known, k, num_right  # first 16 tokens -> output
+    def __init__(
+        self,
+        known: dict[tuple[int, ...], tuple[int, list[int]]],
+        k: int,
+        num_right: int,
+        vocab: int,
+    ) -> None:
+        self.known, self.k, self.num_right, self.vocab = known, k, num_right, vocab
 
     def propose(self, requests: list[ProposalRequest]) -> Proposals:
         out: dict[str, list[int]] = {}
@@ -138,7 +145,9 @@ class OracleProposer(Proposer):
             prompt_len, output = self.known[tuple(req.token_ids[:16].tolist())]
             pos = len(req.token_ids) - prompt_len
             nxt = output[pos : pos + min(self.k, req.max_tokens)]
-            out[req.req_id] = [t if j < self.num_right else t + 1 for j, t in enumerate(nxt)]
+            out[req.req_id] = [
+                t if j < self.num_right else (t + 1) % self.vocab for j, t in enumerate(nxt)
+            ]
         return Proposals(out)
 
 
@@ -155,7 +164,7 @@ def oracle_runs(
                 outputs: dict[int, list[int]] = {}
                 b = run_batch(plain, prompts, mode, max_tokens, outputs, ignore_eos=True)
                 known = {tuple(p[:16]): (len(p), outputs[i]) for i, p in enumerate(prompts)}
-                runner.proposer = OracleProposer(known, K, 2)
+                runner.proposer = OracleProposer(known, K, 2, vocab)
                 s = run_batch(spec, prompts, mode, max_tokens, ignore_eos=True)
                 key = f"oracle_len3_bs{bs}_{mode}"
                 metrics[f"{key}_plain_tpot_ms"] = b["tpot_ms"]
