@@ -125,6 +125,22 @@ def compare(eager: torch.Tensor, graphed: torch.Tensor) -> tuple[float, float, i
     return float((lp_e - lp_g).abs().max()), float(agree), eager.shape[0]
 
 
+def record_pair(key: str, plain: dict, spec: dict, metrics: dict) -> None:
+    """One workload's `run_batch` results without and with speculation, as metrics and a line."""
+    for name in ("tpot_ms", "tokens_per_s"):
+        metrics[f"{key}_plain_{name}"] = plain[name]
+        metrics[f"{key}_spec_{name}"] = spec[name]
+    metrics[f"{key}_tpot_speedup"] = plain["tpot_ms"] / spec["tpot_ms"]
+    metrics[f"{key}_acceptance_rate"] = spec["acceptance_rate"]
+    metrics[f"{key}_mean_acceptance_length"] = spec["mean_acceptance_length"]
+    print(
+        f"{key}: tpot {plain['tpot_ms']:.2f} -> {spec['tpot_ms']:.2f} ms "
+        f"({metrics[f'{key}_tpot_speedup']:.2f}x), {plain['tokens_per_s']:.0f} -> "
+        f"{spec['tokens_per_s']:.0f} tok/s, acceptance length "
+        f"{spec['mean_acceptance_length']:.2f}"
+    )
+
+
 class OracleProposer(Proposer):
     """Drafts from known outputs (a benchmark instrument): the next `num_right` tokens each
     request emitted without speculation, then wrong ones (the known token + 1) up to k.
@@ -166,18 +182,7 @@ def oracle_runs(
                 known = {tuple(p[:16]): (len(p), outputs[i]) for i, p in enumerate(prompts)}
                 runner.proposer = OracleProposer(known, K, 2, vocab)
                 s = run_batch(spec, prompts, mode, max_tokens, ignore_eos=True)
-                key = f"oracle_len3_bs{bs}_{mode}"
-                metrics[f"{key}_plain_tpot_ms"] = b["tpot_ms"]
-                metrics[f"{key}_spec_tpot_ms"] = s["tpot_ms"]
-                metrics[f"{key}_tpot_speedup"] = b["tpot_ms"] / s["tpot_ms"]
-                metrics[f"{key}_plain_tokens_per_s"] = b["tokens_per_s"]
-                metrics[f"{key}_spec_tokens_per_s"] = s["tokens_per_s"]
-                metrics[f"{key}_mean_acceptance_length"] = s["mean_acceptance_length"]
-                print(
-                    f"{key}: tpot {b['tpot_ms']:.2f} -> {s['tpot_ms']:.2f} ms "
-                    f"({b['tpot_ms'] / s['tpot_ms']:.2f}x), acceptance length "
-                    f"{s['mean_acceptance_length']:.2f}"
-                )
+                record_pair(f"oracle_len3_bs{bs}_{mode}", b, s, metrics)
     finally:
         runner.proposer = ngram
 
@@ -208,19 +213,7 @@ def end_to_end(
                 prompts = make(random.Random(bs), vocab, bs)
                 b = run_batch(plain, prompts, mode, max_tokens, ignore_eos=True)
                 s = run_batch(spec, prompts, mode, max_tokens, ignore_eos=True)
-                key = f"e2e_{workload}_bs{bs}_{mode}"
-                metrics[f"{key}_plain_tpot_ms"] = b["tpot_ms"]
-                metrics[f"{key}_spec_tpot_ms"] = s["tpot_ms"]
-                metrics[f"{key}_tpot_speedup"] = b["tpot_ms"] / s["tpot_ms"]
-                metrics[f"{key}_plain_tokens_per_s"] = b["tokens_per_s"]
-                metrics[f"{key}_spec_tokens_per_s"] = s["tokens_per_s"]
-                metrics[f"{key}_acceptance_rate"] = s["acceptance_rate"]
-                metrics[f"{key}_mean_acceptance_length"] = s["mean_acceptance_length"]
-                print(
-                    f"{key}: tpot {b['tpot_ms']:.2f} -> {s['tpot_ms']:.2f} ms, "
-                    f"{b['tokens_per_s']:.0f} -> {s['tokens_per_s']:.0f} tok/s, acceptance "
-                    f"length {s['mean_acceptance_length']:.2f}"
-                )
+                record_pair(f"e2e_{workload}_bs{bs}_{mode}", b, s, metrics)
 
 
 def checks(probes: dict[str, ForwardProbe], metrics: dict) -> bool:

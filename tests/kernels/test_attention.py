@@ -241,12 +241,18 @@ def test_triton_decode_on_gpu_with_graph_capture(batch_size: int, head_dim: int)
             batch.block_tables, batch.scale, max_query_len=1,
         )  # fmt: skip
 
-    step()  # autotune and compile outside the capture
+    out = replayed(step)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def replayed(step) -> torch.Tensor:
+    """`step()`'s output from a CUDA graph captured after a first (autotuning) call, replayed."""
+    step()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
     graph.replay()
-    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+    return out
 
 
 # A verification graph's layout (runner/cuda_graph.verify_layout): every sequence owns k + 1 = 4
@@ -287,11 +293,7 @@ def test_verification_layout_on_gpu_with_graph_capture() -> None:
             batch.block_tables, batch.scale, max_query_len=5,
         )  # fmt: skip
 
-    step()  # autotune and compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    graph.replay()
+    out = replayed(step)
     assert torch.isfinite(out.float()).all()
     torch.testing.assert_close(out[real.cuda()].float(), expected, atol=2e-2, rtol=2e-2)
     assert torch.equal(out[20:], torch.zeros_like(out[20:]))

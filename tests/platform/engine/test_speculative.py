@@ -156,6 +156,31 @@ def test_stop_string_inside_an_accepted_run(ngram, baseline):
     _idle(ngram)
 
 
+def test_graphed_verification_gives_the_same_tokens(model_dir, mixed_batch, expected):
+    """Verification replayed from graphs (on CPU their eager stand-ins, over the same padded
+    persistent buffers): the mixed batch's seven rows run in the 8-row graph."""
+    llm = LLM(str(model_dir), num_kv_blocks=128, speculative_config=NGRAM, max_num_seqs=8, **ENGINE)
+    runner = llm.engine.runner
+    assert runner.graphs is None  # CPU: eager unless graphs are installed
+    graphs = runner.build_graph_runner()
+    graphs.capture()
+    assert graphs.verify_query_len == 4 and graphs.verify_sizes == [1, 2, 4, 8]
+    runner.graphs = graphs
+    replays: list[int | None] = []
+    run_verify = graphs.run_verify
+
+    def counted(batch):
+        replays.append(graphs.verify_padded_size(batch))
+        return run_verify(batch)
+
+    graphs.run_verify = counted  # type: ignore[method-assign]
+    prompts, params, loras = mixed_batch
+    assert tokens(llm.generate(prompts, params, lora_request=loras)) == expected
+    assert llm.stats().spec_decoding.num_accepted_tokens >= N  # drafts were accepted
+    assert len(replays) >= 4 and 8 in replays
+    _idle(llm)
+
+
 @pytest.fixture(scope="module")
 def ngram_async(model_dir) -> LLM:
     return LLM(
