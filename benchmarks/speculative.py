@@ -73,19 +73,33 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
 _KV_BLOCKS_8B = 4096  # 8 GiB each at 8B: room for two engines and batch 64 x 520 tokens
 
 
-def run_batch(llm: LLM, prompts: list[str], mode: str, max_tokens: int) -> dict[str, float]:
-    """Generate the chat `prompts` at once; mean per-request TPOT (decode time after the
-    first token over the tokens after it), tokens, and the speculation counters' change."""
+def run_batch(
+    llm: LLM,
+    prompts: list[str] | list[list[int]],
+    mode: str,
+    max_tokens: int,
+    outputs: dict[int, list[int]] | None = None,
+    **options: bool,
+) -> dict[str, float]:
+    """Generate the `prompts` at once (chat messages, or token ids sent as they are); mean
+    per-request TPOT (decode time after the first token over the tokens after it), tokens,
+    output tokens a second, and the speculation counters' change. `outputs` collects each
+    prompt's output tokens by its index; `options`: more SamplingParams fields (ignore_eos
+    for random weights)."""
     engine = llm.engine
     tok = engine.tokenizer
     before = engine.stats().spec_decoding
     ids = {}
+    start = time.monotonic()
     for i, prompt in enumerate(prompts):
         sampling = MODES[mode][i % len(MODES[mode])]
-        params = SamplingParams(max_tokens=max_tokens, seed=1000 + i, **sampling)
-        token_ids = tok.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True
-        )
+        params = SamplingParams(max_tokens=max_tokens, seed=1000 + i, **sampling, **options)
+        if isinstance(prompt, str):
+            token_ids = tok.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True
+            )
+        else:
+            token_ids = prompt
         ids[engine.add_request(None, "", params, prompt_token_ids=token_ids)] = i
     tpots, tokens = [], 0
     while engine.has_unfinished_requests():
@@ -93,9 +107,16 @@ def run_batch(llm: LLM, prompts: list[str], mode: str, max_tokens: int) -> dict[
             if out.finished:
                 n = len(out.outputs[0].token_ids)
                 tokens += n
+                if outputs is not None:
+                    outputs[ids[out.request_id]] = list(out.outputs[0].token_ids)
                 if n > 1:
                     tpots.append((time.monotonic() - out.metrics["first_token_time"]) / (n - 1))
-    result = {"tpot_ms": statistics.mean(tpots) * 1e3, "tokens": float(tokens)}
+    wall = time.monotonic() - start
+    result = {
+        "tpot_ms": statistics.mean(tpots) * 1e3,
+        "tokens": float(tokens),
+        "tokens_per_s": tokens / wall,
+    }
     after = engine.stats().spec_decoding
     if after is not None:
         drafts = after.num_draft_tokens - (before.num_draft_tokens if before else 0)

@@ -241,9 +241,59 @@ def test_triton_decode_on_gpu_with_graph_capture(batch_size: int, head_dim: int)
             batch.block_tables, batch.scale, max_query_len=1,
         )  # fmt: skip
 
-    step()  # autotune and compile outside the capture
+    out = replayed(step)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def replayed(step) -> torch.Tensor:
+    """`step()`'s output from a CUDA graph captured after a first (autotuning) call, replayed."""
+    step()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
     graph.replay()
-    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+    return out
+
+
+# A verification graph's layout (runner/cuda_graph.verify_layout): every sequence owns k + 1 = 4
+# query rows and its real tokens (1 + its drafts) are the last of them; a padded sequence has
+# length 0. (query rows, real tokens, context length incl. the real tokens) per sequence.
+VERIFY_ROWS = [(4, 1, 20), (4, 4, 37), (4, 3, 3), (4, 2, 17), (4, 0, 0)]
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 4])
+def test_verification_layout_gives_the_real_tokens_dense_attention(num_splits) -> None:
+    """Padding queries in front of a sequence's real ones (some before its first position),
+    a padded sequence, and no max_seq_len hint (as under capture): the real tokens get their
+    own causal attention, every output is finite, the padded sequence's is zero."""
+    batch = make_batch([(q, s) for q, _, s in VERIFY_ROWS], 6, 2, head_dim=64, fill=1e4, seed=5)
+    real = torch.cat(
+        [torch.arange(4 * i + 4 - n, 4 * i + 4) for i, (_, n, _) in enumerate(VERIFY_ROWS)]
+    )
+    expected = dense_attention(batch)[real]
+    torch.testing.assert_close(run_ref(batch)[real].float(), expected, atol=2e-3, rtol=2e-3)
+    out = run_triton(batch, max_query_len=4, num_splits=num_splits)
+    assert torch.isfinite(out.float()).all()
+    torch.testing.assert_close(out[real].float(), expected, atol=2e-3, rtol=2e-3)
+    assert torch.equal(out[16:], torch.zeros_like(out[16:]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_verification_layout_on_gpu_with_graph_capture() -> None:
+    """The verification layout at the 8B's head shape, replayed from a CUDA graph."""
+    rows = [(5, 1, 3000), (5, 5, 777), (5, 3, 3), (5, 2, 1500)] + [(5, 0, 0)] * 4
+    batch = make_batch([(q, s) for q, _, s in rows], 32, 8, 128, torch.bfloat16, "cuda")
+    real = torch.cat([torch.arange(5 * i + 5 - n, 5 * i + 5) for i, (_, n, _) in enumerate(rows)])
+    expected = dense_attention(batch)[real.cuda()]
+
+    def step() -> torch.Tensor:
+        return paged_attention(
+            batch.q, batch.k_cache, batch.v_cache, batch.query_start_loc, batch.seq_lens,
+            batch.block_tables, batch.scale, max_query_len=5,
+        )  # fmt: skip
+
+    out = replayed(step)
+    assert torch.isfinite(out.float()).all()
+    torch.testing.assert_close(out[real.cuda()].float(), expected, atol=2e-2, rtol=2e-2)
+    assert torch.equal(out[20:], torch.zeros_like(out[20:]))

@@ -27,7 +27,7 @@ from loraplex.platform.core.commands import (
 from loraplex.platform.core.outputs import RequestOutput
 from loraplex.platform.core.request import Request, RequestStatus
 from loraplex.platform.core.sampling_params import SamplingParams
-from loraplex.platform.core.scheduler_output import SchedulerOutput
+from loraplex.platform.core.scheduler_output import EngineCoreOutput, SchedulerOutput
 from loraplex.platform.engine.gc_tuning import tune_for_serving
 from loraplex.platform.engine.output_processor import OutputProcessor
 from loraplex.platform.engine.structured_output import StepBitmask, StructuredOutputManager
@@ -282,11 +282,25 @@ class Engine:
         step N+1. Penalties, min_tokens, logprobs and seeds read only device state, so they run
         ahead too. A grammar's mask is filled on the host from its accepted tokens: step N+1's
         masks are filled after step N's tokens are read, while the device computes step N+1's
-        forward pass, and its sampling is launched after them."""
+        forward pass, and its sampling is launched after them.
+
+        A speculative step needs step N's tokens before it is scheduled (its drafts continue
+        them, and how many tokens a verification emitted moves every later position), so step
+        N's tokens are read and the scheduler updated first; with async scheduling the rest of
+        step N's processing (detokenizing, stop strings, outputs) still runs after step N+1 is
+        launched, and step N+1 stays in flight while the caller handles step N's outputs."""
         failed = self._poll_grammars() + self._poll_adapters()
         speculate = self._speculating()
-        lock_step = not self.async_scheduling or bool(self.scheduler.num_lock_step) or speculate
-        outputs = self._finish_in_flight() if lock_step else []
+        overlap = self.async_scheduling and not self.scheduler.num_lock_step
+        in_flight_drafts = self._in_flight is not None and bool(
+            self._in_flight[0].scheduled_spec_decode_tokens
+        )
+        lock_step = not overlap or speculate or in_flight_drafts
+        updated: list[EngineCoreOutput] = []
+        if lock_step and self._in_flight is not None:
+            (done_so, done_step), self._in_flight = self._in_flight, None
+            updated = self._update(done_so, done_step)
+        outputs = self._emit(updated) if not overlap else []
         if speculate:
             self._propose()
         so = self.scheduler.schedule()
@@ -294,12 +308,14 @@ class Engine:
         launched = self.runner.launch(so, need_sampler=constrained)
         if not lock_step:
             outputs = self._finish_in_flight()
+        elif overlap:
+            outputs = self._emit(updated)  # NOTE: while the device runs the launched step
         bitmask = self._grammar_bitmask(launched) if constrained else None
         if bitmask is None:
             step = self.runner.sample(launched)
         else:
             step = self.runner.sample(launched, bitmask.bitmask, bitmask.rows)
-        if lock_step or so.is_empty:  # nothing left in flight
+        if not overlap or so.is_empty:  # nothing left in flight
             return failed + outputs + self._process(so, step)
         self._in_flight = (so, step)
         return failed + outputs
@@ -346,11 +362,19 @@ class Engine:
         return self._process(so, step)
 
     def _process(self, so: SchedulerOutput, step: StepOutput) -> list[RequestOutput]:
+        return self._emit(self._update(so, step))
+
+    def _update(self, so: SchedulerOutput, step: StepOutput) -> list[EngineCoreOutput]:
+        """Read a step's tokens (waiting for the device) and give them to the scheduler."""
         runner_out = step.get()
         if runner_out.prompt_logprobs:
             self.output_processor.add_prompt_logprobs(runner_out.prompt_logprobs)
         core_outputs = self.scheduler.update_from_output(so, runner_out)
         self.generation_tokens_total += sum(len(o.new_token_ids) for o in core_outputs)
+        return core_outputs
+
+    def _emit(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
+        """Detokenize a step's new tokens into outputs; end the requests a stop string hit."""
         outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:
             # NOTE: the stop-string hit was already recorded on the sample; freeing the core

@@ -48,6 +48,9 @@ from loraplex.platform.spec.verifier import verify
 logger = logging.getLogger(__name__)
 
 _SCORE_CHUNK = 1024  # prompt rows whose logits are materialised at once for prompt logprobs
+# NOTE: speculation pays at small batches (a large one is compute-bound); each verification
+# graph keeps its [bs * (k + 1), vocab] fp32 logits, so larger ones are not captured.
+VERIFY_GRAPH_MAX_BS = 64
 
 
 @dataclass(frozen=True)
@@ -173,25 +176,11 @@ class ModelRunner:
             max_seqs, self.max_model_len, self.max_blocks_per_seq, self.arch.vocab_size, self.device
         )
         self.eos_token_ids = eos_token_ids
-        # NOTE: verification steps run eager: their query lengths (1 + each row's drafts)
-        # vary per row and per step, so only plain decode steps replay CUDA graphs.
         self.proposer = build_proposer(config, self.arch.vocab_size, self.device)
-        if self.proposer is not None and self.device.type == "cuda":
-            logger.warning(
-                "speculative decoding: verification steps run eager (not from CUDA graphs); on "
-                "a GPU whose eager step is launch-bound they cost several plain decode steps"
-            )
         self._draft_probs: dict[str, torch.Tensor] | None = None
-        self.graphs = None
+        self.graphs: CudaGraphRunner | None = None
         if self.device.type == "cuda" and not config.runner.enforce_eager:
-            self.graphs = CudaGraphRunner(
-                self.model,
-                self.kv_caches,
-                min(config.runner.cuda_graph_max_bs, max_seqs),
-                self.max_blocks_per_seq,
-                self.device,
-                before_replay=self._lora_for_graph if self.lora_writer is not None else None,
-            )
+            self.graphs = self.build_graph_runner()
             self.graphs.capture()
         if self.device.type == "cuda":
             # NOTE: compiles the sampler's kernels now, not on the first batch of each shape
@@ -214,6 +203,33 @@ class ModelRunner:
     @eos_token_ids.setter
     def eos_token_ids(self, ids: tuple[int, ...]) -> None:
         self.input_batch.eos_token_ids = tuple(ids)
+
+    def build_graph_runner(self) -> CudaGraphRunner:
+        """The runner's CUDA graphs (not captured yet): decode at every capture size, and with
+        a proposer verification of k + 1 tokens a row at the sizes where speculation runs
+        (below `disable_by_batch_size`, at most `VERIFY_GRAPH_MAX_BS`, within the LoRA
+        buffers). Off CUDA (tests) its graphs re-run the forward eagerly."""
+        cfg = self.config
+        max_bs = min(cfg.runner.cuda_graph_max_bs, cfg.scheduler.max_num_seqs)
+        spec = cfg.speculative
+        query_len, verify_max_bs = None, 0
+        if self.proposer is not None and spec is not None:
+            query_len = spec.num_speculative_tokens + 1
+            verify_max_bs = min(max_bs, VERIFY_GRAPH_MAX_BS)
+            if spec.disable_by_batch_size is not None:
+                verify_max_bs = min(verify_max_bs, spec.disable_by_batch_size - 1)
+            if self.lora_state is not None:
+                verify_max_bs = min(verify_max_bs, self.lora_state.meta.max_num_tokens // query_len)
+        return CudaGraphRunner(
+            self.model,
+            self.kv_caches,
+            max_bs,
+            self.max_blocks_per_seq,
+            self.device,
+            before_replay=self._lora_for_graph if self.lora_writer is not None else None,
+            verify_query_len=query_len,
+            verify_max_bs=verify_max_bs,
+        )
 
     def _init_lora(self) -> LoRAModelState:
         cfg = self.config
@@ -417,16 +433,17 @@ class ModelRunner:
         )  # fmt: skip
 
     def _forward(self, batch: Batch) -> tuple[torch.Tensor, dict]:
-        """Logits [num_sampled, vocab] of the rows that sample (graph replay for pure decode),
+        """Logits [num_sampled, vocab] of the rows that sample (graph replay for pure decode
+        and for verification steps whose every row decodes),
         and the prompt logprobs of the rows `batch.prompt_scores` names."""
         last_token = self.input_batch.last_token
-        if (
-            self.graphs is not None
-            and batch.is_decode
-            and self.graphs.padded_size(batch.num_seqs) is not None
-        ):
-            logits = self.graphs.run(batch, lambda ids: fill_pending(ids, batch, last_token))
-            return logits, {}
+        graphs = self.graphs
+        if graphs is not None:
+            if batch.is_decode and graphs.padded_size(batch.num_seqs) is not None:
+                logits = graphs.run(batch, lambda ids: fill_pending(ids, batch, last_token))
+                return logits, {}
+            if graphs.verify_padded_size(batch) is not None:
+                return graphs.run_verify(batch), {}
         dev = self.device
         if self.lora_writer is not None:
             self.lora_writer.write(batch.lora_slots)

@@ -5,7 +5,6 @@ code refactoring)."""
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from loraplex.platform.spec.proposer import ProposalRequest, Proposals, Proposer
 
@@ -15,15 +14,29 @@ def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int
     `tokens` of length in [min_n, max_n] that occurs earlier; [] when none does.
     [num_tokens] int -> list of up to k ints"""
     num = len(tokens)
-    for n in range(min(max_n, num - 1), min_n - 1, -1):
-        suffix = tokens[num - n :]
-        # Windows starting at 0..num-n-1: every earlier occurrence, followed by >= 1 token.
-        windows = sliding_window_view(tokens[: num - 1], n)  # [num - n, n]
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if len(hits):
-            start = int(hits[-1]) + n
-            return tokens[start : start + k].tolist()
-    return []
+    if num < 2:
+        return []
+    # NOTE: one pass over the history finds where the last token occurred before (each such
+    # place ends a candidate occurrence, followed by >= 1 token); only those few candidates are
+    # then extended backwards, up to max_n tokens. It runs in the lock step between a step's
+    # read-back and the next launch, so it must stay cheap on long contexts.
+    ends = np.flatnonzero(tokens[: num - 1] == tokens[num - 1])  # [c]
+    if not len(ends):
+        return []
+    matched = np.ones(len(ends), dtype=np.int64)  # [c] suffix tokens each candidate matches
+    alive = np.ones(len(ends), dtype=bool)
+    for j in range(1, max_n):
+        at = ends - j
+        alive &= at >= 0
+        alive[alive] = tokens[at[alive]] == tokens[num - 1 - j]
+        if not alive.any():
+            break
+        matched += alive
+    n = int(matched.max())
+    if n < min_n:
+        return []
+    start = int(ends[np.flatnonzero(matched >= n)[-1]]) + 1
+    return tokens[start : start + k].tolist()
 
 
 class NgramProposer(Proposer):

@@ -156,6 +156,72 @@ def test_stop_string_inside_an_accepted_run(ngram, baseline):
     _idle(ngram)
 
 
+def test_graphed_verification_gives_the_same_tokens(model_dir, mixed_batch, expected):
+    """Verification replayed from graphs (on CPU their eager stand-ins, over the same padded
+    persistent buffers): the mixed batch's seven rows run in the 8-row graph."""
+    llm = LLM(str(model_dir), num_kv_blocks=128, speculative_config=NGRAM, max_num_seqs=8, **ENGINE)
+    runner = llm.engine.runner
+    assert runner.graphs is None  # CPU: eager unless graphs are installed
+    graphs = runner.build_graph_runner()
+    graphs.capture()
+    assert graphs.verify_query_len == 4 and graphs.verify_sizes == [1, 2, 4, 8]
+    runner.graphs = graphs
+    replays: list[int | None] = []
+    run_verify = graphs.run_verify
+
+    def counted(batch):
+        replays.append(graphs.verify_padded_size(batch))
+        return run_verify(batch)
+
+    graphs.run_verify = counted  # type: ignore[method-assign]
+    prompts, params, loras = mixed_batch
+    assert tokens(llm.generate(prompts, params, lora_request=loras)) == expected
+    assert llm.stats().spec_decoding.num_accepted_tokens >= N  # drafts were accepted
+    assert len(replays) >= 4 and 8 in replays
+    _idle(llm)
+
+
+@pytest.fixture(scope="module")
+def ngram_async(model_dir) -> LLM:
+    return LLM(
+        str(model_dir), num_kv_blocks=128, speculative_config=NGRAM, async_scheduling=True,
+        **ENGINE,
+    )  # fmt: skip
+
+
+def test_async_scheduling_keeps_a_verification_in_flight_and_the_same_tokens(
+    ngram_async, baseline, mixed_batch, expected
+):
+    """Under async scheduling a speculative step reads the step before it first, yet stays in
+    flight itself while its caller handles the step before's outputs: the same tokens, stop
+    strings cut where they do without speculation, and the pool ends free."""
+    engine = ngram_async.engine
+    prompts, params, loras = mixed_batch
+    in_flight_drafts = 0
+    step = engine.step
+
+    def counting_step():
+        nonlocal in_flight_drafts
+        out = step()
+        in_flight = engine._in_flight
+        in_flight_drafts += in_flight is not None and bool(
+            in_flight[0].scheduled_spec_decode_tokens
+        )
+        return out
+
+    engine.step = counting_step  # type: ignore[method-assign]
+    try:
+        assert tokens(ngram_async.generate(prompts, params, lora_request=loras)) == expected
+    finally:
+        del engine.step
+    assert in_flight_drafts >= 3
+    stop = SamplingParams(temperature=0.0, max_tokens=40, stop=["library"])
+    want = baseline.generate(PROMPTS[0], stop)[0].outputs[0]
+    out = ngram_async.generate(PROMPTS[0], stop)[0].outputs[0]
+    assert (out.text, out.token_ids, out.stop_reason) == (want.text, want.token_ids, "library")
+    _idle(ngram_async)
+
+
 TINY = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -165,7 +231,10 @@ TINY = {
 }  # fmt: skip
 
 
-def test_preemption_and_abort_roll_back_and_the_prefix_cache_stays_right(tmp_path):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preemption_and_abort_roll_back_and_the_prefix_cache_stays_right(
+    tmp_path, async_scheduling
+):
     """A tiny random model (it loops, so prompt lookup gets accepted): ten requests of 32
     prompt tokens and 40 new (5 blocks each) in a pool of 30 blocks are preempted in the
     middle of speculative runs and recomputed; one is aborted midway. The others give the
@@ -175,7 +244,10 @@ def test_preemption_and_abort_roll_back_and_the_prefix_cache_stays_right(tmp_pat
     model.write_text(json.dumps(TINY))
     options = dict(dtype="float32", device="cpu", enable_lora=False)
     base = LLM(str(model), num_kv_blocks=200, **options)
-    spec = LLM(str(model), num_kv_blocks=30, speculative_config=NGRAM, **options)
+    spec = LLM(
+        str(model), num_kv_blocks=30, speculative_config=NGRAM,
+        async_scheduling=async_scheduling, **options,
+    )  # fmt: skip
     prompts = [[100 + (i + 3 * j) % 20 for j in range(32)] for i in range(10)]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     expected = tokens(base.generate(prompts, params))

@@ -39,3 +39,26 @@ def test_proposer_respects_each_requests_limit():
     )
     assert out.token_ids == {"a": [3, 4, 5], "b": [3]}
     assert out.probs is None
+
+
+def _lookup_by_windows(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
+    """The definition, spelled out: every n from the longest down, every earlier window."""
+    num = len(tokens)
+    for n in range(min(max_n, num - 1), min_n - 1, -1):
+        suffix = tokens[num - n :].tolist()
+        hits = [s for s in range(num - n) if tokens[s : s + n].tolist() == suffix]
+        if hits:
+            return tokens[hits[-1] + n : hits[-1] + n + k].tolist()
+    return []
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lookup_matches_the_definition_on_random_histories(seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(200):
+        vocab = int(rng.integers(2, 8))  # small vocabularies: many partial matches
+        tokens = rng.integers(0, vocab, int(rng.integers(1, 40)))
+        min_n = int(rng.integers(1, 4))
+        max_n = int(rng.integers(min_n, 6))
+        k = int(rng.integers(1, 6))
+        assert ngram_lookup(tokens, min_n, max_n, k) == _lookup_by_windows(tokens, min_n, max_n, k)
