@@ -14,6 +14,7 @@ from random_adapters import write_tiny_model
 from safetensors.torch import save_file
 
 from loraplex import LLM, LoRARequest, SamplingParams
+from loraplex.adapters.errors import AdapterValidationError
 
 pytestmark = pytest.mark.slow
 
@@ -122,6 +123,87 @@ def test_the_magnitude_changes_what_is_generated(llm, peft, tmp_path):
     dora = _generate(llm, peft, ["dora"], PROMPTS[1:2])[0].outputs[0].token_ids
     plain = llm.generate(PROMPTS[1], GREEDY, lora_request=LoRARequest("plain-ab", str(folder)))
     assert plain[0].outputs[0].token_ids != dora
+
+
+#: Adapters with full module copies or trained token rows (PEFT wraps a module one way per
+#: model, so each gets a PEFT model of its own), and plain / lm_head LoRA to mix with them.
+SAVED_SPECS: dict[str, dict] = {
+    "plain": SPECS["plain"],
+    "lm-head": SPECS["lm-head"],
+    "saved-lm-head": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
+                      "modules_to_save": ["lm_head"]},
+    "saved-embed": {"r": 4, "lora_alpha": 8, "target_modules": ["v_proj"],
+                    "modules_to_save": ["embed_tokens"]},
+    "saved-both": {"r": 8, "lora_alpha": 16, "target_modules": ALL,
+                   "modules_to_save": ["embed_tokens", "lm_head"]},
+    "tokens": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]},  # + the prompts' ids
+}  # fmt: skip
+#: more adapters needing copies than copy slots (2 of the 4 LoRA slots), beside base rows
+SAVED_BATCH = ["saved-lm-head", None, "saved-embed", "plain", "tokens", "saved-both",
+               "lm-head", "saved-lm-head"]  # fmt: skip
+
+
+class SavedReferences:
+    """One `PeftReference` per adapter of `SAVED_SPECS`; `tokens` trains rows of some of the
+    prompts' own token ids (tied to lm_head on the tied tiny model, as PEFT does)."""
+
+    def __init__(self, model: Path, folder: Path, token_ids: list[int]) -> None:
+        specs = dict(SAVED_SPECS)
+        specs["tokens"] = {**specs["tokens"], "trainable_token_indices": token_ids}
+        self.refs = {
+            name: PeftReference(model, folder / name, NUM_TOKENS, {name: spec})
+            for name, spec in specs.items()
+        }
+        self.paths = {name: ref.paths[name] for name, ref in self.refs.items()}
+
+    def greedy(self, name: str | None, prompt_ids: list[int]) -> list[int]:
+        return self.refs[name or "plain"].greedy(name, prompt_ids)
+
+
+def _prompt_token_ids(model: Path, prompts: list) -> list[int]:
+    """The distinct token ids of the prompts (ids themselves, or text through the tokenizer)
+    but their last ones: with tied embeddings, a last token whose input and output rows both
+    change still repeats itself."""
+    if not isinstance(prompts[0], list):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(model))
+        prompts = [tokenizer(p)["input_ids"] for p in prompts]
+    last = {p[-1] for p in prompts}
+    return sorted({i for p in prompts for i in p} - last)
+
+
+def _serve_saved_batch(llm: LLM, refs: SavedReferences, prompts: list) -> None:
+    names = SAVED_BATCH
+    requests = [None if n is None else LoRARequest(n, str(refs.paths[n])) for n in names]
+    rows = [prompts[i % len(prompts)] for i in range(len(names))]
+    outputs = llm.generate(rows, GREEDY, lora_request=requests)
+    for name, out in zip(names, outputs):
+        ids = list(out.prompt_token_ids)
+        assert out.outputs[0].token_ids == refs.greedy(name, ids), name
+        if name is not None and name != "plain":
+            assert out.outputs[0].token_ids != refs.greedy(None, ids), name
+
+
+def test_saved_modules_and_token_rows_mixed_in_one_batch_equal_peft(tiny_dir, tmp_path):
+    """modules_to_save copies of lm_head, embed_tokens or both, and trained token rows, each
+    served to its own rows only, beside plain and lm_head LoRA and base rows; four adapters
+    need the two copy slots, so they take turns."""
+    refs = SavedReferences(tiny_dir, tmp_path, _prompt_token_ids(tiny_dir, PROMPTS))
+    llm = _llm(tiny_dir, max_saved_module_loras=2)
+    _serve_saved_batch(llm, refs, PROMPTS)
+    stats = llm.engine.lora_manager.stats()
+    assert stats.gpu_evictions > 0  # the copy slots were reused
+
+
+def test_saved_modules_are_refused_where_no_slot_holds_copies(llm, tiny_dir, tmp_path):
+    refs = SavedReferences(tiny_dir, tmp_path, [5, 9])
+    registered = llm.engine.lora_manager.list_adapters()
+    for name in ("saved-lm-head", "tokens"):
+        request = LoRARequest(name, str(refs.paths[name]))
+        with pytest.raises(AdapterValidationError, match="--max-saved-module-loras"):
+            llm.generate(PROMPTS[0], GREEDY, lora_request=request)
+    assert llm.engine.lora_manager.list_adapters() == registered
 
 
 def _dequantized_copy(llm: LLM, source: Path, folder: Path) -> Path:
