@@ -19,6 +19,8 @@ Every buffer has a fixed address (CUDA-graph safe); nothing waits for the host.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch.nn import functional as F
 
@@ -26,6 +28,8 @@ from loraplex.adapters.peft_config import VOCAB_MODULES
 from loraplex.adapters.peft_format import LoRAWeights
 
 __all__ = ["SavedModules"]
+
+logger = logging.getLogger(__name__)
 
 
 class SavedModules:
@@ -49,6 +53,12 @@ class SavedModules:
             m: torch.zeros(meta.num_slots, dtype=torch.bool, device=device) for m in VOCAB_MODULES
         }
         self._resident: dict[str, set[int]] = {m: set() for m in VOCAB_MODULES}
+        logger.info(
+            "%d LoRA slots hold embed_tokens / lm_head copies (modules_to_save, trained token "
+            "rows): %.1f MiB",
+            num_slots,
+            self.nbytes / 2**20,
+        )
 
     @property
     def nbytes(self) -> int:

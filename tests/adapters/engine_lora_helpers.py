@@ -47,7 +47,7 @@ B_SCALE = 3.0
 #: Noise added to full module copies (modules_to_save) and to trained token rows, so they
 #: change greedy text (the rows more: tied embeddings keep a model repeating a token whose
 #: input and output rows change together).
-SAVED_NOISE = 2.0
+SAVED_NOISE = 4.0
 TOKEN_ROW_NOISE = 8.0
 
 
