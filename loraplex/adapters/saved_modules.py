@@ -68,9 +68,13 @@ class SavedModules:
         """[n] bool: whether each slot's adapter has a copy of `module` (-1: base, never)."""
         return (slots >= 0) & self.used[module][slots.clamp_min(0).long()]
 
+    @staticmethod
+    def _capturing(device: torch.device) -> bool:
+        """Whether a CUDA graph is being captured (it must cover every copy slot)."""
+        return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
     def _skip(self, module: str, device: torch.device) -> bool:
-        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        return not self.meta.active or (not capturing and not self._resident[module])
+        return not self.meta.active or (not self._capturing(device) and not self._resident[module])
 
     def embed(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> None:
         # input_ids: [num_tokens], hidden: [num_tokens, hidden], updated in place
@@ -93,8 +97,8 @@ class SavedModules:
         if token_rows is not None:
             slots = slots[token_rows.long()]  # [num_rows]
         uses = self._uses("lm_head", slots)  # [num_rows]
-        capturing = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
-        copies = range(self.num_slots) if capturing else sorted(self._resident["lm_head"])
+        every = self._capturing(hidden.device)
+        copies = range(self.num_slots) if every else sorted(self._resident["lm_head"])
         for k in copies:
             out = F.linear(hidden, self.copies["lm_head"][k]).float()  # [num_rows, vocab]
             logits.copy_(torch.where((uses & (slots == k))[:, None], out, logits))

@@ -297,7 +297,8 @@ def test_every_form_on_cuda_graphs_equals_peft(tmp_path):
     model's wide weights keep greedy choices far from ties) equal PEFT's in fp32. A random
     tokenizer-less Llama: no model file to move to the device."""
     tiny = _tokenizer_less_tiny(tmp_path)
+    # NOTE: max_num_seqs=16: five decode graphs to capture
     llm = _llm(tiny, device="cuda", dtype="bfloat16", enforce_eager=False,
-               max_saved_module_loras=2)  # fmt: skip
+               max_saved_module_loras=2, max_num_seqs=16)  # fmt: skip
     assert llm.engine.runner.graphs is not None
     _serve_every_form(llm, tiny, tmp_path, 2)
