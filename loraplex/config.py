@@ -189,6 +189,12 @@ class EngineConfig:
             raise ValueError(
                 "speculative_config cannot be combined with tensor_parallel_size > 1 yet"
             )
+        if self.lora.max_saved_module_loras and self.parallel.tensor_parallel_size > 1:
+            # NOTE: a rank holds a slice of the base embedding, which trained token rows are
+            # written into.
+            raise ValueError(
+                "max_saved_module_loras cannot be combined with tensor_parallel_size > 1 yet"
+            )
 
     # Flat option names (vLLM's, as `LLM(...)` and `loraplex serve` take them) that differ from
     # the field they set.
