@@ -173,7 +173,7 @@ class LoRAWeights:
     @property
     def nbytes(self) -> int:
         lora = sum(m.a.nbytes + m.b.nbytes + _nbytes(m.magnitude) for m in self.modules.values())
-        extras = sum(t.values.nbytes + t.indices.nbytes for t in self.tokens.values())
+        extras = sum(t.values.nbytes + t.indices.nbytes for t in self._distinct_tokens())
         return lora + extras + sum(w.nbytes for w in self.saved.values())
 
     def to(self, dtype: torch.dtype, *, pin_memory: bool = False) -> LoRAWeights:
@@ -185,7 +185,7 @@ class LoRAWeights:
         so the slot pool copies B^T to the device in one contiguous transfer."""
         total = sum(m.a.numel() + m.b.numel() + _numel(m.magnitude) for m in self.modules.values())
         total += sum(w.numel() for w in self.saved.values())
-        total += sum(t.values.numel() for t in self.tokens.values())
+        total += sum(t.values.numel() for t in self._distinct_tokens())
         flat = torch.empty(total, dtype=dtype, pin_memory=pin_memory)  # [total]
         offset = 0
 
@@ -206,12 +206,13 @@ class LoRAWeights:
             for k, m in self.modules.items()
         }
         saved = {k: place(w) for k, w in self.saved.items()}
-        placed: dict[int, TrainedTokens] = {}  # NOTE: tied lm_head rows share the embedding's
-        tokens = {
-            k: placed.setdefault(id(t), TrainedTokens(t.indices, place(t.values)))
-            for k, t in self.tokens.items()
-        }
+        placed = {id(t): TrainedTokens(t.indices, place(t.values)) for t in self._distinct_tokens()}
+        tokens = {k: placed[id(t)] for k, t in self.tokens.items()}
         return LoRAWeights(self.path, self.digest, modules, saved, tokens)
+
+    def _distinct_tokens(self) -> list[TrainedTokens]:
+        """The trained rows, each once (tied lm_head rows are the embedding's)."""
+        return list({id(t): t for t in self.tokens.values()}.values())
 
 
 def _numel(x: torch.Tensor | None) -> int:

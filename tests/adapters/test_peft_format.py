@@ -330,6 +330,9 @@ def test_saved_copies_and_token_rows_load_as_peft_saved_them(tmp_path, spec):
     weights = load_peft_adapter(folder, tied_spec, max_rank=16, saved_module_slots=1)
     assert weights.tokens["embed_tokens"].indices.tolist() == [7, 3, 90]
     assert weights.tokens["lm_head"] is weights.tokens["embed_tokens"]  # PEFT ties them
+    staged = weights.to(torch.bfloat16)
+    assert staged.tokens["lm_head"] is staged.tokens["embed_tokens"]
+    assert staged.nbytes == weights.nbytes // 2 + 3 * 8 // 2  # bf16 rows; int64 ids kept
     assert "lm_head" not in load_peft_adapter(folder, spec, 16, saved_module_slots=1).tokens
     assert not load_peft_adapter(
         make_peft_adapter(tmp_path / "p"), spec, 16
