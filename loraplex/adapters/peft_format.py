@@ -250,6 +250,21 @@ def load_peft_adapter(
     weights_bytes = _read_weights_file(folder)
     tensors = _parse_tensors(folder, weights_bytes)
     groups = _group_tensors(folder / WEIGHTS_FILE, tensors, spec)
+    saved, tokens = _take_vocab_extras(folder, config, groups, spec, dtype, saved_module_slots)
+    modules = _build_modules(folder, config, groups, spec, max_rank, dtype)
+    digest = content_digest(config_bytes, weights_bytes)
+    return LoRAWeights(str(folder), digest, modules, saved, tokens)
+
+
+def _take_vocab_extras(
+    folder: Path,
+    config: PeftLoRAConfig,
+    groups: dict[tuple[int, str], dict[str, torch.Tensor]],
+    spec: BaseModelSpec,
+    dtype: torch.dtype,
+    saved_module_slots: int,
+) -> tuple[dict[str, torch.Tensor], dict[str, TrainedTokens]]:
+    """Take the full module copies and trained rows out of `groups`, checked (`peft_saved`)."""
     found = {
         (module, part): groups[(layer, module)].pop(part)
         for (layer, module), parts in list(groups.items())
@@ -275,9 +290,7 @@ def load_peft_adapter(
             "holding full embed_tokens / lm_head copies; this server reserves none (start it "
             "with --max-saved-module-loras N)"
         )
-    modules = _build_modules(folder, config, groups, spec, max_rank, dtype)
-    digest = content_digest(config_bytes, weights_bytes)
-    return LoRAWeights(str(folder), digest, modules, saved, tokens)
+    return saved, tokens
 
 
 def _check_values(
