@@ -120,6 +120,23 @@ class PeftReference:
             self._cache[key] = out[0, len(prompt_ids) :].tolist()
         return self._cache[key]
 
+    def agrees(
+        self, adapter: str | None, prompt_ids: list[int], tokens: list[int], tolerance: float
+    ) -> bool:
+        """Whether each of `tokens`, after the prompt and the tokens before it, has a PEFT fp32
+        logit within `tolerance` standard deviations (of that position's logits) of the best:
+        greedy up to the rounding of a lower-precision engine (bf16), which may flip near-ties."""
+        if adapter is not None:
+            self.model.set_adapter(adapter)
+        ids = torch.tensor([prompt_ids + tokens[:-1]])
+        with (
+            torch.no_grad(),
+            self.model.disable_adapter() if adapter is None else nullcontext(),
+        ):
+            logits = self.model(ids).logits[0, len(prompt_ids) - 1 :].float()  # [n, vocab]
+        chosen = logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]  # [n]
+        return bool((chosen >= logits.max(dim=1).values - tolerance * logits.std(dim=1)).all())
+
 
 # -- broken copies of a good adapter ---------------------------------------------------------
 
