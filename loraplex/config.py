@@ -125,8 +125,17 @@ class LoRAConfig:
     max_loras: int = 8
     max_lora_rank: int = 64
     max_cpu_loras: int = 32
+    # Of the `max_loras` slots, how many can hold an adapter with `modules_to_save` or
+    # `trainable_token_indices`: each such slot keeps a full copy of embed_tokens and lm_head
+    # (2 * vocab * hidden elements); 0 refuses those adapters at registration.
+    max_saved_module_loras: int = 0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.max_saved_module_loras <= self.max_loras:
+            raise ValueError(
+                f"max_saved_module_loras must be in [0, max_loras={self.max_loras}], got "
+                f"{self.max_saved_module_loras}"
+            )
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
         if self.max_lora_rank < 1:
@@ -179,6 +188,12 @@ class EngineConfig:
             # not carry draft tokens yet.
             raise ValueError(
                 "speculative_config cannot be combined with tensor_parallel_size > 1 yet"
+            )
+        if self.lora.max_saved_module_loras and self.parallel.tensor_parallel_size > 1:
+            # NOTE: a rank holds a slice of the base embedding, which trained token rows are
+            # written into.
+            raise ValueError(
+                "max_saved_module_loras cannot be combined with tensor_parallel_size > 1 yet"
             )
 
     # Flat option names (vLLM's, as `LLM(...)` and `loraplex serve` take them) that differ from

@@ -31,3 +31,12 @@ def test_speculative_decoding_with_tensor_parallelism_is_refused_clearly() -> No
             tensor_parallel_size=2,
             speculative_config={"method": "ngram", "num_speculative_tokens": 2},
         )
+
+
+def test_module_copy_slots_are_bounded_by_the_lora_slots() -> None:
+    config = EngineConfig.from_options(max_loras=4, max_saved_module_loras=2)
+    assert config.lora.max_saved_module_loras == 2
+    with pytest.raises(ValueError, match=r"max_saved_module_loras must be in \[0, max_loras=4\]"):
+        EngineConfig.from_options(max_loras=4, max_saved_module_loras=5)
+    with pytest.raises(ValueError, match="max_saved_module_loras cannot be combined"):
+        EngineConfig.from_options(max_saved_module_loras=1, tensor_parallel_size=2)

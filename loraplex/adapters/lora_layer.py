@@ -25,6 +25,7 @@ the layer's one all-reduce.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -38,6 +39,7 @@ from loraplex.adapters.peft_format import (
     LoRAModuleWeights,
     LoRAWeights,
 )
+from loraplex.adapters.saved_modules import SavedModules
 from loraplex.adapters.vocab_lora import EmbeddingLoRA, LMHeadLoRA
 from loraplex.config import LoRAConfig
 from loraplex.kernels.lora import LoRAKernelMeta, LoRAStack, add_lora, fill_kernel_meta
@@ -234,11 +236,17 @@ class LoRALayer:
 @dataclass(frozen=True)
 class LoRAModelState:
     """All LoRA layers of one model and the batch metadata they share; `vocab` holds the
-    embedding and lm_head hooks (`adapters.vocab_lora`) where the model has them."""
+    embedding and lm_head hooks (`adapters.vocab_lora`, `adapters.saved_modules`) where the
+    model has them."""
 
     meta: LoRABatchMeta
     layers: tuple[LoRALayer, ...]
-    vocab: tuple[EmbeddingLoRA | LMHeadLoRA, ...] = ()
+    vocab: tuple[EmbeddingLoRA | LMHeadLoRA | SavedModules, ...] = ()
+
+    @property
+    def saved_module_slots(self) -> int:
+        """How many slots (the first ones) can hold full embed_tokens / lm_head copies."""
+        return sum(h.num_slots for h in self.vocab if isinstance(h, SavedModules))
 
     def load_slot(self, slot: int, weights: LoRAWeights) -> None:
         """Write an adapter into `slot` of every layer (on the caller's current stream)."""
@@ -298,11 +306,23 @@ def attach_lora_layers(
     return LoRAModelState(meta, tuple(layers), _attach_vocab(model, meta, lora_config, dtype))
 
 
+def _chain(*stages: Callable[..., None]) -> Callable[..., None]:
+    """One hook running `stages` in order (each updates the same output in place)."""
+
+    def run(*args: object) -> None:
+        for stage in stages:
+            stage(*args)
+
+    return run
+
+
 def _attach_vocab(
     model: nn.Module, meta: LoRABatchMeta, lora_config: LoRAConfig, dtype: torch.dtype
-) -> tuple[EmbeddingLoRA | LMHeadLoRA, ...]:
-    """Embedding and lm_head LoRA hooks, for a model with `embed_lora` / `logits_lora` slots."""
-    hooks: list[EmbeddingLoRA | LMHeadLoRA] = []
+) -> tuple[EmbeddingLoRA | LMHeadLoRA | SavedModules, ...]:
+    """Embedding and lm_head LoRA hooks, for a model with `embed_lora` / `logits_lora` slots;
+    with `max_saved_module_loras`, the full copies' stage runs first in each (it replaces what
+    the LoRA stage adds to; one adapter never has both on one module)."""
+    hooks: list[EmbeddingLoRA | LMHeadLoRA | SavedModules] = []
     rank = lora_config.max_lora_rank
     for attr, weight_name, kind in (
         ("embed_lora", "embed_tokens", EmbeddingLoRA),
@@ -318,4 +338,12 @@ def _attach_vocab(
         hook = kind(meta, vocab, hidden, rank, dtype, weight.device)
         setattr(model, attr, hook)
         hooks.append(hook)
+    if lora_config.max_saved_module_loras and len(hooks) == 2:
+        vocab = getattr(getattr(model, "config", None), "vocab_size", model.embed_tokens.shape[0])
+        saved = SavedModules(
+            meta, lora_config.max_saved_module_loras, model.embed_tokens, model.lm_head, vocab
+        )
+        model.embed_lora = _chain(saved.embed, hooks[0])
+        model.logits_lora = _chain(saved.logits, hooks[1])
+        hooks.insert(0, saved)
     return tuple(hooks)

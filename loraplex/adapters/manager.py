@@ -141,6 +141,11 @@ class LoRAManager:
         """`background_loads`: read adapters from disk on a loader thread (the engine's way);
         without it `can_schedule` reads them inline (simple, for tests and tools)."""
         model_state.check_spec(spec)
+        if model_state.saved_module_slots != config.max_saved_module_loras:
+            raise ValueError(
+                f"max_saved_module_loras={config.max_saved_module_loras}, but the model holds "
+                f"{model_state.saved_module_slots} slots of embed_tokens / lm_head copies"
+            )
         self.config = config
         self.spec = spec
         self._state = model_state
@@ -152,7 +157,12 @@ class LoRAManager:
         self._failed: dict[str, str] = {}  # key -> why it failed to load (tenant-safe text)
         self._new_failures: dict[str, str] = {}  # failed since the last `take_failures`
         self.pool = LoRASlotPool(
-            config.max_loras, config.max_cpu_loras, model_state, self._reload, self._device
+            config.max_loras,
+            config.max_cpu_loras,
+            model_state,
+            self._reload,
+            self._device,
+            config.max_saved_module_loras,
         )
         self._removed: set[str] = set()  # names a RemoveAdapter command took away
         self._stats: dict[str, _KeyStats] = {}
@@ -446,6 +456,9 @@ class LoRAManager:
         pinned_keys = {e.key for e in self._entries.values() if e.pinned}
         running = Counter(k for holder, k in self._held.items() if not holder.startswith("\x00"))
         candidates = [k for k in running if k not in pinned_keys and k != key]
+        if self.pool.needs_saved_module_slot(key):  # only a module-copy slot will do
+            limit = self.pool.saved_module_slots
+            candidates = [k for k in candidates if (self.pool.slot_of(k) or 0) < limit]
         if candidates:
             self._draining = min(
                 candidates, key=lambda k: (running[k], self._stats_of(k).last_used)
@@ -554,7 +567,9 @@ class LoRAManager:
     def validator(self) -> AdapterValidator:
         """The checks of this manager's adapters, as a value to hand to other processes."""
         dtype = str(self._dtype).removeprefix("torch.")
-        return AdapterValidator(self.spec, self.config.max_lora_rank, dtype)
+        return AdapterValidator(
+            self.spec, self.config.max_lora_rank, dtype, self.config.max_saved_module_loras
+        )
 
     def _fail(self, key: str, error: Exception) -> None:
         path = self._paths.get(key, "")

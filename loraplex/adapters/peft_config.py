@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from loraplex.adapters.errors import AdapterValidationError
@@ -22,10 +22,8 @@ MAX_RANK_FIELD = 1 << 16
 #: options that change the computation in ways we do not implement (true / non-empty = refused)
 _UNSUPPORTED_OPTIONS = {
     "lora_bias": "LoRA bias terms (lora_bias)",
-    "modules_to_save": "fully trained extra modules (modules_to_save)",
     "layer_replication": "layer replication",
     "fan_in_fan_out": "fan_in_fan_out weights",
-    "trainable_token_indices": "trained token embeddings (trainable_token_indices)",
     "target_parameters": "LoRA on raw parameters (target_parameters)",
     "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
     "use_qalora": "QA-LoRA (use_qalora)",
@@ -37,9 +35,15 @@ _BOOLEANS = (
     "fan_in_fan_out",
     "use_qalora",
     "inference_mode",
+    "ensure_weight_tying",
 )
 _OPTIONAL_STRINGS = ("base_model_name_or_path", "task_type", "revision", "peft_version")
 _ALL_LINEAR = "all-linear"  # PEFT's shorthand for every linear layer but the output head
+#: the modules whose full copies (`modules_to_save`) or trained rows (`trainable_token_indices`)
+#: are served
+VOCAB_MODULES = ("embed_tokens", "lm_head")
+#: the most token ids one `trainable_token_indices` entry may list
+MAX_TRAINABLE_TOKENS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,8 @@ class PeftLoRAConfig:
     exclude_modules: tuple[str, ...] | Regex | None
     base_model_class: str | None
     base_model_name_or_path: str | None
+    modules_to_save: tuple[str, ...] = ()  # of VOCAB_MODULES
+    trainable_tokens: dict[str, tuple[int, ...]] = field(default_factory=dict)  # module -> ids
 
     def rank_of(self, module_path: str) -> tuple[int, str]:
         """The rank the config declares for a module, and the field it came from."""
@@ -129,7 +135,65 @@ def parse_peft_config(config: Any, where: str) -> PeftLoRAConfig:
         exclude_modules=_module_rule(config, "exclude_modules", where),
         base_model_class=_base_model_class(config, where),
         base_model_name_or_path=config.get("base_model_name_or_path"),
+        modules_to_save=_modules_to_save(config, where),
+        trainable_tokens=_trainable_tokens(config, where),
     )
+
+
+def _modules_to_save(config: dict[str, Any], where: str) -> tuple[str, ...]:
+    """`modules_to_save` as module names of VOCAB_MODULES (PEFT matches names by suffix)."""
+    value = config.get("modules_to_save")
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise AdapterValidationError(f"{where}: modules_to_save must be a list of module names")
+    names = []
+    for name in value:
+        short = name.rsplit(".", 1)[-1]
+        if short not in VOCAB_MODULES:
+            raise AdapterValidationError(
+                f"{where}: modules_to_save {name[:80]!r} is not supported: only full copies of "
+                f"{list(VOCAB_MODULES)} are served (not norms, classifier heads or projections)"
+            )
+        names.append(short)
+    if names and config.get("ensure_weight_tying"):
+        raise AdapterValidationError(
+            f"{where}: modules_to_save with ensure_weight_tying is not supported"
+        )
+    return tuple(dict.fromkeys(names))
+
+
+def _trainable_tokens(config: dict[str, Any], where: str) -> dict[str, tuple[int, ...]]:
+    """`trainable_token_indices` (a list of ids for embed_tokens, or module -> ids)."""
+    value = config.get("trainable_token_indices")
+    if value is None:
+        return {}
+    table = {"embed_tokens": value} if isinstance(value, list) else value
+    if not isinstance(table, dict):
+        raise AdapterValidationError(
+            f"{where}: trainable_token_indices must be a list of token ids or an object "
+            "mapping embed_tokens / lm_head to one"
+        )
+    tokens: dict[str, tuple[int, ...]] = {}
+    for name, ids in table.items():
+        short = name.rsplit(".", 1)[-1] if isinstance(name, str) else name
+        if short not in VOCAB_MODULES:
+            raise AdapterValidationError(
+                f"{where}: trainable_token_indices on {str(name)[:80]!r} is not supported; "
+                f"only {list(VOCAB_MODULES)}"
+            )
+        if (
+            not isinstance(ids, list)
+            or not 1 <= len(ids) <= MAX_TRAINABLE_TOKENS
+            or not all(_is_index(i) for i in ids)
+            or len(set(ids)) != len(ids)
+        ):
+            raise AdapterValidationError(
+                f"{where}: trainable_token_indices[{short!r}] must list 1 to "
+                f"{MAX_TRAINABLE_TOKENS} distinct token ids >= 0"
+            )
+        tokens[short] = tuple(ids)
+    return tokens
 
 
 def _is_number(value: object) -> bool:

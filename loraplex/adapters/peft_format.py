@@ -11,7 +11,7 @@ import hashlib
 import json
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from safetensors.torch import load as load_safetensors
 
 from loraplex.adapters.errors import AdapterValidationError
 from loraplex.adapters.peft_config import PeftLoRAConfig, parse_peft_config
+from loraplex.adapters.peft_saved import SAVED_PART, TOKENS_PART, TrainedTokens, vocab_extras
 
 __all__ = [
     "CONFIG_FILE",
@@ -61,15 +62,19 @@ _LAYER_KEY = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\."
     r"(lora_A\.weight|lora_B\.weight|lora_magnitude_vector(?:\.weight)?)$"
 )
+_EXTRAS = r"|weight|token_adapter\.trainable_tokens_delta"  # modules_to_save, trained rows
 _MODEL_KEY = re.compile(
     r"^base_model\.model\.(?:model\.(embed_tokens)\.(lora_embedding_A|lora_embedding_B"
-    r"|base_layer\.weight|lora_magnitude_vector(?:\.weight)?)|(lm_head)\.(lora_A\.weight"
-    r"|lora_B\.weight|base_layer\.weight|lora_magnitude_vector(?:\.weight)?))$"
+    r"|base_layer\.weight|lora_magnitude_vector(?:\.weight)?" + _EXTRAS + r")|(lm_head)\."
+    r"(lora_A\.weight|lora_B\.weight|base_layer\.weight|lora_magnitude_vector(?:\.weight)?"
+    + _EXTRAS
+    + r"))$"
 )
 #: a tensor name's suffix -> its part of a module: A, B, the DoRA magnitude, a saved base copy
 _PARTS = {"lora_A.weight": "A", "lora_embedding_A": "A", "lora_B.weight": "B",
           "lora_embedding_B": "B", "lora_magnitude_vector": "M",
-          "lora_magnitude_vector.weight": "M", "base_layer.weight": "base"}  # fmt: skip
+          "lora_magnitude_vector.weight": "M", "base_layer.weight": "base",
+          "weight": SAVED_PART, "token_adapter.trainable_tokens_delta": TOKENS_PART}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,7 @@ class BaseModelSpec:
     kv_size: int  # num_key_value_heads * head_dim
     name_or_path: str | None = None
     vocab_size: int = 0  # 0: unknown (embed_tokens / lm_head adapters are then refused)
+    tie_word_embeddings: bool = False
 
     @classmethod
     def from_hf_config(
@@ -102,6 +108,7 @@ class BaseModelSpec:
             kv_size=config.get("num_key_value_heads", heads) * head_dim,
             name_or_path=name_or_path,
             vocab_size=config.get("vocab_size", 0),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         )
 
     def module_shape(self, module: str) -> tuple[int, int]:
@@ -143,11 +150,20 @@ class LoRAModuleWeights:
 
 @dataclass(frozen=True)
 class LoRAWeights:
-    """A validated adapter: its projections keyed by (layer index, PEFT module name)."""
+    """A validated adapter: its projections keyed by (layer index, PEFT module name), and its
+    full copies (`modules_to_save`) and trained rows (`trainable_token_indices`) of
+    embed_tokens / lm_head, by module name."""
 
     path: str
     digest: str  # sha256 of adapter_config.json and adapter_model.safetensors
     modules: dict[tuple[int, str], LoRAModuleWeights]
+    saved: dict[str, torch.Tensor] = field(default_factory=dict)  # module -> [vocab, hidden]
+    tokens: dict[str, TrainedTokens] = field(default_factory=dict)
+
+    @property
+    def needs_saved_module_slot(self) -> bool:
+        """Whether serving it needs a slot with full embed_tokens / lm_head copies."""
+        return bool(self.saved or self.tokens)
 
     @property
     def rank(self) -> int:
@@ -156,7 +172,9 @@ class LoRAWeights:
 
     @property
     def nbytes(self) -> int:
-        return sum(m.a.nbytes + m.b.nbytes + _nbytes(m.magnitude) for m in self.modules.values())
+        lora = sum(m.a.nbytes + m.b.nbytes + _nbytes(m.magnitude) for m in self.modules.values())
+        extras = sum(t.values.nbytes + t.indices.nbytes for t in self._distinct_tokens())
+        return lora + extras + sum(w.nbytes for w in self.saved.values())
 
     def to(self, dtype: torch.dtype, *, pin_memory: bool = False) -> LoRAWeights:
         """A copy in `dtype`, optionally in page-locked host memory, staged for slot copies.
@@ -166,6 +184,8 @@ class LoRAWeights:
         is busy). NOTE: each `b` comes back as the transpose of a contiguous [rank, out] tensor,
         so the slot pool copies B^T to the device in one contiguous transfer."""
         total = sum(m.a.numel() + m.b.numel() + _numel(m.magnitude) for m in self.modules.values())
+        total += sum(w.numel() for w in self.saved.values())
+        total += sum(t.values.numel() for t in self._distinct_tokens())
         flat = torch.empty(total, dtype=dtype, pin_memory=pin_memory)  # [total]
         offset = 0
 
@@ -185,7 +205,14 @@ class LoRAWeights:
             )
             for k, m in self.modules.items()
         }
-        return LoRAWeights(self.path, self.digest, modules)
+        saved = {k: place(w) for k, w in self.saved.items()}
+        placed = {id(t): TrainedTokens(t.indices, place(t.values)) for t in self._distinct_tokens()}
+        tokens = {k: placed[id(t)] for k, t in self.tokens.items()}
+        return LoRAWeights(self.path, self.digest, modules, saved, tokens)
+
+    def _distinct_tokens(self) -> list[TrainedTokens]:
+        """The trained rows, each once (tied lm_head rows are the embedding's)."""
+        return list({id(t): t for t in self.tokens.values()}.values())
 
 
 def _numel(x: torch.Tensor | None) -> int:
@@ -197,13 +224,19 @@ def _nbytes(x: torch.Tensor | None) -> int:
 
 
 def load_peft_adapter(
-    path: str | Path, spec: BaseModelSpec, max_rank: int, dtype: torch.dtype = torch.float32
+    path: str | Path,
+    spec: BaseModelSpec,
+    max_rank: int,
+    dtype: torch.dtype = torch.float32,
+    saved_module_slots: int = 0,
 ) -> LoRAWeights:
     """Load and validate a PEFT LoRA folder; tensors come back fp32 on CPU.
 
     `dtype` is the dtype the adapter will be served in: its weights and every module's scaling
-    must be finite there. Raises `AdapterValidationError` for anything that cannot be served
-    exactly, naming the field, tensor or module.
+    must be finite there. `saved_module_slots`: how many slots can hold full embed_tokens /
+    lm_head copies (`LoRAConfig.max_saved_module_loras`); with none, adapters that need one
+    (`modules_to_save`, `trainable_token_indices`) are refused. Raises `AdapterValidationError`
+    for anything that cannot be served exactly, naming the field, tensor or module.
     """
     folder = Path(path)
     if not folder.is_dir():
@@ -216,8 +249,62 @@ def load_peft_adapter(
     _check_options(folder, config, spec)
     weights_bytes = _read_weights_file(folder)
     tensors = _parse_tensors(folder, weights_bytes)
-    modules = _build_modules(folder, config, tensors, spec, max_rank, dtype)
-    return LoRAWeights(str(folder), content_digest(config_bytes, weights_bytes), modules)
+    groups = _group_tensors(folder / WEIGHTS_FILE, tensors, spec)
+    saved, tokens = _take_vocab_extras(folder, config, groups, spec, dtype, saved_module_slots)
+    modules = _build_modules(folder, config, groups, spec, max_rank, dtype)
+    digest = content_digest(config_bytes, weights_bytes)
+    return LoRAWeights(str(folder), digest, modules, saved, tokens)
+
+
+def _take_vocab_extras(
+    folder: Path,
+    config: PeftLoRAConfig,
+    groups: dict[tuple[int, str], dict[str, torch.Tensor]],
+    spec: BaseModelSpec,
+    dtype: torch.dtype,
+    saved_module_slots: int,
+) -> tuple[dict[str, torch.Tensor], dict[str, TrainedTokens]]:
+    """Take the full module copies and trained rows out of `groups`, checked (`peft_saved`)."""
+    found = {
+        (module, part): groups[(layer, module)].pop(part)
+        for (layer, module), parts in list(groups.items())
+        for part in (SAVED_PART, TOKENS_PART)
+        if part in parts
+    }
+    saved, tokens = vocab_extras(
+        folder / WEIGHTS_FILE, config, found, spec.vocab_size, spec.hidden_size,
+        spec.tie_word_embeddings,
+        lambda name, label, t: _check_values(folder / WEIGHTS_FILE, name, label, t, dtype),
+    )  # fmt: skip
+    for module in list(saved) + list(tokens):
+        lora = groups.get((MODEL_LAYER, module), {}).keys() - {"base"}
+        if lora:
+            raise AdapterValidationError(
+                f"{folder / WEIGHTS_FILE}: {module} has both LoRA weights and a full copy or "
+                "trained rows; PEFT saves one or the other"
+            )
+    if (saved or tokens) and saved_module_slots < 1:
+        what = "modules_to_save" if saved else "trainable_token_indices"
+        raise AdapterValidationError(
+            f"{folder / CONFIG_FILE}: {what} ({sorted(set(saved) | set(tokens))}) needs a slot "
+            "holding full embed_tokens / lm_head copies; this server reserves none (start it "
+            "with --max-saved-module-loras N)"
+        )
+    return saved, tokens
+
+
+def _check_values(
+    weights_path: Path, name: str, label: str, tensor: torch.Tensor, dtype: torch.dtype
+) -> None:
+    """Refuse NaN, infinities and values over what the serving dtype holds."""
+    limit = torch.finfo(dtype).max
+    if not bool(torch.isfinite(tensor).all()):
+        raise AdapterValidationError(f"{weights_path}: {name}.{label} holds NaN or infinite values")
+    if tensor.numel() and float(tensor.abs().max()) > limit:
+        raise AdapterValidationError(
+            f"{weights_path}: {name}.{label} holds values over {limit:.4g}, the largest "
+            f"{str(dtype).removeprefix('torch.')} can hold"
+        )
 
 
 def content_digest(config_bytes: bytes, weights_bytes: bytes) -> str:
@@ -332,28 +419,19 @@ def _group_tensors(
 def _build_modules(
     folder: Path,
     config: PeftLoRAConfig,
-    tensors: dict[str, torch.Tensor],
+    groups: dict[tuple[int, str], dict[str, torch.Tensor]],
     spec: BaseModelSpec,
     max_rank: int,
     dtype: torch.dtype,
 ) -> dict[tuple[int, str], LoRAModuleWeights]:
     weights_path = folder / WEIGHTS_FILE
-    groups = _group_tensors(weights_path, tensors, spec)
     if not groups:
         raise AdapterValidationError(f"{weights_path}: no LoRA weights found")
     limit = torch.finfo(dtype).max  # the largest magnitude the serving dtype holds
     dtype_name = str(dtype).removeprefix("torch.")
 
     def check_values(name: str, label: str, tensor: torch.Tensor) -> None:
-        if not bool(torch.isfinite(tensor).all()):
-            raise AdapterValidationError(
-                f"{weights_path}: {name}.{label} holds NaN or infinite values"
-            )
-        if tensor.numel() and float(tensor.abs().max()) > limit:
-            raise AdapterValidationError(
-                f"{weights_path}: {name}.{label} holds values over {limit:.4g}, the largest "
-                f"{dtype_name} can hold"
-            )
+        _check_values(weights_path, name, label, tensor, dtype)
 
     modules = {}
     for (layer, module), part in sorted(groups.items()):

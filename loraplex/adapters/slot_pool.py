@@ -4,6 +4,9 @@
   never evicted; unpinned resident slots are reused in least-recently-released order.
 - Behind the slots, an LRU cache of up to `max_cpu_loras` adapters in host memory (pinned, in
   the model dtype) spares disk reads; a miss calls the loader the pool was built with.
+- The first `saved_module_slots` slots also hold full embed_tokens / lm_head copies
+  (`adapters.saved_modules`): an adapter that needs them (`modules_to_save`, trained token rows)
+  goes only there; other adapters take the other slots first.
 - On CUDA, host-to-device copies run on a side stream, after the work already queued on the
   main stream (an evicted slot may still be read by the step in flight). A CUDA event marks
   each load; `wait_ready` makes the main stream wait for the loads of pinned slots before the
@@ -63,12 +66,16 @@ class LoRASlotPool:
         writer: SlotWriter,
         loader: Callable[[Hashable], LoRAWeights],
         device: torch.device | str,
+        saved_module_slots: int = 0,
     ) -> None:
         if max_cpu_loras < 1 or num_slots < 1:
             raise ValueError(
                 f"need at least one slot and one CPU entry, got {num_slots}, {max_cpu_loras}"
             )
+        if not 0 <= saved_module_slots <= num_slots:
+            raise ValueError(f"{saved_module_slots} saved-module slots of {num_slots} slots")
         self.num_slots = num_slots
+        self.saved_module_slots = saved_module_slots
         self.max_cpu_loras = max_cpu_loras
         self._writer = writer
         self._loader = loader
@@ -86,8 +93,16 @@ class LoRASlotPool:
         return self._where.get(key)
 
     def can_allocate(self, key: Hashable) -> bool:
-        """True if `acquire(key)` would succeed now: resident, or a slot is free or evictable."""
-        return key in self._where or self._free_slot() is not None or bool(self._idle)
+        """True if `acquire(key)` would succeed now: resident, or a slot it may take is free or
+        evictable (an adapter not in the host cache yet counts as needing no copy slot)."""
+        if key in self._where:
+            return True
+        wide = self._needs_wide(key)
+        return self._free_slot(wide) is not None or self._lru_idle(wide) is not None
+
+    def needs_saved_module_slot(self, key: Hashable) -> bool:
+        """Whether the host-cached adapter must sit in one of the first `saved_module_slots`."""
+        return self._needs_wide(key)
 
     def is_ready(self, key: Hashable) -> bool:
         """True if the adapter is resident and its copy has finished (never blocks)."""
@@ -112,9 +127,10 @@ class LoRASlotPool:
         """Pin `key`'s slot, loading the adapter first if it is not resident; returns the slot."""
         slot = self._where.get(key)
         if slot is None:
-            slot = self._free_slot()
+            wide = self._host_weights(key).needs_saved_module_slot
+            slot = self._free_slot(wide)
             if slot is None:
-                slot = self._evict_lru()
+                slot = self._evict_lru(wide)
             self._load(key, slot)
         self._slots[slot].pins += 1
         self._idle.pop(slot, None)
@@ -135,8 +151,8 @@ class LoRASlotPool:
         Prefetching never evicts another adapter from the GPU."""
         if key in self._where:
             return
-        self._host_weights(key)
-        slot = self._free_slot()
+        wide = self._host_weights(key).needs_saved_module_slot
+        slot = self._free_slot(wide)
         if slot is not None:
             self._load(key, slot)
             self._idle[slot] = None
@@ -149,11 +165,12 @@ class LoRASlotPool:
             return True
         if key not in self._host:
             return False
-        slot = self._free_slot()
+        wide = self._needs_wide(key)
+        slot = self._free_slot(wide)
         if slot is None:
-            if not self._idle:
+            if self._lru_idle(wide) is None:
                 return False
-            slot = self._evict_lru()
+            slot = self._evict_lru(wide)
         self._load(key, slot)
         self._idle[slot] = None
         return True
@@ -213,18 +230,39 @@ class LoRASlotPool:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _free_slot(self) -> int | None:
-        for i, s in enumerate(self._slots):
-            if s.key is None:
+    def _needs_wide(self, key: Hashable) -> bool:
+        weights = self._host.get(key)
+        return weights is not None and weights.needs_saved_module_slot
+
+    def _candidates(self, wide: bool) -> range | list[int]:
+        """The slots an adapter may take, in order of preference: one needing module copies
+        only the first `saved_module_slots`; another the rest first (keeping those free)."""
+        k = self.saved_module_slots
+        return range(k) if wide else [*range(k, self.num_slots), *range(k)]
+
+    def _free_slot(self, wide: bool = False) -> int | None:
+        for i in self._candidates(wide):
+            if self._slots[i].key is None:
                 return i
         return None
 
-    def _evict_lru(self) -> int:
-        if not self._idle:
-            raise NoFreeLoRASlotError(
-                f"all {self.num_slots} LoRA slots are pinned by running requests"
+    def _lru_idle(self, wide: bool) -> int | None:
+        """The least recently released idle slot the adapter may take (one without module
+        copies first, unless it needs them)."""
+        k = self.saved_module_slots
+        for slot in self._idle:
+            if (slot < k) == wide:
+                return slot
+        return None if wide else next(iter(self._idle), None)
+
+    def _evict_lru(self, wide: bool = False) -> int:
+        slot = self._lru_idle(wide)
+        if slot is None:
+            where = (
+                f"the {self.saved_module_slots} module-copy" if wide else f"all {self.num_slots}"
             )
-        slot, _ = self._idle.popitem(last=False)
+            raise NoFreeLoRASlotError(f"{where} LoRA slots are pinned by running requests")
+        del self._idle[slot]
         key = self._slots[slot].key
         del self._where[key]
         self._slots[slot] = _Slot()

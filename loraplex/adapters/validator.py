@@ -17,11 +17,13 @@ from loraplex.adapters.peft_format import BaseModelSpec, LoRAWeights, load_peft_
 
 @dataclass(frozen=True)
 class AdapterValidator:
-    """What an adapter must fit: the base model's spec, `max_lora_rank`, the serving dtype."""
+    """What an adapter must fit: the base model's spec, `max_lora_rank`, the serving dtype,
+    and whether slots for full embed_tokens / lm_head copies exist (`max_saved_module_loras`)."""
 
     spec: BaseModelSpec
     max_lora_rank: int
     dtype: str  # the serving dtype's torch name, e.g. "bfloat16"
+    max_saved_module_loras: int = 0
 
     def __post_init__(self) -> None:
         if self.max_lora_rank < 1:
@@ -33,4 +35,10 @@ class AdapterValidator:
         """Load and validate a PEFT folder (fp32 tensors come back); any thread may call it.
 
         Raises `AdapterValidationError` naming the field, tensor or module at fault."""
-        return load_peft_adapter(path, self.spec, self.max_lora_rank, getattr(torch, self.dtype))
+        return load_peft_adapter(
+            path,
+            self.spec,
+            self.max_lora_rank,
+            getattr(torch, self.dtype),
+            self.max_saved_module_loras,
+        )

@@ -44,11 +44,17 @@ ADAPTER_SPECS: dict[str, dict] = {
 #: Factor on B over nn.Linear's default init (what `init_lora_weights=False` leaves), so each
 #: adapter changes a greedy continuation within a dozen tokens.
 B_SCALE = 3.0
+#: Noise added to full module copies (modules_to_save) and to trained token rows, so they
+#: change greedy text (the rows more: tied embeddings keep a model repeating a token whose
+#: input and output rows change together).
+SAVED_NOISE = 4.0
+TOKEN_ROW_NOISE = 8.0
 
 
 class PeftReference:
     """One HF PEFT model holding every adapter of `specs` (default `ADAPTER_SPECS`; non-zero
-    B, DoRA magnitudes moved off their initial norms), saved as PEFT folders; greedy
+    B, DoRA magnitudes moved off their initial norms, module copies and token rows moved off
+    the base weights), saved as PEFT folders; greedy
     generations are computed one prompt at a time and cached."""
 
     def __init__(
@@ -78,6 +84,11 @@ class PeftReference:
                     b.mul_(B_SCALE)
                 for dora in (getattr(module, "lora_magnitude_vector", None) or {}).values():
                     dora.weight.mul_(0.5 + torch.rand(dora.weight.shape, generator=gen))
+                copies = getattr(module, "modules_to_save", None)  # modules_to_save
+                for copy in copies.values() if isinstance(copies, torch.nn.ModuleDict) else ():
+                    copy.weight.add_(torch.randn(copy.weight.shape, generator=gen) * SAVED_NOISE)
+                for rows in (getattr(module, "trainable_tokens_delta", None) or {}).values():
+                    rows.add_(torch.randn(rows.shape, generator=gen) * TOKEN_ROW_NOISE)
         model.save_pretrained(
             str(folder)
         )  # NOTE: an adapter not named "default" lands in folder/name
@@ -108,6 +119,23 @@ class PeftReference:
                 )
             self._cache[key] = out[0, len(prompt_ids) :].tolist()
         return self._cache[key]
+
+    def agrees(
+        self, adapter: str | None, prompt_ids: list[int], tokens: list[int], tolerance: float
+    ) -> bool:
+        """Whether each of `tokens`, after the prompt and the tokens before it, has a PEFT fp32
+        logit within `tolerance` standard deviations (of that position's logits) of the best:
+        greedy up to the rounding of a lower-precision engine (bf16), which may flip near-ties."""
+        if adapter is not None:
+            self.model.set_adapter(adapter)
+        ids = torch.tensor([prompt_ids + tokens[:-1]])
+        with (
+            torch.no_grad(),
+            self.model.disable_adapter() if adapter is None else nullcontext(),
+        ):
+            logits = self.model(ids).logits[0, len(prompt_ids) - 1 :].float()  # [n, vocab]
+        chosen = logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]  # [n]
+        return bool((chosen >= logits.max(dim=1).values - tolerance * logits.std(dim=1)).all())
 
 
 # -- broken copies of a good adapter ---------------------------------------------------------

@@ -14,6 +14,7 @@ from random_adapters import write_tiny_model
 from safetensors.torch import save_file
 
 from loraplex import LLM, LoRARequest, SamplingParams
+from loraplex.adapters.errors import AdapterValidationError
 
 pytestmark = pytest.mark.slow
 
@@ -124,6 +125,115 @@ def test_the_magnitude_changes_what_is_generated(llm, peft, tmp_path):
     assert plain[0].outputs[0].token_ids != dora
 
 
+#: Adapters with full module copies or trained token rows (PEFT wraps a module one way per
+#: model, so each gets a PEFT model of its own), and plain / lm_head LoRA to mix with them.
+SAVED_SPECS: dict[str, dict] = {
+    "plain": SPECS["plain"],
+    "lm-head": SPECS["lm-head"],
+    "saved-lm-head": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
+                      "modules_to_save": ["lm_head"]},
+    "saved-embed": {"r": 4, "lora_alpha": 8, "target_modules": ["v_proj"],
+                    "modules_to_save": ["embed_tokens"]},
+    "saved-both": {"r": 8, "lora_alpha": 16, "target_modules": ALL,
+                   "modules_to_save": ["embed_tokens", "lm_head"]},
+    "tokens": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]},  # + the prompts' ids
+}  # fmt: skip
+#: more adapters needing copies than copy slots (2 of the 4 LoRA slots), beside base rows
+SAVED_BATCH = ["saved-lm-head", None, "saved-embed", "plain", "tokens", "saved-both",
+               "lm-head", "saved-lm-head"]  # fmt: skip
+
+
+class SavedReferences:
+    """One `PeftReference` per adapter of `SAVED_SPECS`; `tokens` trains rows of some of the
+    prompts' own token ids (tied to lm_head on the tied tiny model, as PEFT does)."""
+
+    def __init__(self, model: Path, folder: Path, token_ids: list[int]) -> None:
+        specs = dict(SAVED_SPECS)
+        specs["tokens"] = {**specs["tokens"], "trainable_token_indices": token_ids}
+        self.refs = {
+            name: PeftReference(model, folder / name, NUM_TOKENS, {name: spec})
+            for name, spec in specs.items()
+        }
+        self.paths = {name: ref.paths[name] for name, ref in self.refs.items()}
+
+    def greedy(self, name: str | None, prompt_ids: list[int]) -> list[int]:
+        return self.refs[name or "plain"].greedy(name, prompt_ids)
+
+    def agrees(
+        self, name: str | None, prompt_ids: list[int], tokens: list[int], tol: float
+    ) -> bool:
+        return self.refs[name or "plain"].agrees(name, prompt_ids, tokens, tol)
+
+
+def _prompt_token_ids(model: Path, prompts: list) -> list[int]:
+    """The distinct token ids of the prompts (ids themselves, or text through the tokenizer)
+    but their last ones: with tied embeddings, a last token whose input and output rows both
+    change still repeats itself."""
+    if not isinstance(prompts[0], list):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(model))
+        prompts = [tokenizer(p)["input_ids"] for p in prompts]
+    last = {p[-1] for p in prompts}
+    return sorted({i for p in prompts for i in p} - last)
+
+
+#: the bf16 engine's greedy tokens against PEFT's fp32 logits: within this many standard
+#: deviations of the best logit at each position (bf16 may flip near-ties, a wrong adapter
+#: lands far off)
+BF16_TOLERANCE = 0.25
+
+
+def _check_rows(
+    refs, names: list, outputs: list, tolerance: float | None, changed: set[str]
+) -> None:
+    """Each row's tokens are PEFT's greedy ones under its adapter (`tolerance` None: equal;
+    else each within `tolerance` logit deviations of PEFT's best, see `PeftReference.agrees`)
+    and, for the adapters in `changed`, not the base model's."""
+    for name, out in zip(names, outputs):
+        ids, got = list(out.prompt_token_ids), list(out.outputs[0].token_ids)
+        if tolerance is None:
+            assert got == refs.greedy(name, ids), name
+            if name in changed:
+                assert got != refs.greedy(None, ids), name
+        else:
+            assert refs.agrees(name, ids, got, tolerance), name
+            if name in changed:
+                assert not refs.agrees(None, ids, got, tolerance), name
+
+
+def _serve_saved_batch(
+    llm: LLM, refs: SavedReferences, prompts: list, tolerance: float | None = None
+) -> None:
+    """`SAVED_BATCH` in one call, checked by `_check_rows`."""
+    names = SAVED_BATCH
+    requests = [None if n is None else LoRARequest(n, str(refs.paths[n])) for n in names]
+    rows = [prompts[i % len(prompts)] for i in range(len(names))]
+    outputs = llm.generate(rows, GREEDY, lora_request=requests)
+    _check_rows(refs, names, outputs, tolerance, set(SAVED_SPECS) - {"plain"})
+
+
+def test_saved_modules_and_token_rows_mixed_in_one_batch_equal_peft(tiny_dir, tmp_path):
+    """modules_to_save copies of lm_head, embed_tokens or both, and trained token rows, each
+    served to its own rows only, beside plain and lm_head LoRA and base rows; four adapters
+    need the two copy slots, so they take turns."""
+    refs = SavedReferences(tiny_dir, tmp_path, _prompt_token_ids(tiny_dir, PROMPTS))
+    llm = _llm(tiny_dir, max_saved_module_loras=2)
+    _serve_saved_batch(llm, refs, PROMPTS)
+    stats = llm.engine.lora_manager.stats()
+    assert stats.gpu_evictions > 0  # the copy slots were reused
+
+
+def test_saved_modules_are_refused_where_no_slot_holds_copies(llm, tiny_dir, tmp_path):
+    refs = SavedReferences(tiny_dir, tmp_path, [5, 9])
+    registered = llm.engine.lora_manager.list_adapters()
+    for name in ("saved-lm-head", "tokens"):
+        request = LoRARequest(name, str(refs.paths[name]))
+        with pytest.raises(AdapterValidationError, match="--max-saved-module-loras"):
+            llm.generate(PROMPTS[0], GREEDY, lora_request=request)
+    assert llm.engine.lora_manager.list_adapters() == registered
+
+
 def _dequantized_copy(llm: LLM, source: Path, folder: Path) -> Path:
     """A dense checkpoint of what the quantized model computes: every projection's dequantized
     weight, the rest copied from `source`."""
@@ -175,22 +285,42 @@ GPU_SOURCE_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama
                      "hidden_act": "silu", "torch_dtype": "float32"}  # fmt: skip
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_every_form_on_cuda_graphs_equals_peft(tmp_path):
-    """The Triton kernels and CUDA-graph replay (decode) serve each form as PEFT does: the CUDA
-    attention takes bf16 only, so the engine runs in bf16 and its first tokens (the tiny
-    model's wide weights keep greedy choices far from ties) equal PEFT's in fp32."""
-    source = tmp_path / "source"
+def _tokenizer_less_tiny(folder: Path) -> Path:
+    source = folder / "source"
     source.mkdir()
     (source / "config.json").write_text(json.dumps(GPU_SOURCE_CONFIG))
-    tiny = write_tiny_model(tmp_path / "tiny", source)
-    peft = PeftReference(tiny, tmp_path / "adapters", NUM_TOKENS, SPECS)
-    llm = _llm(tiny, device="cuda", dtype="bfloat16", enforce_eager=False)
-    assert llm.engine.runner.graphs is not None
+    return write_tiny_model(folder / "tiny", source)
+
+
+def _serve_every_form(llm: LLM, tiny: Path, folder: Path, tolerance: float | None) -> None:
+    """Every form of `SPECS` in one batch, then the module copies and token rows of
+    `SAVED_SPECS` in another, checked by `_check_rows` (vocabulary adapters change the text)."""
+    peft = PeftReference(tiny, folder / "adapters", NUM_TOKENS, SPECS)
     names = ["embed-lm-head", None, "lm-head", "dora", "embed", "plain", "dora-qv"]
     prompts = [[3 + 7 * i, 40 + i, 100 + 11 * i, 200 + i] for i in range(len(names))]
     requests = [None if n is None else LoRARequest(n, str(peft.paths[n])) for n in names]
     outputs = llm.generate(prompts, GREEDY, lora_request=requests)
-    for name, prompt, out in zip(names, prompts, outputs):
-        assert out.outputs[0].token_ids[:2] == peft.greedy(name, prompt)[:2], name
+    _check_rows(peft, names, outputs, tolerance, {"embed-lm-head", "lm-head", "embed"})
+    refs = SavedReferences(tiny, folder / "saved", _prompt_token_ids(tiny, prompts[:4]))
+    _serve_saved_batch(llm, refs, prompts[:4], tolerance)
+
+
+def test_every_form_on_a_tokenizer_less_model_equals_peft(tmp_path):
+    """The GPU test's model and batches on the CPU, eager, in fp32: every token equal."""
+    tiny = _tokenizer_less_tiny(tmp_path)
+    _serve_every_form(_llm(tiny, max_saved_module_loras=2), tiny, tmp_path, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_every_form_on_cuda_graphs_equals_peft(tmp_path):
+    """The Triton kernels and CUDA-graph replay (decode) serve each form as PEFT does: the CUDA
+    attention takes bf16 only, so the engine runs in bf16 and each of its greedy tokens is
+    within `BF16_TOLERANCE` of PEFT's best fp32 logit (teacher-forced on the engine's tokens).
+    A random tokenizer-less Llama: no model file to move to the device."""
+    tiny = _tokenizer_less_tiny(tmp_path)
+    # NOTE: max_num_seqs=16: five decode graphs to capture
+    llm = _llm(tiny, device="cuda", dtype="bfloat16", enforce_eager=False,
+               max_saved_module_loras=2, max_num_seqs=16)  # fmt: skip
+    assert llm.engine.runner.graphs is not None
+    _serve_every_form(llm, tiny, tmp_path, BF16_TOLERANCE)

@@ -172,3 +172,39 @@ def test_an_adapter_waiting_for_a_slot_gets_one_within_the_starvation_bound(
     assert manager.can_schedule(key_c) and manager.acquire_for_request("c1", key_c) >= 0
     assert manager.pool.slot_of(key_a) is None  # c took a's slot
     assert manager.can_schedule(key_a) is False  # and a now waits its turn like c did
+
+
+class VocabProjections(TinyProjections):
+    """TinyProjections with an embedding, a head and the model's two vocabulary hooks."""
+
+    def __init__(self, hf_model) -> None:
+        super().__init__(hf_model)
+        self.embed_tokens = torch.nn.Parameter(hf_model.model.embed_tokens.weight.detach())
+        self.lm_head = self.embed_tokens
+        self.embed_lora = self.logits_lora = None
+
+
+def test_a_drain_for_an_adapter_with_module_copies_frees_a_copy_slot(tmp_path):
+    """One of two slots holds module copies: an adapter with trained token rows waiting for it
+    drains the copy slot's adapter, not the plain one with fewer requests."""
+    config = LoRAConfig(max_loras=2, max_lora_rank=8, max_cpu_loras=4, max_saved_module_loras=1)
+    state = attach_lora_layers(VocabProjections(tiny_llama()), config, "cpu", torch.float32, 32)
+    manager = LoRAManager(config, BaseModelSpec.from_hf_config(HF_CONFIG), state, torch.float32)
+    plain = make_peft_adapter(tmp_path / "plain", seed=1)
+    rows = [make_peft_adapter(tmp_path / f"rows{s}", seed=s, trainable_token_indices=[3, 10 + s])
+            for s in (2, 3)]  # fmt: skip
+    key_p, key_a, key_b = (manager.adapter_key(LoRARequest(f.name, str(f))) for f in [plain, *rows])
+    assert manager.acquire_for_request("p1", key_p) == 1  # plain adapters leave slot 0 free
+    assert manager.acquire_for_request("a1", key_a) == 0
+    manager.acquire_for_request("a2", key_a)
+    assert not manager.can_schedule(key_b)
+    for _ in range(STARVATION_STEPS):
+        manager.poll()
+    assert manager.can_schedule(key_p) and not manager.can_schedule(key_a)  # a drains
+    manager.release_for_request("a1")
+    manager.release_for_request("a2")
+    assert manager.can_schedule(key_b) and manager.acquire_for_request("b1", key_b) == 0
+    with pytest.raises(ValueError, match="holds 0 slots of embed_tokens / lm_head copies"):
+        LoRAManager(config, BaseModelSpec.from_hf_config(HF_CONFIG),
+                    attach_lora_layers(TinyProjections(tiny_llama()), config, "cpu",
+                                       torch.float32, 32), torch.float32)  # fmt: skip

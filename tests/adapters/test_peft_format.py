@@ -6,11 +6,12 @@ import json
 import logging
 import math
 import pickle
+import re
 from pathlib import Path
 
 import pytest
 import torch
-from lora_fixtures import make_peft_adapter, tiny_llama
+from lora_fixtures import HF_CONFIG, make_peft_adapter, tiny_llama
 from safetensors.torch import load_file, save_file
 
 from loraplex.adapters.peft_format import (
@@ -191,7 +192,18 @@ BAD_ADAPTERS = [
         None,
         "on lm_head is not supported",
     ),
-    ("modules_to_save", {"modules_to_save": ["lm_head"]}, None, "modules_to_save"),
+    (
+        "modules_to_save without copy slots",
+        {"modules_to_save": ["lm_head"]},
+        None,
+        "needs a slot holding full embed_tokens / lm_head copies",
+    ),
+    (
+        "trainable tokens without copy slots",
+        {"trainable_token_indices": [3, 5]},
+        None,
+        "start it with --max-saved-module-loras",
+    ),
     ("bias", {"bias": "all"}, None, "bias='all'"),
     ("rank disagrees with config", {}, lambda f: _edit_config(f, r=8), "config.json says 8"),
     (
@@ -202,18 +214,6 @@ BAD_ADAPTERS = [
     ),
     ("not lora", {}, lambda f: _edit_config(f, peft_type="IA3"), "not LORA"),
 ]
-
-
-@pytest.mark.parametrize(
-    ("name", "options", "edit", "message"), BAD_ADAPTERS, ids=[case[0] for case in BAD_ADAPTERS]
-)
-def test_bad_adapter_is_refused(tmp_path, spec, name, options, edit, message):
-    folder = make_peft_adapter(tmp_path / "bad", **options)
-    if edit is not None:
-        edit(folder)
-    with pytest.raises(AdapterValidationError, match=message.replace(".", r"\.")) as error:
-        load_peft_adapter(folder, spec, max_rank=16)
-    assert str(folder) in str(error.value)
 
 
 def test_spec_from_hf_config_sizes():
@@ -241,3 +241,99 @@ def test_staged_weights_share_one_buffer_and_keep_their_values(make_adapter, spe
         assert torch.equal(copy.a, module.a.to(torch.bfloat16))
         assert torch.equal(copy.b, module.b.to(torch.bfloat16))
         assert copy.scaling == module.scaling
+
+
+def _nan_copy(folder: Path) -> None:
+    def edit(t):
+        t["base_model.model.lm_head.weight"][3, 4] = float("nan")
+
+    _edit_tensors(folder, edit)
+
+
+def _short_rows(folder: Path) -> None:
+    key = "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta"
+    _edit_tensors(folder, lambda t: t.update({key: t[key][:1]}))
+
+
+BAD_EXTRAS = [
+    # (name, adapter options, edit of the saved folder, expected message)
+    ("norm", {"modules_to_save": ["norm"]}, None, "'norm' is not supported: only full copies"),
+    ("classifier", {"modules_to_save": ["score"]}, None, "'score' is not supported"),
+    (
+        "resized lm_head copy",
+        {"modules_to_save": ["lm_head"], "model_overrides": {"vocab_size": 136}},
+        None,
+        "lm_head.weight has 136 rows (a resized vocabulary), the base model's vocabulary has 128",
+    ),
+    (
+        "token id past the vocabulary",
+        {"trainable_token_indices": [3, 130], "model_overrides": {"vocab_size": 160}},
+        None,
+        "holds id 130, the base model's vocabulary has 128 tokens: adapters that add tokens",
+    ),
+    ("rows of a wrong shape", {"trainable_token_indices": [3, 5]}, _short_rows, "expected (2, 64)"),
+    ("non-finite copy", {"modules_to_save": ["lm_head"]}, _nan_copy, "lm_head.weight holds NaN"),
+    (
+        "copy the config does not list",
+        {"modules_to_save": ["lm_head"]},
+        lambda f: _edit_config(f, modules_to_save=None),
+        "modules_to_save does not list it",
+    ),
+    (
+        "listed copy missing",
+        {},
+        lambda f: _edit_config(f, modules_to_save=["embed_tokens"]),
+        "embed_tokens.weight is missing",
+    ),
+    (
+        "duplicate token ids",
+        {},
+        lambda f: _edit_config(f, trainable_token_indices=[3, 3]),
+        "distinct token ids",
+    ),
+]
+
+
+#: every case, with the slots for module copies it is loaded with
+REFUSED = [(*case, 0) for case in BAD_ADAPTERS] + [(*case, 1) for case in BAD_EXTRAS]
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "edit", "message", "copy_slots"), REFUSED, ids=[c[0] for c in REFUSED]
+)
+def test_bad_adapter_is_refused(tmp_path, spec, name, options, edit, message, copy_slots):
+    """Refused naming the folder and the fault (with copy slots for module copies, malformed
+    copies / rows and added tokens)."""
+    folder = make_peft_adapter(tmp_path / "bad", **options)
+    if edit is not None:
+        edit(folder)
+    with pytest.raises(AdapterValidationError, match=re.escape(message)) as error:
+        load_peft_adapter(folder, spec, max_rank=16, saved_module_slots=copy_slots)
+    assert str(folder) in str(error.value)
+
+
+def test_saved_copies_and_token_rows_load_as_peft_saved_them(tmp_path, spec):
+    from peft import PeftModel
+
+    folder = make_peft_adapter(tmp_path / "a", modules_to_save=["lm_head", "embed_tokens"])
+    weights = load_peft_adapter(folder, spec, max_rank=16, saved_module_slots=1)
+    peft = PeftModel.from_pretrained(tiny_llama(), str(folder))
+    assert weights.needs_saved_module_slot
+    assert torch.equal(weights.saved["lm_head"], peft.base_model.model.lm_head.weight)
+    embed = peft.base_model.model.model.embed_tokens.weight
+    assert torch.equal(weights.saved["embed_tokens"], embed)
+    staged = weights.to(torch.bfloat16)
+    assert torch.equal(staged.saved["lm_head"], weights.saved["lm_head"].to(torch.bfloat16))
+
+    tied_spec = BaseModelSpec.from_hf_config({**HF_CONFIG, "tie_word_embeddings": True})
+    folder = make_peft_adapter(tmp_path / "t", trainable_token_indices=[7, 3, 90])
+    weights = load_peft_adapter(folder, tied_spec, max_rank=16, saved_module_slots=1)
+    assert weights.tokens["embed_tokens"].indices.tolist() == [7, 3, 90]
+    assert weights.tokens["lm_head"] is weights.tokens["embed_tokens"]  # PEFT ties them
+    staged = weights.to(torch.bfloat16)
+    assert staged.tokens["lm_head"] is staged.tokens["embed_tokens"]
+    assert staged.nbytes == weights.nbytes // 2 + 3 * 8 // 2  # bf16 rows; int64 ids kept
+    assert "lm_head" not in load_peft_adapter(folder, spec, 16, saved_module_slots=1).tokens
+    assert not load_peft_adapter(
+        make_peft_adapter(tmp_path / "p"), spec, 16
+    ).needs_saved_module_slot

@@ -111,3 +111,32 @@ def test_forget_keeps_pinned_adapters():
     assert not pool.forget("a") and pool.slot_of("a") is not None
     pool.release("a")
     assert pool.forget("a") and pool.slot_of("a") is None and pool.gpu_resident() == 0
+
+
+def test_adapters_with_module_copies_take_only_the_copy_slots():
+    """Slot 0 of 3 holds module copies: adapters with copies take turns there, evicting only
+    each other; plain adapters take the other slots first and fall back to slot 0."""
+    writer = RecordingWriter()
+
+    def loader(key):
+        weights = _weights(key)
+        if key.startswith("saved"):
+            return LoRAWeights(key, key, weights.modules, saved={"lm_head": torch.zeros(8, 4)})
+        return weights
+
+    pool = LoRASlotPool(3, 8, writer, loader, "cpu", saved_module_slots=1)
+    assert pool.acquire("plain-a") == 1 and pool.acquire("plain-b") == 2
+    assert pool.acquire("saved-a") == 0
+    pool.load_host("saved-b")
+    assert pool.needs_saved_module_slot("saved-b") and not pool.can_allocate("saved-b")
+    pool.release("plain-a")  # an idle slot, but not one that holds copies
+    assert not pool.can_allocate("saved-b") and not pool.stage("saved-b")
+    with pytest.raises(NoFreeLoRASlotError, match="the 1 module-copy LoRA slots"):
+        pool.acquire("saved-b")
+    pool.release("saved-a")
+    assert pool.acquire("saved-b") == 0 and pool.slot_of("saved-a") is None
+    pool.release("saved-b")
+    pool.release("plain-b")
+    assert pool.acquire("plain-c") == 1  # the least recently released of slots 1 and 2
+    assert pool.acquire("plain-d") == 2
+    assert pool.acquire("plain-e") == 0  # only then the copy slot

@@ -82,6 +82,9 @@ _OPTIONS = (
     _Option("--max-loras", 8, "adapters resident on the device at once (slots)", int),
     _Option("--max-lora-rank", 64, "the largest adapter rank accepted", int),
     _Option("--max-cpu-loras", 32, "adapters kept in host memory", int),
+    _Option("--max-saved-module-loras", 0, "of the --max-loras slots, how many can hold an "
+            "adapter with modules_to_save (embed_tokens / lm_head) or trainable_token_indices; "
+            "each keeps full copies of both (2 x vocab x hidden); 0 refuses such adapters", int),
     _Option("--grammar-compile-timeout", 30.0, "seconds one JSON schema / regex may take to "
             "compile; slower ones answer 400", float),
     _Option("--grammar-compile-memory-mib", 4096, "memory one grammar compile may use; more "

@@ -45,7 +45,10 @@ class _AdapterReader:
         spec = BaseModelSpec.from_hf_config(runner.arch.raw, name_or_path=model_dir)  # type: ignore[attr-defined]
         dtype = runner.dtype  # type: ignore[attr-defined]
         self._validator = AdapterValidator(
-            spec, config.lora.max_lora_rank, str(dtype).removeprefix("torch.")
+            spec,
+            config.lora.max_lora_rank,
+            str(dtype).removeprefix("torch."),
+            config.lora.max_saved_module_loras,
         )
         self._dtype = dtype
         self._cache: OrderedDict[str, object] = OrderedDict()

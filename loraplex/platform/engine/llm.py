@@ -44,6 +44,7 @@ class LLM:
         max_loras: int = 8,
         max_lora_rank: int = 64,
         max_cpu_loras: int = 32,
+        max_saved_module_loras: int = 0,
         enforce_eager: bool = False,
         enable_lora: bool = True,
         async_scheduling: bool | None = None,
@@ -58,7 +59,7 @@ class LLM:
             quantization=quantization, seed=seed, device=device,
             gpu_memory_utilization=gpu_memory_utilization, enable_lora=enable_lora,
             max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
-            enforce_eager=enforce_eager, async_scheduling=async_scheduling,
+            max_saved_module_loras=max_saved_module_loras, enforce_eager=enforce_eager, async_scheduling=async_scheduling,
             grammar_overlap=grammar_overlap, speculative_config=speculative_config,
             tensor_parallel_size=tensor_parallel_size,
         )  # fmt: skip

@@ -1,6 +1,6 @@
 """Bad adapter uploads each get a 4xx, leave the registry and its files as they were, and leave
 the server healthy (on the server of test_tenants.py, so no second model load); each adapter
-form beyond plain LoRA (DoRA, embed_tokens and lm_head LoRA) uploads and serves as PEFT runs
+form beyond plain LoRA (DoRA, embed_tokens and lm_head LoRA, trained token rows) uploads and serves as PEFT runs
 it, and its malformed variants are refused like the others."""
 
 from __future__ import annotations
@@ -109,6 +109,22 @@ CASES = {
         _weights(**{f"{EMBED}.lora_embedding_A": torch.randn(4, VOCAB),
                     f"{EMBED}.lora_embedding_B": torch.randn(576, 4)}),
     )),
+    "norm in modules_to_save": ("ok", _pair(
+        _config(modules_to_save=["norm"]), _weights(**{"base_model.model.model.norm.weight":
+                                                       torch.ones(576)}),
+    )),
+    "trained token past the vocabulary": ("ok", _pair(
+        _config(trainable_token_indices=[5, VOCAB + 2]),
+        _weights(**{f"{EMBED}.token_adapter.trainable_tokens_delta": torch.randn(2, 576)}),
+    )),
+    "trained token rows one short": ("ok", _pair(
+        _config(trainable_token_indices=[5, 9, 11]),
+        _weights(**{f"{EMBED}.token_adapter.trainable_tokens_delta": torch.randn(2, 576)}),
+    )),
+    "trained token rows the config does not list": ("ok", _pair(
+        _config(),
+        _weights(**{f"{EMBED}.token_adapter.trainable_tokens_delta": torch.randn(2, 576)}),
+    )),
     "DoRA on lm_head": ("ok", _pair(
         _config(use_dora=True, target_modules=["lm_head"]),
         save({f"{LM_HEAD}.lora_A.weight": torch.randn(4, 576),
@@ -156,7 +172,10 @@ FORMS = {
     "dora": {"target_modules": ["q_proj", "v_proj", "down_proj"], "use_dora": True},
     "lm-head": {"target_modules": ["q_proj", "lm_head"]},
     "embed": {"target_modules": ["embed_tokens", "v_proj"]},
-}
+    # the prompt's ids but its last one (PROMPT of test_tenants), tied to lm_head as PEFT ties
+    "trained-tokens": {"target_modules": ["q_proj"],
+                       "trainable_token_indices": [1, 504, 3458, 260, 1345, 28, 4038]},
+}  # fmt: skip
 
 
 def _form_adapter(base, folder, options: dict):
@@ -171,6 +190,8 @@ def _form_adapter(base, folder, options: dict):
         for module in model.modules():
             for dora in (getattr(module, "lora_magnitude_vector", None) or {}).values():
                 dora.weight.mul_(0.5 + torch.rand(dora.weight.shape))
+            for rows in (getattr(module, "trainable_tokens_delta", None) or {}).values():
+                rows.add_(torch.randn(rows.shape))
     model.save_pretrained(str(folder), save_embedding_layers=False)
     model.unload()
     return folder

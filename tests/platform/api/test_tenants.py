@@ -18,6 +18,8 @@ from tenant_helpers import (
     upload,
 )
 
+from loraplex.config import LoRAConfig
+
 PROMPT = [1, 504, 3458, 314, 260, 1345, 28, 4038, 314]
 MAX_TOKENS = 6
 MAX_ADAPTER_BYTES = 8_000_000
@@ -34,7 +36,9 @@ def world(model_dir, tmp_path_factory):
         "beta": make_adapter(base, adapters / "beta", seed=2),
         "alpha2": make_adapter(base, adapters / "alpha2", seed=3),
     }
-    server = start_server(model_dir, data_dir, max_adapter_bytes=MAX_ADAPTER_BYTES)
+    # NOTE: one slot for embed_tokens / lm_head copies, for test_bad_uploads' trained-tokens form
+    lora = LoRAConfig(max_saved_module_loras=1)
+    server = start_server(model_dir, data_dir, lora=lora, max_adapter_bytes=MAX_ADAPTER_BYTES)
     admin = server.client(ADMIN_KEY)
     keys = {}
     for name in ("alpha", "beta"):
