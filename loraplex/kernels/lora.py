@@ -45,6 +45,8 @@ class LoRAKernelConfig:
     """Which Triton kernels run and with which tiles (all sizes powers of two)."""
 
     token_kernels_max_tokens: int = 64  # up to this many tokens: one program per token
+    fused_max_tokens: int = 8  # up to this many: one fused shrink + expand launch (0: never)
+    fused_programs: int = 256  # widen the fused kernel's column tiles until about this many
     target_programs: int = 512  # split the shrink's reduction until about this many programs
     max_splits: int = 32
     shrink_block_k: int = 128
@@ -63,11 +65,18 @@ class LoRAKernelConfig:
             raise ValueError(
                 "LoRAKernelConfig: group_expand_max_chunks and group_expand_programs must be >= 1"
             )
-        if self.target_programs < 1 or self.max_splits < 1:
-            raise ValueError("LoRAKernelConfig: target_programs and max_splits must be >= 1")
+        if self.target_programs < 1 or self.max_splits < 1 or self.fused_programs < 1:
+            raise ValueError(
+                "LoRAKernelConfig: target_programs, max_splits and fused_programs must be >= 1"
+            )
+        if self.fused_max_tokens < 0:
+            raise ValueError("LoRAKernelConfig.fused_max_tokens must be >= 0")
 
     def use_token_kernels(self, num_tokens: int) -> bool:
         return num_tokens <= self.token_kernels_max_tokens
+
+    def use_fused_kernel(self, num_tokens: int) -> bool:
+        return num_tokens <= self.fused_max_tokens
 
 
 @dataclass(frozen=True)
@@ -246,9 +255,9 @@ def add_lora(
     workspace: torch.Tensor,  # [rows >= num_tokens, >= num_slices * max_rank] fp32
     config: LoRAKernelConfig | None = None,
 ) -> None:
-    """Add every token's adapter delta, all slices of one `Linear`: two Triton launches on CUDA
-    (the shrink may split its reduction over the workspace's spare rows), the torch reference
-    elsewhere."""
+    """Add every token's adapter delta, all slices of one `Linear`: on CUDA one fused Triton
+    launch for up to `fused_max_tokens` tokens, else two (the shrink may split its reduction
+    over the workspace's spare rows); the torch reference elsewhere."""
     check_lora_args(x, out, lora, meta, workspace)
     if x.is_cuda:
         from loraplex.kernels.triton_lora import lora_triton

@@ -1,7 +1,8 @@
 """Triton multi-LoRA kernels (see `loraplex.kernels.lora` for the math and the weight layout).
 
-One `Linear` costs two launches whatever its number of slices: a shrink that computes every
-slice's `x @ A^T` in one pass over `x`, and an expand that writes every slice's columns.
+One `Linear` costs two launches whatever its number of slices (one for the smallest batches,
+below): a shrink that computes every slice's `x @ A^T` in one pass over `x`, and an expand that
+writes every slice's columns.
 
 - shrink grid `(token programs, num_splits)`: the reduction over `in` is split into
   `num_splits` chunks; each program writes its fp32 partial `t` rows to its own workspace block
@@ -15,6 +16,12 @@ Two variants of each, picked by token count: the *token* kernels give each progr
 (any slot, a GEMV on CUDA cores; decode batches where most tokens carry different adapters),
 the *group* kernels give each program `BLOCK_M` tokens of one slot (read through `token_order`)
 and use `tl.dot`. Grids depend on tensor shapes only, so both replay from CUDA graphs.
+
+For the smallest batches (`fused_max_tokens`) one *fused* launch replaces the pair: program
+(token, column tile) computes its slice's `t = x @ A_s^T` over the whole reduction in registers
+and expands it into its tile. The shrink is recomputed per tile (its A rows are read again,
+mostly from L2), which the tile width bounds (`fused_chunks`); in exchange there is no second
+launch and no workspace round trip, which is what a decode step of a few tokens pays for.
 """
 
 from __future__ import annotations
@@ -186,6 +193,56 @@ def _expand_token_kernel(
 
 
 @triton.jit
+def _fused_token_kernel(
+    x_ptr, a_ptr, b_ptr, out_ptr, slots_ptr, rank_ptr, scaling_ptr, offsets_ptr, g_ptr, bias_ptr,
+    K,
+    stride_xm, stride_as, stride_ar, stride_bs, stride_br, stride_om, stride_rs, stride_gs,
+    MAX_RANK: tl.constexpr, RANK_PAD: tl.constexpr, NUM_SLICES: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr,
+    DORA: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    """Program (token, tile): the token's shrink for the tile's slice, then CHUNKS consecutive
+    BLOCK_N-column chunks of its expand."""
+    tok = tl.program_id(0)
+    slot = tl.load(slots_ptr + tok)
+    if slot < 0:
+        return
+    slice_idx, col0, col_end = _tile_slice(
+        offsets_ptr, tl.program_id(1), CHUNKS * BLOCK_N, NUM_SLICES
+    )
+    rank = tl.load(rank_ptr + slice_idx * stride_rs + slot)
+    if rank == 0:
+        return
+    offs_r = tl.arange(0, RANK_PAD)
+    r_mask = offs_r < rank
+    a_rows = (
+        a_ptr + slot.to(tl.int64) * stride_as + (slice_idx * MAX_RANK + offs_r)[:, None] * stride_ar
+    )
+    x_row = x_ptr + tok.to(tl.int64) * stride_xm
+    acc = tl.zeros((RANK_PAD, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = tl.load(x_row + offs_k, mask=k_mask, other=0.0)
+        a = tl.load(a_rows + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += a.to(tl.float32) * x.to(tl.float32)[None, :]
+    t = tl.sum(acc, 1)  # [RANK_PAD] fp32, zero beyond the rank
+    scaling = tl.load(scaling_ptr + slice_idx * stride_rs + slot)
+    b_rows = b_ptr + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br
+    o_row = out_ptr + tok.to(tl.int64) * stride_om
+    g_row = g_ptr + slot.to(tl.int64) * stride_gs
+    for chunk in range(CHUNKS):
+        offs_n = col0 + chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < col_end
+        b = tl.load(b_rows + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        delta = tl.sum(t[:, None] * b.to(tl.float32), 0) * scaling
+        cur = tl.load(o_row + offs_n, mask=n_mask, other=0.0)
+        new = _dora_update(cur.to(tl.float32), delta, g_row + offs_n, bias_ptr + offs_n, n_mask,
+                           DORA, HAS_BIAS)  # fmt: skip
+        tl.store(o_row + offs_n, new.to(cur.dtype), mask=n_mask)
+
+
+@triton.jit
 def _expand_group_kernel(
     t_ptr, b_ptr, out_ptr, order_ptr, start_ptr, count_ptr, rank_ptr, scaling_ptr, offsets_ptr,
     g_ptr, bias_ptr,
@@ -307,6 +364,17 @@ def expand_chunks(blocks: int, slice_sizes: tuple[int, ...], config: LoRAKernelC
     return chunks
 
 
+def fused_chunks(num_tokens: int, slice_sizes: tuple[int, ...], config: LoRAKernelConfig) -> int:
+    """Column chunks (of `expand_block_n`) per fused program: the fewest (each program repeats
+    its slice's shrink) that keep the grid within about `fused_programs` programs."""
+    chunks = 1
+    while num_tokens * sum(
+        triton.cdiv(n, chunks * config.expand_block_n) for n in slice_sizes
+    ) > config.fused_programs and chunks * config.expand_block_n < max(slice_sizes):
+        chunks *= 2
+    return chunks
+
+
 def lora_triton(
     x: torch.Tensor,  # [num_tokens, in]
     out: torch.Tensor,  # [num_tokens, >= offsets[-1]]
@@ -315,7 +383,8 @@ def lora_triton(
     workspace: torch.Tensor,  # [rows, >= num_slices * max_rank] fp32
     config: LoRAKernelConfig,
 ) -> None:
-    """Add every token's LoRA delta of every slice into `out`: one shrink and one expand."""
+    """Add every token's LoRA delta of every slice into `out`: one fused launch for the
+    smallest batches, else one shrink and one expand."""
     num_tokens, k = x.shape
     num_slots = lora.a.shape[0]
     num_slices, max_rank = lora.num_slices, lora.max_rank
@@ -334,6 +403,20 @@ def lora_triton(
     bias = lora.base_bias if lora.base_bias is not None else g
     dora_args = (g, bias)
     dora_flags = {"DORA": dora, "HAS_BIAS": lora.base_bias is not None}
+    if config.use_fused_kernel(num_tokens):
+        chunks = fused_chunks(num_tokens, lora.slice_sizes, config)
+        width = chunks * config.expand_block_n
+        tiles = sum(triton.cdiv(n, width) for n in lora.slice_sizes)
+        block_k = max(16, min(config.shrink_block_k, 4096 // rank_pad))
+        _fused_token_kernel[(num_tokens, tiles)](
+            x, a, b_t, out, meta.lora_slots, lora.ranks, lora.scaling, offsets, *dora_args, k,
+            x.stride(0), a.stride(0), a.stride(1), b_t.stride(0), b_t.stride(1), out.stride(0),
+            stride_rs, g.stride(0),
+            MAX_RANK=max_rank, RANK_PAD=rank_pad, NUM_SLICES=num_slices,
+            BLOCK_N=config.expand_block_n, BLOCK_K=block_k, CHUNKS=chunks,
+            num_warps=_warps(rank_pad * config.expand_block_n), **dora_flags,
+        )  # fmt: skip
+        return
     if config.use_token_kernels(num_tokens):
         _shrink_token_kernel[(num_tokens, splits)](
             x, a, t, meta.lora_slots, lora.ranks, num_tokens, k, k_per_split,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.adapters.peft_format import LoRAModuleWeights, LoRAWeights
+from loraplex.adapters.slot_memory import SlotImage
 from loraplex.adapters.slot_pool import LoRASlotPool, NoFreeLoRASlotError
 
 
@@ -16,14 +16,13 @@ class RecordingWriter:
         self.slots: dict[int, str] = {}
         self.writes = 0
 
-    def load_slot(self, slot: int, weights: LoRAWeights) -> None:
-        self.slots[slot] = weights.path
+    def write_slot(self, slot: int, image: SlotImage) -> None:
+        self.slots[slot] = image.path
         self.writes += 1
 
 
-def _weights(key: str) -> LoRAWeights:
-    module = LoRAModuleWeights(torch.zeros(2, 4), torch.zeros(4, 2), 1.0)
-    return LoRAWeights(key, key, {(0, "q_proj"): module})
+def _weights(key: str) -> SlotImage:
+    return SlotImage(key, key, torch.zeros(8), torch.zeros(2, 1, dtype=torch.int32))
 
 
 def _pool(num_slots: int = 2, max_cpu: int = 3) -> tuple[LoRASlotPool, RecordingWriter, list]:
