@@ -339,6 +339,13 @@ def main() -> int:
         help=f"adapters per form (default {FORM_ADAPTERS}; 4 on cpu)",
     )
     parser.add_argument("--num-prompts", type=int, default=None, help="requests per run")
+    parser.add_argument(
+        "--adapters",
+        dest="adapter_counts",
+        default=None,
+        help="comma list of adapter counts (default 8,64,256 on cuda; counts beyond the slots "
+        "churn through them)",
+    )
     args = parser.parse_args()
     cpu = args.device == "cpu"
     if not cpu and not torch.cuda.is_available():
@@ -348,6 +355,10 @@ def main() -> int:
         setattr(args, name, value)
     if args.num_prompts is not None:
         args.num_requests = args.num_prompts
+    if args.adapter_counts is not None:
+        args.adapters = [int(k) for k in args.adapter_counts.split(",") if k]
+        if not args.adapters or min(args.adapters) < 1:
+            raise SystemExit("--adapters: a comma list of positive counts")
     if args.form_adapters is None:
         args.form_adapters = 4 if cpu else FORM_ADAPTERS
     if args.model is None:

@@ -276,8 +276,17 @@ class LoRAModelState:
             layer.stage(image, weights)
         for hook in self.vocab:
             hook.stage(image, weights)
-        if any(m.magnitude is not None for m in weights.modules.values()):
-            image = replace(image, dora=weights)
+        # NOTE: DoRA's column scales are computed from the slot's device copy, so the image
+        # keeps only each DoRA module's rank, scaling and magnitude (no second copy of A, B).
+        dora = {
+            key: LoRAModuleWeights(
+                torch.empty(m.rank, 0), torch.empty(0, m.rank), m.scaling, m.magnitude.clone()
+            )
+            for key, m in weights.modules.items()
+            if m.magnitude is not None
+        }
+        if dora:
+            image = replace(image, dora=LoRAWeights(weights.path, weights.digest, dora))
         return image
 
     def write_slot(self, slot: int, image: SlotImage) -> None:

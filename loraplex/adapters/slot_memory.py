@@ -57,8 +57,8 @@ def _numel(shape: tuple[int, ...]) -> int:
 class SlotImage:
     """One adapter staged as a slot: `weights [slot_elems]` in the model dtype and
     `params [2, rows]` int32 (ranks, then scaling's fp32 bits), zero where the adapter has no
-    module; `dora` is the adapter when some module is DoRA (its scales are computed after the
-    copy, on the device)."""
+    module; `dora` holds the DoRA modules' ranks, scalings and magnitudes, if any (their column
+    scales are computed after the copy, on the device)."""
 
     path: str
     digest: str

@@ -172,3 +172,30 @@ def test_an_adapter_waiting_for_a_slot_gets_one_within_the_starvation_bound(
     assert manager.can_schedule(key_c) and manager.acquire_for_request("c1", key_c) >= 0
     assert manager.pool.slot_of(key_a) is None  # c took a's slot
     assert manager.can_schedule(key_a) is False  # and a now waits its turn like c did
+
+
+def test_a_request_is_admitted_only_once_its_slot_copy_has_completed(
+    manager_and_model, tmp_path, monkeypatch
+):
+    manager, *_ = manager_and_model
+    key = manager.adapter_key(LoRARequest("a", str(make_peft_adapter(tmp_path / "a", seed=1))))
+
+    class PendingCopy:  # stands in for the side stream's CUDA event
+        done = False
+
+        def query(self) -> bool:
+            return self.done
+
+    copy = PendingCopy()
+    load = manager.pool._load
+
+    def load_on_a_side_stream(k, slot):
+        load(k, slot)
+        manager.pool._slots[slot].ready = copy
+
+    monkeypatch.setattr(manager.pool, "_load", load_on_a_side_stream)
+    assert not manager.can_schedule(key)  # the copy starts: the request waits in the queue
+    slot = manager.pool.slot_of(key)
+    assert slot is not None and not manager.can_schedule(key)
+    copy.done = True
+    assert manager.can_schedule(key) and manager.pool.slot_of(key) == slot

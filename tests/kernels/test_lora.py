@@ -159,7 +159,7 @@ def test_triton_matches_reference(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("num_tokens", [1, 64, 300])
+@pytest.mark.parametrize("num_tokens", [1, 8, 64, 300])  # 1, 8: the fused kernel
 def test_triton_bf16_on_gpu_replays_in_a_cuda_graph(num_tokens):
     lora = _stack(4096, (1024, 256, 256), 8, 16, 3, torch.bfloat16)
     lora = LoRAStack(
