@@ -70,6 +70,15 @@ def _tile_slice(offsets_ptr, pid_n, BLOCK_N: tl.constexpr, NUM_SLICES: tl.conste
 
 
 @triton.jit
+def _tile_rank(offsets_ptr, rank_ptr, pid_n, slot, stride_rs, WIDTH: tl.constexpr,
+               NUM_SLICES: tl.constexpr):  # fmt: skip
+    """Slice, first and end column of the `WIDTH`-column tile `pid_n`, and the slot's rank on
+    that slice (0: nothing to add)."""
+    slice_idx, col0, col_end = _tile_slice(offsets_ptr, pid_n, WIDTH, NUM_SLICES)
+    return slice_idx, col0, col_end, tl.load(rank_ptr + slice_idx * stride_rs + slot)
+
+
+@triton.jit
 def _shrink_token_kernel(
     x_ptr, a_ptr, t_ptr, slots_ptr, rank_ptr,
     num_tokens, K, k_per_split,
@@ -166,8 +175,9 @@ def _expand_token_kernel(
     slot = tl.load(slots_ptr + tok)
     if slot < 0:
         return
-    slice_idx, col0, col_end = _tile_slice(offsets_ptr, tl.program_id(1), BLOCK_N, NUM_SLICES)
-    rank = tl.load(rank_ptr + slice_idx * stride_rs + slot)
+    slice_idx, col0, col_end, rank = _tile_rank(
+        offsets_ptr, rank_ptr, tl.program_id(1), slot, stride_rs, BLOCK_N, NUM_SLICES
+    )
     if rank == 0:
         return
     offs_r = tl.arange(0, RANK_PAD)
@@ -207,10 +217,9 @@ def _fused_token_kernel(
     slot = tl.load(slots_ptr + tok)
     if slot < 0:
         return
-    slice_idx, col0, col_end = _tile_slice(
-        offsets_ptr, tl.program_id(1), CHUNKS * BLOCK_N, NUM_SLICES
+    slice_idx, col0, col_end, rank = _tile_rank(
+        offsets_ptr, rank_ptr, tl.program_id(1), slot, stride_rs, CHUNKS * BLOCK_N, NUM_SLICES
     )
-    rank = tl.load(rank_ptr + slice_idx * stride_rs + slot)
     if rank == 0:
         return
     offs_r = tl.arange(0, RANK_PAD)
@@ -258,10 +267,9 @@ def _expand_group_kernel(
                                        BLOCK_M, SLOTS)  # fmt: skip
     if slot >= num_slots:
         return
-    slice_idx, col0, col_end = _tile_slice(
-        offsets_ptr, tl.program_id(1), CHUNKS * BLOCK_N, NUM_SLICES
+    slice_idx, col0, col_end, rank = _tile_rank(
+        offsets_ptr, rank_ptr, tl.program_id(1), slot, stride_rs, CHUNKS * BLOCK_N, NUM_SLICES
     )
-    rank = tl.load(rank_ptr + slice_idx * stride_rs + slot)
     if rank == 0:
         return
     offs_m = pos0 + tl.arange(0, BLOCK_M)
