@@ -4,10 +4,15 @@ Every adapted `Linear` gets a `LoRALayer` as its `lora` hook. It keeps one `LoRA
 its shards (q/k/v of a merged QKV, gate/up of gate-up, or the single o/down projection), padded
 to `max_lora_rank`: `A [max_loras, num_shards * max_rank, in]` (shard `i` in rows
 `i * max_rank:`), `B^T [max_loras, max_rank, out]` (shard `i` in its output columns), plus each
-shard's and slot's used rank and scaling, so a forward costs two kernel launches per layer.
-Mixed ranks: a slot holding a rank-8 adapter copies and computes only its first 8 rows (the
-kernels stop at `ranks[shard, slot]`); only the memory is reserved at the maximum, so any slot
-can take any adapter and loads never fragment.
+shard's and slot's used rank and scaling, so a forward costs two kernel launches per layer
+(one, fused, for the smallest batches). Mixed ranks: a slot holding a rank-8 adapter computes
+only its first 8 rows (the kernels stop at `ranks[shard, slot]`); only the memory is reserved
+at the maximum, so any slot can take any adapter and loads never fragment.
+
+These tensors are views into the model's one `SlotMemory` (`adapters.slot_memory`), slot-major:
+an adapter is staged once into a host image laid out as a slot (`LoRAModelState.stage`, the
+loader thread's work) and written into a slot with three device operations
+(`LoRAModelState.write_slot`), whatever the number of layers.
 
 DoRA: each layer also keeps a per-slot column scale (`dora_scale [max_loras, out]` fp32, 1.0
 for plain LoRA), written when a DoRA adapter is loaded into the slot (see `adapters.dora`), so
