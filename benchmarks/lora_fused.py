@@ -2,7 +2,9 @@
 GPU: Llama-3.1-8B shapes, bf16, rank 16, 64 slots, 32 layers' weights cycled (from HBM, as in a
 forward), batches of 1, 8 and 64 tokens each on its own adapter.
 
-First a check: every projection, both paths, against the fp32 torch reference with mixed ranks
+Paths: `fused` (forced on every projection), `two_kernels` (the pair), `default` (what serving
+runs: fused up to `fused_max_tokens` tokens on inputs up to `fused_max_k`, i.e. all but
+down_proj at this shape). First a check: every projection, every path, against the fp32 torch reference with mixed ranks
 (1..16, a zero-rank shard) and base-model rows (slot -1); a failure stops the run. Then each
 path's time per layer and per projection, replayed from a CUDA graph. No sampling is involved
 (kernels only), so there is no greedy / temperature / mixed split here: `benchmarks.multi_lora`
@@ -25,7 +27,9 @@ from loraplex.kernels.lora import DEFAULT_KERNEL_CONFIG, LoRAKernelConfig, add_l
 
 BATCHES = (1, 8, 64)
 PATHS = {
-    "fused": dataclasses.replace(DEFAULT_KERNEL_CONFIG, fused_max_tokens=1 << 20),
+    "fused": dataclasses.replace(
+        DEFAULT_KERNEL_CONFIG, fused_max_tokens=1 << 20, fused_max_k=1 << 30
+    ),  # fmt: skip
     "two_kernels": dataclasses.replace(DEFAULT_KERNEL_CONFIG, fused_max_tokens=0),
     "default": DEFAULT_KERNEL_CONFIG,
 }
@@ -121,7 +125,8 @@ def main() -> int:
         {"paths": "two_kernels = the shrink + expand pair (token kernels up to 64 tokens)"},
         config={"shapes": "Llama-3.1-8B", "dtype": "bfloat16", "rank": RANK, "max_loras": 64,
                 "layers_cycled": NUM_LAYERS, "batches": BATCHES,
-                "fused_max_tokens_default": DEFAULT_KERNEL_CONFIG.fused_max_tokens},
+                "fused_max_tokens_default": DEFAULT_KERNEL_CONFIG.fused_max_tokens,
+                "fused_max_k_default": DEFAULT_KERNEL_CONFIG.fused_max_k},
     )  # fmt: skip
     return 0
 

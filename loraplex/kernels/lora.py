@@ -47,6 +47,10 @@ class LoRAKernelConfig:
     token_kernels_max_tokens: int = 64  # up to this many tokens: one program per token
     fused_max_tokens: int = 8  # up to this many: one fused shrink + expand launch (0: never)
     fused_programs: int = 256  # widen the fused kernel's column tiles until about this many
+    fused_block_elems: int = 32768  # A elements per fused shrink iteration (rank x block_k)
+    # NOTE: each fused program reads its slice's whole A (rank x in); past this many input
+    # features that read outlasts the pair's split reduction, so wide inputs keep the pair.
+    fused_max_k: int = 8192
     target_programs: int = 512  # split the shrink's reduction until about this many programs
     max_splits: int = 32
     shrink_block_k: int = 128
@@ -57,7 +61,8 @@ class LoRAKernelConfig:
     group_expand_programs: int = 1024  # ... as long as about this many programs remain
 
     def __post_init__(self) -> None:
-        for name in ("shrink_block_k", "expand_block_n", "group_block_m", "group_block_n"):
+        for name in ("shrink_block_k", "expand_block_n", "group_block_m", "group_block_n",
+                     "fused_block_elems"):  # fmt: skip
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"LoRAKernelConfig.{name} must be a power of two >= 16")
@@ -75,8 +80,8 @@ class LoRAKernelConfig:
     def use_token_kernels(self, num_tokens: int) -> bool:
         return num_tokens <= self.token_kernels_max_tokens
 
-    def use_fused_kernel(self, num_tokens: int) -> bool:
-        return num_tokens <= self.fused_max_tokens
+    def use_fused_kernel(self, num_tokens: int, in_features: int) -> bool:
+        return num_tokens <= self.fused_max_tokens and in_features <= self.fused_max_k
 
 
 @dataclass(frozen=True)
@@ -256,7 +261,7 @@ def add_lora(
     config: LoRAKernelConfig | None = None,
 ) -> None:
     """Add every token's adapter delta, all slices of one `Linear`: on CUDA one fused Triton
-    launch for up to `fused_max_tokens` tokens, else two (the shrink may split its reduction
+    launch for up to `fused_max_tokens` tokens (and `fused_max_k` input features), else two (the shrink may split its reduction
     over the workspace's spare rows); the torch reference elsewhere."""
     check_lora_args(x, out, lora, meta, workspace)
     if x.is_cuda:

@@ -17,7 +17,8 @@ Two variants of each, picked by token count: the *token* kernels give each progr
 the *group* kernels give each program `BLOCK_M` tokens of one slot (read through `token_order`)
 and use `tl.dot`. Grids depend on tensor shapes only, so both replay from CUDA graphs.
 
-For the smallest batches (`fused_max_tokens`) one *fused* launch replaces the pair: program
+For the smallest batches (`fused_max_tokens`, inputs up to `fused_max_k`) one *fused* launch
+replaces the pair: program
 (token, column tile) computes its slice's `t = x @ A_s^T` over the whole reduction in registers
 and expands it into its tile. The shrink is recomputed per tile (its A rows are read again,
 mostly from L2), which the tile width bounds (`fused_chunks`); in exchange there is no second
@@ -228,14 +229,16 @@ def _fused_token_kernel(
         a_ptr + slot.to(tl.int64) * stride_as + (slice_idx * MAX_RANK + offs_r)[:, None] * stride_ar
     )
     x_row = x_ptr + tok.to(tl.int64) * stride_xm
-    acc = tl.zeros((RANK_PAD, BLOCK_K), dtype=tl.float32)
+    # NOTE: Triton does not pipeline loads that feed no `tl.dot`, so each iteration waits for its
+    # loads: wide BLOCK_K chunks (up to 64 KB of A) keep enough bytes in flight per iteration,
+    # and the chunk is reduced at once so no [RANK_PAD, BLOCK_K] accumulator holds registers.
+    t = tl.zeros((RANK_PAD,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         x = tl.load(x_row + offs_k, mask=k_mask, other=0.0)
         a = tl.load(a_rows + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += a.to(tl.float32) * x.to(tl.float32)[None, :]
-    t = tl.sum(acc, 1)  # [RANK_PAD] fp32, zero beyond the rank
+        t += tl.sum(a.to(tl.float32) * x.to(tl.float32)[None, :], 1)  # zero beyond the rank
     scaling = tl.load(scaling_ptr + slice_idx * stride_rs + slot)
     b_rows = b_ptr + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br
     o_row = out_ptr + tok.to(tl.int64) * stride_om
@@ -372,15 +375,21 @@ def expand_chunks(blocks: int, slice_sizes: tuple[int, ...], config: LoRAKernelC
     return chunks
 
 
-def fused_chunks(num_tokens: int, slice_sizes: tuple[int, ...], config: LoRAKernelConfig) -> int:
-    """Column chunks (of `expand_block_n`) per fused program: the fewest (each program repeats
-    its slice's shrink) that keep the grid within about `fused_programs` programs."""
+def fused_tiles(
+    num_tokens: int, slice_sizes: tuple[int, ...], max_rank: int, config: LoRAKernelConfig
+) -> tuple[int, int]:
+    """(BLOCK_N, CHUNKS) of the fused kernel: `expand_block_n` columns per chunk, fewer for
+    large ranks (so a `[rank, BLOCK_N]` tile of B fits in registers); then the fewest chunks per
+    program (each program repeats its slice's shrink) that keep the grid within about
+    `fused_programs` programs."""
+    rank_pad = max(16, triton.next_power_of_2(max_rank))
+    block_n = min(config.expand_block_n, max(16, 4096 // rank_pad))
     chunks = 1
     while num_tokens * sum(
-        triton.cdiv(n, chunks * config.expand_block_n) for n in slice_sizes
-    ) > config.fused_programs and chunks * config.expand_block_n < max(slice_sizes):
+        triton.cdiv(n, chunks * block_n) for n in slice_sizes
+    ) > config.fused_programs and chunks * block_n < max(slice_sizes):
         chunks *= 2
-    return chunks
+    return block_n, chunks
 
 
 def lora_triton(
@@ -411,18 +420,17 @@ def lora_triton(
     bias = lora.base_bias if lora.base_bias is not None else g
     dora_args = (g, bias)
     dora_flags = {"DORA": dora, "HAS_BIAS": lora.base_bias is not None}
-    if config.use_fused_kernel(num_tokens):
-        chunks = fused_chunks(num_tokens, lora.slice_sizes, config)
-        width = chunks * config.expand_block_n
-        tiles = sum(triton.cdiv(n, width) for n in lora.slice_sizes)
-        block_k = max(16, min(config.shrink_block_k, 4096 // rank_pad))
+    if config.use_fused_kernel(num_tokens, k):
+        block_n, chunks = fused_tiles(num_tokens, lora.slice_sizes, max_rank, config)
+        tiles = sum(triton.cdiv(n, chunks * block_n) for n in lora.slice_sizes)
+        block_k = max(config.shrink_block_k, config.fused_block_elems // rank_pad)
         _fused_token_kernel[(num_tokens, tiles)](
             x, a, b_t, out, meta.lora_slots, lora.ranks, lora.scaling, offsets, *dora_args, k,
             x.stride(0), a.stride(0), a.stride(1), b_t.stride(0), b_t.stride(1), out.stride(0),
             stride_rs, g.stride(0),
             MAX_RANK=max_rank, RANK_PAD=rank_pad, NUM_SLICES=num_slices,
-            BLOCK_N=config.expand_block_n, BLOCK_K=block_k, CHUNKS=chunks,
-            num_warps=_warps(rank_pad * config.expand_block_n), **dora_flags,
+            BLOCK_N=block_n, BLOCK_K=block_k, CHUNKS=chunks,
+            num_warps=_warps(rank_pad * max(block_n, block_k)), **dora_flags,
         )  # fmt: skip
         return
     if config.use_token_kernels(num_tokens):

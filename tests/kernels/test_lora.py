@@ -245,22 +245,26 @@ def test_dora_rescales_base_and_delta_per_slot(
         torch.testing.assert_close(out_tri, out_ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("block_elems", [256, 32768])  # several reduction chunks / one
 @pytest.mark.parametrize("programs", [1, 10_000])  # widest tiles (chunks past a slice's end) / 1
 @pytest.mark.parametrize(
     ("num_tokens", "in_features", "slice_sizes", "num_slots", "max_rank"),
     [(1, 9, (11,), 2, 5), (3, 70, (37, 9, 9), 3, 20), (8, 33, (130, 16), 4, 16)],
 )
 def test_fused_kernel_matches_reference(
-    programs, num_tokens, in_features, slice_sizes, num_slots, max_rank
+    block_elems, programs, num_tokens, in_features, slice_sizes, num_slots, max_rank
 ):
     """One launch for shrink and expand: each slice of each token at its own slot's rank (0
     included), base-model rows (slot -1) untouched, against the two-step reference."""
-    from loraplex.kernels.triton_lora import fused_chunks, lora_triton
+    from loraplex.kernels.triton_lora import fused_tiles, lora_triton
 
-    config = LoRAKernelConfig(fused_max_tokens=num_tokens, fused_programs=programs, **TINY)
-    assert config.use_fused_kernel(num_tokens) and not config.use_fused_kernel(num_tokens + 1)
-    chunks = fused_chunks(num_tokens, slice_sizes, config)
-    assert (chunks > 1) == (programs == 1 and max(slice_sizes) > 16)
+    config = LoRAKernelConfig(fused_max_tokens=num_tokens, fused_programs=programs,
+                              fused_block_elems=block_elems, **TINY)  # fmt: skip
+    assert config.use_fused_kernel(num_tokens, in_features)
+    assert not config.use_fused_kernel(num_tokens + 1, in_features)
+    assert not config.use_fused_kernel(num_tokens, config.fused_max_k + 1)
+    block_n, chunks = fused_tiles(num_tokens, slice_sizes, max_rank, config)
+    assert block_n == 16 and (chunks > 1) == (programs == 1 and max(slice_sizes) > 16)
     lora = _stack(in_features, slice_sizes, num_slots, max_rank, 11, first=1)
     if len(slice_sizes) > 1:
         lora.ranks[-1, 1 % num_slots] = 0  # a slice with no adapter on a used slot
