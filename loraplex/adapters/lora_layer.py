@@ -291,7 +291,7 @@ class LoRAModelState:
             if m.magnitude is not None
         }
         if dora:
-            image = replace(image, dora=LoRAWeights(weights.path, weights.digest, dora))
+            image = replace(image, extras=LoRAWeights(weights.path, weights.digest, dora))
         return image
 
     def write_slot(self, slot: int, image: SlotImage) -> None:
@@ -299,9 +299,9 @@ class LoRAModelState:
         three device operations (plus the column scales of DoRA modules, computed on the
         device)."""
         self.memory.write(slot, image)
-        if image.dora is not None:
+        if image.extras is not None:
             for layer in self.layers:
-                layer.write_dora(slot, image.dora)
+                layer.write_dora(slot, image.extras)
 
     def load_slot(self, slot: int, weights: LoRAWeights) -> None:
         """`stage`, then `write_slot`, on the calling thread."""

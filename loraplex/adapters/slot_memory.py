@@ -57,14 +57,15 @@ def _numel(shape: tuple[int, ...]) -> int:
 class SlotImage:
     """One adapter staged as a slot: `weights [slot_elems]` in the model dtype and
     `params [2, rows]` int32 (ranks, then scaling's fp32 bits), zero where the adapter has no
-    module; `dora` holds the DoRA modules' ranks, scalings and magnitudes, if any (their column
-    scales are computed after the copy, on the device)."""
+    module. `extras` holds what is not laid out in the image but written per slot by its hook
+    after the copy, if the adapter has any: the DoRA modules' ranks, scalings and magnitudes
+    (their column scales are computed on the device from the copied A and B)."""
 
     path: str
     digest: str
     weights: torch.Tensor  # [slot_elems]
     params: torch.Tensor  # [2, rows] int32
-    dora: LoRAWeights | None = None
+    extras: LoRAWeights | None = None
 
     @property
     def nbytes(self) -> int:

@@ -222,7 +222,7 @@ def test_a_slot_write_costs_three_operations_whatever_the_layer_count(setup):
 
     _, state, _, weights = setup
     image = state.stage(weights[0])  # the loader thread's part: host memory only
-    assert image.weights.device.type == "cpu" and image.dora is None
+    assert image.weights.device.type == "cpu" and image.extras is None
     with CountOps() as counted:
         state.write_slot(1, image)
     assert len(counted.ops) == 3, counted.ops  # weights, ranks and scalings, DoRA scales
