@@ -74,6 +74,7 @@ class _Target:
     output_sizes: list[int]
     shard_names: tuple[str, ...]
     lora: object = None
+    bias: torch.Tensor | None = None  # LoRALayer reads it (DoRA's base bias)
 
     def shard_offsets(self) -> list[int]:
         offsets = [0]

@@ -28,7 +28,8 @@ of as many steps before it.
 
 Metrics: ratio_vs_base_8, ratio_vs_base_64, ratio_vs_base_256_on_64_slots (greedy) and their
 `_t1` twins, tpot_bs1_lora_over_base, registration_to_first_token_s, itl_p99_during_load_ms,
-itl_p99_before_load_ms, and the tok/s and TPOT figures behind them.
+itl_p99_before_load_ms, the engine thread's time per slot write from the first load on
+(slot_write_host_us_mean / _p99, slot_writes), and the tok/s and TPOT figures behind them.
 
 Adapter forms (issue 21), `--forms dora,lm_head`: one LoRA engine holds 64 plain adapters and 64
 of each form (rank 16 on all seven projections; DoRA adds a magnitude per projection, set near
@@ -177,6 +178,20 @@ def warm_host_cache(engine: Engine, commands: list[AddAdapter]) -> None:
         if manager.take_failures():
             raise RuntimeError("an adapter failed to load")
     print(f"{len(keys)} adapters in the host cache in {time.perf_counter() - start:.1f} s")
+
+
+class TimedSlotWriter:
+    """Stands in for the slot pool's writer and records the engine thread's time per slot
+    write (the host side of issuing the copies, not the copies themselves)."""
+
+    def __init__(self, writer) -> None:
+        self._writer = writer
+        self.seconds: list[float] = []
+
+    def write_slot(self, slot: int, image) -> None:
+        start = time.perf_counter()
+        self._writer.write_slot(slot, image)
+        self.seconds.append(time.perf_counter() - start)
 
 
 def registration_to_first_token(args, llm: LLM, commands: list[AddAdapter], fresh: AddAdapter):
@@ -339,6 +354,13 @@ def main() -> int:
         help=f"adapters per form (default {FORM_ADAPTERS}; 4 on cpu)",
     )
     parser.add_argument("--num-prompts", type=int, default=None, help="requests per run")
+    parser.add_argument(
+        "--adapters",
+        dest="adapter_counts",
+        default=None,
+        help="comma list of adapter counts (default 8,64,256 on cuda; counts beyond the slots "
+        "churn through them)",
+    )
     args = parser.parse_args()
     cpu = args.device == "cpu"
     if not cpu and not torch.cuda.is_available():
@@ -348,6 +370,10 @@ def main() -> int:
         setattr(args, name, value)
     if args.num_prompts is not None:
         args.num_requests = args.num_prompts
+    if args.adapter_counts is not None:
+        args.adapters = [int(k) for k in args.adapter_counts.split(",") if k]
+        if not args.adapters or min(args.adapters) < 1:
+            raise SystemExit("--adapters: a comma list of positive counts")
     if args.form_adapters is None:
         args.form_adapters = 4 if cpu else FORM_ADAPTERS
     if args.model is None:
@@ -384,6 +410,8 @@ def main() -> int:
     commands = write_adapters(args, llm, folder, k_max + 1)
     fresh = _add_command("fresh", Path(commands[-1].path))
     commands = commands[:-1]
+    pool = llm.engine.lora_manager.pool
+    timed = pool._writer = TimedSlotWriter(pool._writer)
     warm_host_cache(llm.engine, commands)
     loras = [LoRARequest(c.name, "/registered") for c in commands]
     serve(llm, prompts, short, [loras[i % slots] for i in range(len(prompts))])
@@ -402,6 +430,10 @@ def main() -> int:
         print(f"{k} adapters on {slots} slots: {metrics[f'lora_{label}_out_tok_s']:.0f} tok/s "
               f"greedy, {metrics[f'lora_{label}_out_tok_s_t1']:.0f} t1, "
               f"{metrics[f'lora_{label}_out_tok_s_mixed']:.0f} mixed; {evictions} evictions")  # fmt: skip
+    if timed.seconds:
+        metrics["slot_writes"] = len(timed.seconds)
+        metrics["slot_write_host_us_mean"] = statistics.mean(timed.seconds) * 1e6
+        metrics["slot_write_host_us_p99"] = _p99(timed.seconds) * 1e6
     metrics["tpot_bs1_lora_s"] = tpot(llm, args.tpot_steps, args.prompt_len, loras[0])
     metrics["tpot_bs1_lora_over_base"] = metrics["tpot_bs1_lora_s"] / baseline["tpot_bs1_base_s"]
     first, during, before = registration_to_first_token(args, llm, commands, fresh)

@@ -4,10 +4,15 @@ Every adapted `Linear` gets a `LoRALayer` as its `lora` hook. It keeps one `LoRA
 its shards (q/k/v of a merged QKV, gate/up of gate-up, or the single o/down projection), padded
 to `max_lora_rank`: `A [max_loras, num_shards * max_rank, in]` (shard `i` in rows
 `i * max_rank:`), `B^T [max_loras, max_rank, out]` (shard `i` in its output columns), plus each
-shard's and slot's used rank and scaling, so a forward costs two kernel launches per layer.
-Mixed ranks: a slot holding a rank-8 adapter copies and computes only its first 8 rows (the
-kernels stop at `ranks[shard, slot]`); only the memory is reserved at the maximum, so any slot
-can take any adapter and loads never fragment.
+shard's and slot's used rank and scaling, so a forward costs two kernel launches per layer
+(one, fused, for the smallest batches). Mixed ranks: a slot holding a rank-8 adapter computes
+only its first 8 rows (the kernels stop at `ranks[shard, slot]`); only the memory is reserved
+at the maximum, so any slot can take any adapter and loads never fragment.
+
+These tensors are views into the model's one `SlotMemory` (`adapters.slot_memory`), slot-major:
+an adapter is staged once into a host image laid out as a slot (`LoRAModelState.stage`, the
+loader thread's work) and written into a slot with three device operations
+(`LoRAModelState.write_slot`), whatever the number of layers.
 
 DoRA: each layer also keeps a per-slot column scale (`dora_scale [max_loras, out]` fp32, 1.0
 for plain LoRA), written when a DoRA adapter is loaded into the slot (see `adapters.dora`), so
@@ -26,7 +31,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -40,6 +45,7 @@ from loraplex.adapters.peft_format import (
     LoRAWeights,
 )
 from loraplex.adapters.saved_modules import SavedModules
+from loraplex.adapters.slot_memory import SlotImage, SlotMemory, SlotShapes
 from loraplex.adapters.vocab_lora import EmbeddingLoRA, LMHeadLoRA
 from loraplex.config import LoRAConfig
 from loraplex.kernels.lora import LoRAKernelMeta, LoRAStack, add_lora, fill_kernel_meta
@@ -153,7 +159,10 @@ class LoRALayer:
         max_rank: int,
         device: torch.device,
         dtype: torch.dtype,
+        memory: SlotMemory | None = None,
     ) -> None:
+        """`memory`: the model's shared slot memory, sized with `slot_shapes` of every hook in
+        construction order; None gives the layer slot memory of its own."""
         self.prefix = target.prefix
         self.target = target
         self.layer_index = layer_index
@@ -166,56 +175,79 @@ class LoRALayer:
         self.full_input_size = getattr(target, "full_input_size", target.input_size)
         self.full_output_sizes = list(getattr(target, "full_output_sizes", target.output_sizes))
         self.meta = meta
-        slots, shards = meta.num_slots, len(self.shard_names)
+        shapes = self.slot_shapes(target, max_rank)
+        if memory is None:
+            memory = SlotMemory(meta.num_slots, [shapes], dtype, device)
+        self.region = memory.take(shapes)
+        a, b_t = self.region.weights
+        assert self.region.dora is not None
         self.weights = LoRAStack(
-            a=torch.zeros(slots, shards * max_rank, self.input_size, dtype=dtype, device=device),
-            b_t=torch.zeros(slots, max_rank, self.offsets[-1], dtype=dtype, device=device),
-            ranks=torch.zeros(shards, slots, dtype=torch.int32, device=device),
-            scaling=torch.zeros(shards, slots, dtype=torch.float32, device=device),
+            a=a,  # [slots, shards * max_rank, in]
+            b_t=b_t,  # [slots, max_rank, out]
+            ranks=self.region.ranks,
+            scaling=self.region.scaling,
             slice_offsets=tuple(self.offsets),
-            dora_scale=torch.ones(slots, self.offsets[-1], dtype=torch.float32, device=device),
+            dora_scale=self.region.dora,
             base_bias=target.bias,
         )
         self._w_sq: torch.Tensor | None = None  # [out] fp32, the base rows' squared norms
+
+    @staticmethod
+    def slot_shapes(target: LoRATarget, max_rank: int) -> SlotShapes:
+        """What a layer over `target` keeps per slot."""
+        shards, out = len(target.shard_names), target.shard_offsets()[-1]
+        return SlotShapes(((shards * max_rank, target.input_size), (max_rank, out)), shards, out)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:
         # x: [num_tokens, in], out: [num_tokens, sum(output_sizes)]
         if self.meta.active:
             add_lora(x, out, self.weights, self.meta.kernel_meta, self.meta.workspace)
 
-    def load_slot(self, slot: int, weights: LoRAWeights) -> None:
-        """Copy this layer's modules of `weights` into `slot` (non-blocking from pinned memory);
-        shards the adapter does not touch get rank 0."""
-        w, max_rank = self.weights, self.weights.max_rank
+    def stage(self, image: SlotImage, weights: LoRAWeights) -> None:
+        """Write this layer's modules of `weights` into its part of a host slot image (any
+        thread); shards the adapter does not touch keep rank 0."""
+        a_img, b_img = self.region.host_weights(image)  # [shards * R, in], [R, out]
+        ranks, scaling = self.region.host_params(image)  # [shards] int32, [shards] fp32
+        max_rank = self.weights.max_rank
         for i, name in enumerate(self.shard_names):
             module = weights.modules.get((self.layer_index, name))
-            lo, hi = self.offsets[i], self.offsets[i + 1]
-            assert w.dora_scale is not None
-            w.dora_scale[slot, lo:hi] = 1.0
             if module is None:
-                w.ranks[i, slot] = 0
                 continue
-            r = module.rank
-            a, b = module.a, module.b  # [r, in], [out, r]
-            if self.split == "column":
-                start, size = self.output_ranges[i]
-                b = b[start : start + size]
-            elif self.split == "row":
-                start, size = self.input_range
-                a = a[:, start : start + size]
-                if module.magnitude is not None:
-                    # NOTE: DoRA's norm runs over the whole input dimension, which a
-                    # row-parallel rank holds only a slice of.
-                    raise ValueError(
-                        "DoRA adapters are not served with tensor parallelism (a row-parallel "
-                        f"layer, {self.prefix}, holds only part of each norm)"
-                    )
-            w.a[slot, i * max_rank : i * max_rank + r].copy_(a, non_blocking=True)
-            w.b_t[slot, :r, lo:hi].copy_(b.T, non_blocking=True)
-            w.ranks[i, slot] = r
-            w.scaling[i, slot] = module.scaling
+            r, (lo, hi) = module.rank, (self.offsets[i], self.offsets[i + 1])
+            a, b = self._shard_weights(i, module)  # [r, in], [out, r]
+            a_img[i * max_rank : i * max_rank + r].copy_(a)
+            b_img[:r, lo:hi].copy_(b.T)
+            ranks[i] = r
+            scaling[i] = module.scaling
+
+    def _shard_weights(
+        self, shard: int, module: LoRAModuleWeights
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of a module's A [r, in] and B [out, r] (tensor parallelism)."""
+        a, b = module.a, module.b
+        if self.split == "column":
+            start, size = self.output_ranges[shard]
+            b = b[start : start + size]
+        elif self.split == "row":
+            start, size = self.input_range
+            a = a[:, start : start + size]
             if module.magnitude is not None:
-                w.dora_scale[slot, lo:hi] = self._dora_scale(slot, i, module)
+                # NOTE: DoRA's norm runs over the whole input dimension, which a
+                # row-parallel rank holds only a slice of.
+                raise ValueError(
+                    "DoRA adapters are not served with tensor parallelism (a row-parallel "
+                    f"layer, {self.prefix}, holds only part of each norm)"
+                )
+        return a, b
+
+    def write_dora(self, slot: int, weights: LoRAWeights) -> None:
+        """After the slot's copy (same stream): the column scales of the adapter's DoRA modules."""
+        assert self.weights.dora_scale is not None
+        for i, name in enumerate(self.shard_names):
+            module = weights.modules.get((self.layer_index, name))
+            if module is not None and module.magnitude is not None:
+                lo, hi = self.offsets[i], self.offsets[i + 1]
+                self.weights.dora_scale[slot, lo:hi] = self._dora_scale(slot, i, module)
 
     @torch.no_grad()
     def _dora_scale(self, slot: int, shard: int, module: LoRAModuleWeights) -> torch.Tensor:
@@ -240,6 +272,7 @@ class LoRAModelState:
     model has them."""
 
     meta: LoRABatchMeta
+    memory: SlotMemory
     layers: tuple[LoRALayer, ...]
     vocab: tuple[EmbeddingLoRA | LMHeadLoRA | SavedModules, ...] = ()
 
@@ -248,12 +281,49 @@ class LoRAModelState:
         """How many slots (the first ones) can hold full embed_tokens / lm_head copies."""
         return sum(h.num_slots for h in self.vocab if isinstance(h, SavedModules))
 
-    def load_slot(self, slot: int, weights: LoRAWeights) -> None:
-        """Write an adapter into `slot` of every layer (on the caller's current stream)."""
+    def stage(self, weights: LoRAWeights, *, pin_memory: bool = False) -> SlotImage:
+        """The adapter as a host image of one slot (the loader thread's work: reads and writes
+        host memory only). Raises `ValueError` for an adapter these layers cannot serve."""
+        image = self.memory.new_image(weights.path, weights.digest, pin_memory=pin_memory)
         for layer in self.layers:
-            layer.load_slot(slot, weights)
+            layer.stage(image, weights)
         for hook in self.vocab:
-            hook.load_slot(slot, weights)
+            if not isinstance(hook, SavedModules):  # its copies are extras, not in the image
+                hook.stage(image, weights)
+        # NOTE: DoRA's column scales are computed from the slot's device copy, so the image
+        # keeps only each DoRA module's rank, scaling and magnitude (no second copy of A, B).
+        # Module copies and trained rows go along in the model dtype (pinned: one buffer).
+        copies = LoRAWeights(weights.path, weights.digest, {}, weights.saved, weights.tokens)
+        if copies.needs_saved_module_slot:
+            copies = copies.to(self.memory.dtype, pin_memory=pin_memory)
+        dora = {
+            key: LoRAModuleWeights(
+                torch.empty(m.rank, 0), torch.empty(0, m.rank), m.scaling, m.magnitude.clone()
+            )
+            for key, m in weights.modules.items()
+            if m.magnitude is not None
+        }
+        if dora or copies.needs_saved_module_slot:
+            extras = LoRAWeights(weights.path, weights.digest, dora, copies.saved, copies.tokens)
+            image = replace(image, extras=extras)
+        return image
+
+    def write_slot(self, slot: int, image: SlotImage) -> None:
+        """Copy a staged adapter into `slot` of every layer, on the caller's current stream:
+        three device operations (plus the column scales of DoRA modules, computed on the
+        device, and the slot's embed_tokens / lm_head copies where the model has them)."""
+        self.memory.write(slot, image)
+        if image.extras is not None:
+            for layer in self.layers:
+                layer.write_dora(slot, image.extras)
+        extras = image.extras or LoRAWeights(image.path, image.digest, {})
+        for hook in self.vocab:
+            if isinstance(hook, SavedModules):  # on every write: it also marks copy-less slots
+                hook.load_slot(slot, extras)
+
+    def load_slot(self, slot: int, weights: LoRAWeights) -> None:
+        """`stage`, then `write_slot`, on the calling thread."""
+        self.write_slot(slot, self.stage(weights))
 
     def check_spec(self, spec: BaseModelSpec) -> None:
         """Raise `ValueError` if the attached layers disagree with the adapters' base spec."""
@@ -295,15 +365,25 @@ def attach_lora_layers(
     if not targets:
         raise ValueError("attach_lora_layers: the model has no q/k/v/o/gate/up/down projections")
     max_slices = max(len(module.shard_names) for module, _ in targets)
-    meta = LoRABatchMeta(
-        lora_config.max_loras, lora_config.max_lora_rank, max_num_tokens, device, max_slices
-    )
+    rank = lora_config.max_lora_rank
+    meta = LoRABatchMeta(lora_config.max_loras, rank, max_num_tokens, device, max_slices)
+    vocab = _vocab_hooks(model)
+    shapes = [LoRALayer.slot_shapes(module, rank) for module, _ in targets]
+    shapes += [kind.slot_shapes(size, hidden, rank) for _, kind, size, hidden in vocab]
+    memory = SlotMemory(meta.num_slots, shapes, dtype, device)
     layers = []
     for module, index in targets:
-        layer = LoRALayer(module, index, meta, lora_config.max_lora_rank, device, dtype)
+        layer = LoRALayer(module, index, meta, rank, device, dtype, memory)
         module.lora = layer
         layers.append(layer)
-    return LoRAModelState(meta, tuple(layers), _attach_vocab(model, meta, lora_config, dtype))
+    hooks: list[EmbeddingLoRA | LMHeadLoRA | SavedModules] = []
+    for attr, kind, size, hidden in vocab:
+        hook = kind(meta, size, hidden, rank, dtype, device, memory)
+        setattr(model, attr, hook)
+        hooks.append(hook)
+    if lora_config.max_saved_module_loras and len(hooks) == 2:
+        hooks.insert(0, _attach_saved_modules(model, meta, lora_config.max_saved_module_loras))
+    return LoRAModelState(meta, memory, tuple(layers), tuple(hooks))
 
 
 def _chain(*stages: Callable[..., None]) -> Callable[..., None]:
@@ -316,14 +396,21 @@ def _chain(*stages: Callable[..., None]) -> Callable[..., None]:
     return run
 
 
-def _attach_vocab(
-    model: nn.Module, meta: LoRABatchMeta, lora_config: LoRAConfig, dtype: torch.dtype
-) -> tuple[EmbeddingLoRA | LMHeadLoRA | SavedModules, ...]:
-    """Embedding and lm_head LoRA hooks, for a model with `embed_lora` / `logits_lora` slots;
-    with `max_saved_module_loras`, the full copies' stage runs first in each (it replaces what
-    the LoRA stage adds to; one adapter never has both on one module)."""
-    hooks: list[EmbeddingLoRA | LMHeadLoRA | SavedModules] = []
-    rank = lora_config.max_lora_rank
+def _attach_saved_modules(model: nn.Module, meta: LoRABatchMeta, num_slots: int) -> SavedModules:
+    """The full embed_tokens / lm_head copies' stage, run first in each vocabulary hook (it
+    replaces what the LoRA stage adds to; one adapter never has both on one module). It keeps
+    its own buffers, outside the slot memory: `LoRAModelState.write_slot` writes them."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", model.embed_tokens.shape[0])
+    saved = SavedModules(meta, num_slots, model.embed_tokens, model.lm_head, vocab)
+    model.embed_lora = _chain(saved.embed, model.embed_lora)
+    model.logits_lora = _chain(saved.logits, model.logits_lora)
+    return saved
+
+
+def _vocab_hooks(model: nn.Module) -> list[tuple[str, type[EmbeddingLoRA | LMHeadLoRA], int, int]]:
+    """(attribute, hook class, vocabulary size, hidden size) of the embedding and lm_head LoRA
+    hooks, for a model with `embed_lora` / `logits_lora` slots."""
+    hooks: list[tuple[str, type[EmbeddingLoRA | LMHeadLoRA], int, int]] = []
     for attr, weight_name, kind in (
         ("embed_lora", "embed_tokens", EmbeddingLoRA),
         ("logits_lora", "lm_head", LMHeadLoRA),
@@ -333,17 +420,6 @@ def _attach_vocab(
             continue
         # NOTE: the whole vocabulary, not the weight's rows: a tensor-parallel rank holds a
         # slice of them, while these hooks see global token ids and the gathered logits.
-        hidden = weight.shape[1]
         vocab = getattr(getattr(model, "config", None), "vocab_size", weight.shape[0])
-        hook = kind(meta, vocab, hidden, rank, dtype, weight.device)
-        setattr(model, attr, hook)
-        hooks.append(hook)
-    if lora_config.max_saved_module_loras and len(hooks) == 2:
-        vocab = getattr(getattr(model, "config", None), "vocab_size", model.embed_tokens.shape[0])
-        saved = SavedModules(
-            meta, lora_config.max_saved_module_loras, model.embed_tokens, model.lm_head, vocab
-        )
-        model.embed_lora = _chain(saved.embed, hooks[0])
-        model.logits_lora = _chain(saved.logits, hooks[1])
-        hooks.insert(0, saved)
-    return tuple(hooks)
+        hooks.append((attr, kind, vocab, weight.shape[1]))
+    return hooks

@@ -57,6 +57,7 @@ from loraplex.adapters.peft_format import (
     LoRAWeights,
 )
 from loraplex.adapters.request import LoRARequest
+from loraplex.adapters.slot_memory import SlotImage
 from loraplex.adapters.slot_pool import LoRASlotPool
 from loraplex.adapters.validator import AdapterValidator
 from loraplex.config import LoRAConfig
@@ -582,11 +583,13 @@ class LoRAManager:
         self._stats_of(key).load_started = None
         self.pool.forget(key)
 
-    def _load(self, path: str) -> LoRAWeights:
+    def _load(self, path: str) -> SlotImage:
+        """Read, validate and stage an adapter as a slot image (on the loader thread with
+        `background_loads`): the engine thread's slot write is then a few copies."""
         weights = self.validate(path)
-        return weights.to(self._dtype, pin_memory=self._device.type == "cuda")
+        return self._state.stage(weights, pin_memory=self._device.type == "cuda")
 
-    def _reload(self, key: Hashable) -> LoRAWeights:
+    def _reload(self, key: Hashable) -> SlotImage:
         path = self._paths.get(key)  # type: ignore[arg-type]
         if path is None:
             raise KeyError(f"unknown adapter key {key!r}")

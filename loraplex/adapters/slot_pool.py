@@ -2,15 +2,17 @@
 
 - A slot holding an adapter that a running request uses is pinned (a per-adapter count) and is
   never evicted; unpinned resident slots are reused in least-recently-released order.
-- Behind the slots, an LRU cache of up to `max_cpu_loras` adapters in host memory (pinned, in
-  the model dtype) spares disk reads; a miss calls the loader the pool was built with.
+- Behind the slots, an LRU cache of up to `max_cpu_loras` adapters in host memory, each staged
+  as a slot image (`adapters.slot_memory`: pinned, in the model dtype, laid out as a slot)
+  spares disk reads; a miss calls the loader the pool was built with.
 - The first `saved_module_slots` slots also hold full embed_tokens / lm_head copies
   (`adapters.saved_modules`): an adapter that needs them (`modules_to_save`, trained token rows)
   goes only there; other adapters take the other slots first.
-- On CUDA, host-to-device copies run on a side stream, after the work already queued on the
+- On CUDA, the writer's few copies run on a side stream, after the work already queued on the
   main stream (an evicted slot may still be read by the step in flight). A CUDA event marks
-  each load; `wait_ready` makes the main stream wait for the loads of pinned slots before the
-  forward that first uses them, so requests whose adapters are already resident never wait.
+  each load; `is_ready` (what admission asks) is true only once it has completed, and
+  `wait_ready` makes the main stream wait for the loads of pinned slots before the forward that
+  first uses them, so requests whose adapters are already resident never wait.
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ from typing import Protocol
 
 import torch
 
-from loraplex.adapters.peft_format import LoRAWeights
+from loraplex.adapters.slot_memory import SlotImage
 
 
 class SlotWriter(Protocol):
-    """Writes an adapter's tensors into one slot of every LoRA layer."""
+    """Writes a staged adapter (a `SlotImage`, what the loader returns) into one slot of every
+    LoRA layer, on the current stream."""
 
-    def load_slot(self, slot: int, weights: LoRAWeights) -> None: ...
+    def write_slot(self, slot: int, image: SlotImage) -> None: ...
 
 
 class NoFreeLoRASlotError(RuntimeError):
@@ -40,7 +43,7 @@ class _Slot:
     key: Hashable | None = None
     pins: int = 0
     ready: torch.cuda.Event | None = None  # pending host-to-device copy
-    source: LoRAWeights | None = None  # host tensors kept alive until the copy completes
+    source: SlotImage | None = None  # host tensors kept alive until the copy completes
 
 
 @dataclass
@@ -64,7 +67,7 @@ class LoRASlotPool:
         num_slots: int,
         max_cpu_loras: int,
         writer: SlotWriter,
-        loader: Callable[[Hashable], LoRAWeights],
+        loader: Callable[[Hashable], SlotImage],
         device: torch.device | str,
         saved_module_slots: int = 0,
     ) -> None:
@@ -83,7 +86,7 @@ class LoRASlotPool:
         self._slots = [_Slot() for _ in range(num_slots)]
         self._where: dict[Hashable, int] = {}
         self._idle: OrderedDict[int, None] = OrderedDict()  # unpinned resident slots, LRU first
-        self._host: OrderedDict[Hashable, LoRAWeights] = OrderedDict()
+        self._host: OrderedDict[Hashable, SlotImage] = OrderedDict()
         self._stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
         self.counters = PoolCounters()
 
@@ -175,7 +178,7 @@ class LoRASlotPool:
         self._idle[slot] = None
         return True
 
-    def read(self, key: Hashable) -> LoRAWeights:
+    def read(self, key: Hashable) -> SlotImage:
         """Read an adapter through the pool's loader, touching no cache (any thread may call
         it; the caller hands the result to `put_host`)."""
         return self._loader(key)
@@ -203,7 +206,7 @@ class LoRASlotPool:
 
     # -- host cache ---------------------------------------------------------------------------
 
-    def put_host(self, key: Hashable, weights: LoRAWeights, *, from_disk: bool = False) -> None:
+    def put_host(self, key: Hashable, weights: SlotImage, *, from_disk: bool = False) -> None:
         """Insert an adapter already in host memory (e.g. just validated) into the CPU cache;
         `from_disk` counts it as a disk load (one read by a background loader)."""
         if from_disk:
@@ -270,7 +273,7 @@ class LoRASlotPool:
         self.counters.gpu_evictions_by_key[key] += 1
         return slot
 
-    def _host_weights(self, key: Hashable) -> LoRAWeights:
+    def _host_weights(self, key: Hashable) -> SlotImage:
         weights = self._host.get(key)
         if weights is None:
             weights = self._loader(key)
@@ -290,11 +293,11 @@ class LoRASlotPool:
         weights = self._host_weights(key)
         state = _Slot(key=key)
         if self._stream is None:
-            self._writer.load_slot(slot, weights)
+            self._writer.write_slot(slot, weights)
         else:
             self._stream.wait_stream(torch.cuda.current_stream(self._device))
             with torch.cuda.stream(self._stream):
-                self._writer.load_slot(slot, weights)
+                self._writer.write_slot(slot, weights)
                 state.ready = torch.cuda.Event()
                 state.ready.record(self._stream)
             state.source = weights

@@ -17,37 +17,75 @@ from __future__ import annotations
 
 import torch
 
-from loraplex.adapters.peft_format import EMBED_KEY, LM_HEAD_KEY, LoRAWeights
+from loraplex.adapters.peft_format import (
+    EMBED_KEY,
+    LM_HEAD_KEY,
+    LoRAModuleWeights,
+    LoRAWeights,
+)
+from loraplex.adapters.slot_memory import SlotImage, SlotMemory, SlotRegion, SlotShapes
 from loraplex.kernels.lora import LoRAStack, add_lora, lora_kernel_meta
 
 __all__ = ["EmbeddingLoRA", "LMHeadLoRA"]
 
 
-def _stack(
-    num_slots: int, max_rank: int, a_cols: int, out: int, dtype: torch.dtype, device: torch.device
-) -> LoRAStack:
+def _stack(region: SlotRegion, out: int, a: torch.Tensor | None = None) -> LoRAStack:
+    """The hook's kernel weights: its region's A (or the given one), B^T, ranks, scalings."""
+    a_slots, b_t = region.weights
     return LoRAStack(
-        a=torch.zeros(num_slots, max_rank, a_cols, dtype=dtype, device=device),
-        b_t=torch.zeros(num_slots, max_rank, out, dtype=dtype, device=device),
-        ranks=torch.zeros(1, num_slots, dtype=torch.int32, device=device),
-        scaling=torch.zeros(1, num_slots, dtype=torch.float32, device=device),
+        a=a_slots if a is None else a,
+        b_t=b_t,
+        ranks=region.ranks,
+        scaling=region.scaling,
         slice_offsets=(0, out),
     )
+
+
+def _take(memory: SlotMemory | None, shapes: SlotShapes, num_slots: int, dtype, device):
+    """The hook's region of the model's slot memory (of memory of its own when None)."""
+    if memory is None:
+        memory = SlotMemory(num_slots, [shapes], dtype, device)
+    return memory.take(shapes)
+
+
+def _stage(region: SlotRegion, image: SlotImage, module: LoRAModuleWeights | None,
+           *, a_transposed: bool) -> None:  # fmt: skip
+    """Write a vocabulary module into the hook's part of a host slot image: A (as `[r, in]`
+    rows, or `[in, r]` columns when the hook keeps A^T), B^T, rank and scaling."""
+    if module is None:
+        return
+    r = module.rank
+    a_img, b_img = region.host_weights(image)
+    ranks, scaling = region.host_params(image)
+    if a_transposed:
+        a_img[:, :r].copy_(module.a.T)
+    else:
+        a_img[:r].copy_(module.a)
+    b_img[:r].copy_(module.b.T)
+    ranks[0] = r
+    scaling[0] = module.scaling
 
 
 class EmbeddingLoRA:
     """The `embed_lora` hook of a model: adds each adapter token's embedding delta in place."""
 
     def __init__(self, meta, vocab_size: int, hidden_size: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
+                 dtype: torch.dtype, device: torch.device,
+                 memory: SlotMemory | None = None) -> None:  # fmt: skip
         self.meta = meta  # LoRABatchMeta
         slots = meta.num_slots
-        self.a_t = torch.zeros(slots, vocab_size, max_rank, dtype=dtype, device=device)
-        # NOTE: `weights.a` is the identity, so the shrink copies each token's gathered A row.
-        self.weights = _stack(slots, max_rank, max_rank, hidden_size, dtype, device)
-        self.weights.a.copy_(
-            torch.eye(max_rank, dtype=dtype, device=device).expand_as(self.weights.a)
+        self.region = _take(
+            memory, self.slot_shapes(vocab_size, hidden_size, max_rank), slots, dtype, device
         )
+        self.a_t = self.region.weights[0]  # [slots, vocab, max_rank]
+        # NOTE: `weights.a` is the identity, so the shrink copies each token's gathered A row.
+        eye = torch.eye(max_rank, dtype=dtype, device=device)
+        self.weights = _stack(self.region, hidden_size, eye.expand(slots, -1, -1).contiguous())
+
+    @staticmethod
+    def slot_shapes(vocab_size: int, hidden_size: int, max_rank: int) -> SlotShapes:
+        """Per slot: A^T [vocab, max_rank] and B^T [max_rank, hidden]; one rank row."""
+        return SlotShapes(((vocab_size, max_rank), (max_rank, hidden_size)), 1)
 
     @property
     def nbytes(self) -> int:
@@ -62,26 +100,26 @@ class EmbeddingLoRA:
         rows = self.a_t[slots, input_ids]  # [num_tokens, max_rank]
         add_lora(rows, hidden, self.weights, kernel_meta, self.meta.workspace)
 
-    def load_slot(self, slot: int, weights: LoRAWeights) -> None:
-        module = weights.modules.get(EMBED_KEY)
-        w = self.weights
-        if module is None:
-            w.ranks[0, slot] = 0
-            return
-        r = module.rank
-        self.a_t[slot, :, :r].copy_(module.a.T, non_blocking=True)
-        w.b_t[slot, :r].copy_(module.b.T, non_blocking=True)
-        w.ranks[0, slot] = r
-        w.scaling[0, slot] = module.scaling
+    def stage(self, image: SlotImage, weights: LoRAWeights) -> None:
+        """Write the adapter's embedding LoRA (if any) into a host slot image."""
+        _stage(self.region, image, weights.modules.get(EMBED_KEY), a_transposed=True)
 
 
 class LMHeadLoRA:
     """The `logits_lora` hook of a model: adds each row's adapter delta to its logits."""
 
     def __init__(self, meta, vocab_size: int, hidden_size: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
+                 dtype: torch.dtype, device: torch.device,
+                 memory: SlotMemory | None = None) -> None:  # fmt: skip
         self.meta = meta  # LoRABatchMeta
-        self.weights = _stack(meta.num_slots, max_rank, hidden_size, vocab_size, dtype, device)
+        shapes = self.slot_shapes(vocab_size, hidden_size, max_rank)
+        self.region = _take(memory, shapes, meta.num_slots, dtype, device)
+        self.weights = _stack(self.region, vocab_size)
+
+    @staticmethod
+    def slot_shapes(vocab_size: int, hidden_size: int, max_rank: int) -> SlotShapes:
+        """Per slot: A [max_rank, hidden] and B^T [max_rank, vocab]; one rank row."""
+        return SlotShapes(((max_rank, hidden_size), (max_rank, vocab_size)), 1)
 
     @property
     def nbytes(self) -> int:
@@ -101,14 +139,6 @@ class LMHeadLoRA:
             kernel_meta = lora_kernel_meta(slots, self.meta.num_slots)
         add_lora(hidden, logits, self.weights, kernel_meta, self.meta.workspace)
 
-    def load_slot(self, slot: int, weights: LoRAWeights) -> None:
-        module = weights.modules.get(LM_HEAD_KEY)
-        w = self.weights
-        if module is None:
-            w.ranks[0, slot] = 0
-            return
-        r = module.rank
-        w.a[slot, :r].copy_(module.a, non_blocking=True)
-        w.b_t[slot, :r].copy_(module.b.T, non_blocking=True)
-        w.ranks[0, slot] = r
-        w.scaling[0, slot] = module.scaling
+    def stage(self, image: SlotImage, weights: LoRAWeights) -> None:
+        """Write the adapter's lm_head LoRA (if any) into a host slot image."""
+        _stage(self.region, image, weights.modules.get(LM_HEAD_KEY), a_transposed=False)

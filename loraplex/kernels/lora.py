@@ -45,6 +45,12 @@ class LoRAKernelConfig:
     """Which Triton kernels run and with which tiles (all sizes powers of two)."""
 
     token_kernels_max_tokens: int = 64  # up to this many tokens: one program per token
+    fused_max_tokens: int = 8  # up to this many: one fused shrink + expand launch (0: never)
+    fused_programs: int = 256  # widen the fused kernel's column tiles until about this many
+    fused_block_elems: int = 32768  # A elements per fused shrink iteration (rank x block_k)
+    # NOTE: each fused program reads its slice's whole A (rank x in); past this many input
+    # features that read outlasts the pair's split reduction, so wide inputs keep the pair.
+    fused_max_k: int = 8192
     target_programs: int = 512  # split the shrink's reduction until about this many programs
     max_splits: int = 32
     shrink_block_k: int = 128
@@ -55,7 +61,8 @@ class LoRAKernelConfig:
     group_expand_programs: int = 1024  # ... as long as about this many programs remain
 
     def __post_init__(self) -> None:
-        for name in ("shrink_block_k", "expand_block_n", "group_block_m", "group_block_n"):
+        for name in ("shrink_block_k", "expand_block_n", "group_block_m", "group_block_n",
+                     "fused_block_elems"):  # fmt: skip
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"LoRAKernelConfig.{name} must be a power of two >= 16")
@@ -63,11 +70,18 @@ class LoRAKernelConfig:
             raise ValueError(
                 "LoRAKernelConfig: group_expand_max_chunks and group_expand_programs must be >= 1"
             )
-        if self.target_programs < 1 or self.max_splits < 1:
-            raise ValueError("LoRAKernelConfig: target_programs and max_splits must be >= 1")
+        if self.target_programs < 1 or self.max_splits < 1 or self.fused_programs < 1:
+            raise ValueError(
+                "LoRAKernelConfig: target_programs, max_splits and fused_programs must be >= 1"
+            )
+        if self.fused_max_tokens < 0:
+            raise ValueError("LoRAKernelConfig.fused_max_tokens must be >= 0")
 
     def use_token_kernels(self, num_tokens: int) -> bool:
         return num_tokens <= self.token_kernels_max_tokens
+
+    def use_fused_kernel(self, num_tokens: int, in_features: int) -> bool:
+        return num_tokens <= self.fused_max_tokens and in_features <= self.fused_max_k
 
 
 @dataclass(frozen=True)
@@ -246,9 +260,9 @@ def add_lora(
     workspace: torch.Tensor,  # [rows >= num_tokens, >= num_slices * max_rank] fp32
     config: LoRAKernelConfig | None = None,
 ) -> None:
-    """Add every token's adapter delta, all slices of one `Linear`: two Triton launches on CUDA
-    (the shrink may split its reduction over the workspace's spare rows), the torch reference
-    elsewhere."""
+    """Add every token's adapter delta, all slices of one `Linear`: on CUDA one fused Triton
+    launch for up to `fused_max_tokens` tokens (and `fused_max_k` input features), else two (the shrink may split its reduction
+    over the workspace's spare rows); the torch reference elsewhere."""
     check_lora_args(x, out, lora, meta, workspace)
     if x.is_cuda:
         from loraplex.kernels.triton_lora import lora_triton

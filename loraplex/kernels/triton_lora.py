@@ -1,7 +1,8 @@
 """Triton multi-LoRA kernels (see `loraplex.kernels.lora` for the math and the weight layout).
 
-One `Linear` costs two launches whatever its number of slices: a shrink that computes every
-slice's `x @ A^T` in one pass over `x`, and an expand that writes every slice's columns.
+One `Linear` costs two launches whatever its number of slices (one for the smallest batches,
+below): a shrink that computes every slice's `x @ A^T` in one pass over `x`, and an expand that
+writes every slice's columns.
 
 - shrink grid `(token programs, num_splits)`: the reduction over `in` is split into
   `num_splits` chunks; each program writes its fp32 partial `t` rows to its own workspace block
@@ -15,6 +16,13 @@ Two variants of each, picked by token count: the *token* kernels give each progr
 (any slot, a GEMV on CUDA cores; decode batches where most tokens carry different adapters),
 the *group* kernels give each program `BLOCK_M` tokens of one slot (read through `token_order`)
 and use `tl.dot`. Grids depend on tensor shapes only, so both replay from CUDA graphs.
+
+For the smallest batches (`fused_max_tokens`, inputs up to `fused_max_k`) one *fused* launch
+replaces the pair: program
+(token, column tile) computes its slice's `t = x @ A_s^T` over the whole reduction in registers
+and expands it into its tile. The shrink is recomputed per tile (its A rows are read again,
+mostly from L2), which the tile width bounds (`fused_chunks`); in exchange there is no second
+launch and no workspace round trip, which is what a decode step of a few tokens pays for.
 """
 
 from __future__ import annotations
@@ -60,6 +68,15 @@ def _tile_slice(offsets_ptr, pid_n, BLOCK_N: tl.constexpr, NUM_SLICES: tl.conste
         col_end = tl.where(inside, hi, col_end)
         tiles_before += tiles
     return slice_idx, col0, col_end
+
+
+@triton.jit
+def _tile_rank(offsets_ptr, rank_ptr, pid_n, slot, stride_rs, WIDTH: tl.constexpr,
+               NUM_SLICES: tl.constexpr):  # fmt: skip
+    """Slice, first and end column of the `WIDTH`-column tile `pid_n`, and the slot's rank on
+    that slice (0: nothing to add)."""
+    slice_idx, col0, col_end = _tile_slice(offsets_ptr, pid_n, WIDTH, NUM_SLICES)
+    return slice_idx, col0, col_end, tl.load(rank_ptr + slice_idx * stride_rs + slot)
 
 
 @triton.jit
@@ -159,8 +176,9 @@ def _expand_token_kernel(
     slot = tl.load(slots_ptr + tok)
     if slot < 0:
         return
-    slice_idx, col0, col_end = _tile_slice(offsets_ptr, tl.program_id(1), BLOCK_N, NUM_SLICES)
-    rank = tl.load(rank_ptr + slice_idx * stride_rs + slot)
+    slice_idx, col0, col_end, rank = _tile_rank(
+        offsets_ptr, rank_ptr, tl.program_id(1), slot, stride_rs, BLOCK_N, NUM_SLICES
+    )
     if rank == 0:
         return
     offs_r = tl.arange(0, RANK_PAD)
@@ -186,6 +204,57 @@ def _expand_token_kernel(
 
 
 @triton.jit
+def _fused_token_kernel(
+    x_ptr, a_ptr, b_ptr, out_ptr, slots_ptr, rank_ptr, scaling_ptr, offsets_ptr, g_ptr, bias_ptr,
+    K,
+    stride_xm, stride_as, stride_ar, stride_bs, stride_br, stride_om, stride_rs, stride_gs,
+    MAX_RANK: tl.constexpr, RANK_PAD: tl.constexpr, NUM_SLICES: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr,
+    DORA: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    """Program (token, tile): the token's shrink for the tile's slice, then CHUNKS consecutive
+    BLOCK_N-column chunks of its expand."""
+    tok = tl.program_id(0)
+    slot = tl.load(slots_ptr + tok)
+    if slot < 0:
+        return
+    slice_idx, col0, col_end, rank = _tile_rank(
+        offsets_ptr, rank_ptr, tl.program_id(1), slot, stride_rs, CHUNKS * BLOCK_N, NUM_SLICES
+    )
+    if rank == 0:
+        return
+    offs_r = tl.arange(0, RANK_PAD)
+    r_mask = offs_r < rank
+    a_rows = (
+        a_ptr + slot.to(tl.int64) * stride_as + (slice_idx * MAX_RANK + offs_r)[:, None] * stride_ar
+    )
+    x_row = x_ptr + tok.to(tl.int64) * stride_xm
+    # NOTE: Triton does not pipeline loads that feed no `tl.dot`, so each iteration waits for its
+    # loads: wide BLOCK_K chunks (up to 64 KB of A) keep enough bytes in flight per iteration,
+    # and the chunk is reduced at once so no [RANK_PAD, BLOCK_K] accumulator holds registers.
+    t = tl.zeros((RANK_PAD,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = tl.load(x_row + offs_k, mask=k_mask, other=0.0)
+        a = tl.load(a_rows + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+        t += tl.sum(a.to(tl.float32) * x.to(tl.float32)[None, :], 1)  # zero beyond the rank
+    scaling = tl.load(scaling_ptr + slice_idx * stride_rs + slot)
+    b_rows = b_ptr + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br
+    o_row = out_ptr + tok.to(tl.int64) * stride_om
+    g_row = g_ptr + slot.to(tl.int64) * stride_gs
+    for chunk in range(CHUNKS):
+        offs_n = col0 + chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < col_end
+        b = tl.load(b_rows + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        delta = tl.sum(t[:, None] * b.to(tl.float32), 0) * scaling
+        cur = tl.load(o_row + offs_n, mask=n_mask, other=0.0)
+        new = _dora_update(cur.to(tl.float32), delta, g_row + offs_n, bias_ptr + offs_n, n_mask,
+                           DORA, HAS_BIAS)  # fmt: skip
+        tl.store(o_row + offs_n, new.to(cur.dtype), mask=n_mask)
+
+
+@triton.jit
 def _expand_group_kernel(
     t_ptr, b_ptr, out_ptr, order_ptr, start_ptr, count_ptr, rank_ptr, scaling_ptr, offsets_ptr,
     g_ptr, bias_ptr,
@@ -201,10 +270,9 @@ def _expand_group_kernel(
                                        BLOCK_M, SLOTS)  # fmt: skip
     if slot >= num_slots:
         return
-    slice_idx, col0, col_end = _tile_slice(
-        offsets_ptr, tl.program_id(1), CHUNKS * BLOCK_N, NUM_SLICES
+    slice_idx, col0, col_end, rank = _tile_rank(
+        offsets_ptr, rank_ptr, tl.program_id(1), slot, stride_rs, CHUNKS * BLOCK_N, NUM_SLICES
     )
-    rank = tl.load(rank_ptr + slice_idx * stride_rs + slot)
     if rank == 0:
         return
     offs_m = pos0 + tl.arange(0, BLOCK_M)
@@ -307,6 +375,23 @@ def expand_chunks(blocks: int, slice_sizes: tuple[int, ...], config: LoRAKernelC
     return chunks
 
 
+def fused_tiles(
+    num_tokens: int, slice_sizes: tuple[int, ...], max_rank: int, config: LoRAKernelConfig
+) -> tuple[int, int]:
+    """(BLOCK_N, CHUNKS) of the fused kernel: `expand_block_n` columns per chunk, fewer for
+    large ranks (so a `[rank, BLOCK_N]` tile of B fits in registers); then the fewest chunks per
+    program (each program repeats its slice's shrink) that keep the grid within about
+    `fused_programs` programs."""
+    rank_pad = max(16, triton.next_power_of_2(max_rank))
+    block_n = min(config.expand_block_n, max(16, 4096 // rank_pad))
+    chunks = 1
+    while num_tokens * sum(
+        triton.cdiv(n, chunks * block_n) for n in slice_sizes
+    ) > config.fused_programs and chunks * block_n < max(slice_sizes):
+        chunks *= 2
+    return block_n, chunks
+
+
 def lora_triton(
     x: torch.Tensor,  # [num_tokens, in]
     out: torch.Tensor,  # [num_tokens, >= offsets[-1]]
@@ -315,7 +400,8 @@ def lora_triton(
     workspace: torch.Tensor,  # [rows, >= num_slices * max_rank] fp32
     config: LoRAKernelConfig,
 ) -> None:
-    """Add every token's LoRA delta of every slice into `out`: one shrink and one expand."""
+    """Add every token's LoRA delta of every slice into `out`: one fused launch for the
+    smallest batches, else one shrink and one expand."""
     num_tokens, k = x.shape
     num_slots = lora.a.shape[0]
     num_slices, max_rank = lora.num_slices, lora.max_rank
@@ -334,6 +420,19 @@ def lora_triton(
     bias = lora.base_bias if lora.base_bias is not None else g
     dora_args = (g, bias)
     dora_flags = {"DORA": dora, "HAS_BIAS": lora.base_bias is not None}
+    if config.use_fused_kernel(num_tokens, k):
+        block_n, chunks = fused_tiles(num_tokens, lora.slice_sizes, max_rank, config)
+        tiles = sum(triton.cdiv(n, chunks * block_n) for n in lora.slice_sizes)
+        block_k = max(config.shrink_block_k, config.fused_block_elems // rank_pad)
+        _fused_token_kernel[(num_tokens, tiles)](
+            x, a, b_t, out, meta.lora_slots, lora.ranks, lora.scaling, offsets, *dora_args, k,
+            x.stride(0), a.stride(0), a.stride(1), b_t.stride(0), b_t.stride(1), out.stride(0),
+            stride_rs, g.stride(0),
+            MAX_RANK=max_rank, RANK_PAD=rank_pad, NUM_SLICES=num_slices,
+            BLOCK_N=block_n, BLOCK_K=block_k, CHUNKS=chunks,
+            num_warps=_warps(rank_pad * max(block_n, block_k)), **dora_flags,
+        )  # fmt: skip
+        return
     if config.use_token_kernels(num_tokens):
         _shrink_token_kernel[(num_tokens, splits)](
             x, a, t, meta.lora_slots, lora.ranks, num_tokens, k, k_per_split,

@@ -280,6 +280,9 @@ class SlotRecorder:
         self.acquisitions = 0
         self.moved_while_running: list[tuple[str, str]] = []  # (request id, adapter key)
         self.unpinned_in_batch: list[int] = []  # steps whose batch used more slots than pinned
+        self.slot_writes = 0
+        self.overwritten_in_use: list[tuple[str, int]] = []  # (running request, slot written)
+        self._last_slot: dict[str, int] = {}  # request id -> slot its last token ran with
         self._engine = engine
         self._keys = keys
         self._scheduled: list[tuple[str, int, str | None]] = []
@@ -293,6 +296,7 @@ class SlotRecorder:
         monkeypatch.setattr(writer, "write", self._wrap_write(writer.write))
         monkeypatch.setattr(self._pool, "acquire", self._wrap_acquire(self._pool.acquire))
         monkeypatch.setattr(self._pool, "stage", self._wrap_acquire(self._pool.stage, count=False))
+        monkeypatch.setattr(self._pool, "_writer", _WriteWatcher(self._pool._writer, self))
 
     def _resident(self) -> dict[int, str]:
         slots = {key: self._pool.slot_of(key) for key in self._keys}
@@ -322,11 +326,19 @@ class SlotRecorder:
             for (rid, key), slot in zip(owners, slots):
                 slot_key = resident.get(slot) if slot >= 0 else None
                 self.tokens.append(TokenRecord(self._step, rid, key, slot, slot_key))
+                self._last_slot[rid] = slot
             if len({s for s in slots if s >= 0}) > self._pool.pinned():
                 self.unpinned_in_batch.append(self._step)
             write(lora_slots, num_padded, always_apply=always_apply)
 
         return wrapped
+
+    def on_slot_write(self, slot: int) -> None:
+        """Before a slot is written: no running request may have run its tokens on it."""
+        self.slot_writes += 1
+        for r in self._engine.scheduler.running:
+            if r.adapter_key is not None and self._last_slot.get(r.request_id) == slot:
+                self.overwritten_in_use.append((r.request_id, slot))
 
     def _wrap_acquire(self, acquire, count: bool = True):
         def wrapped(key):
@@ -341,3 +353,15 @@ class SlotRecorder:
             return slot
 
         return wrapped
+
+
+class _WriteWatcher:
+    """Stands in for the slot pool's writer: tells the recorder of each slot write first."""
+
+    def __init__(self, writer, recorder: SlotRecorder) -> None:
+        self._writer = writer
+        self._recorder = recorder
+
+    def write_slot(self, slot: int, image) -> None:
+        self._recorder.on_slot_write(slot)
+        self._writer.write_slot(slot, image)

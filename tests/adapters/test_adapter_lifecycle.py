@@ -139,6 +139,8 @@ def test_forty_adapters_churn_through_four_slots(engine, hf_config, tmp_path, mo
     wrong = [t for t in recorder.tokens if t.request_key and t.slot_key != t.request_key]
     assert not wrong, f"tokens ran on another adapter's weights: {wrong[:3]}"
     assert recorder.moved_while_running == []
+    assert recorder.overwritten_in_use == [], "a slot was written under a running request"
+    assert recorder.slot_writes >= 40
     assert engine.stats().lora.gpu_evictions >= 40 - 4
     monkeypatch.undo()
 

@@ -161,3 +161,86 @@ def test_each_step_regroups_tokens_in_the_shared_buffers(setup):
         buffers.add((state.meta.workspace.data_ptr(), got.token_order.data_ptr()))
     assert len(buffers) == 1  # CUDA graphs replay over the same addresses step after step
     assert len(state.layers[0].weights.slice_offsets) == 4  # q, k, v in one stack
+
+
+def _old_path_slots(state, writes, dtype):
+    """Each layer's slot tensors as the per-shard writes (one copy per shard's A and B^T and one
+    assignment per rank and scaling, into zeroed slots) left them: the reference layout."""
+    expected = []
+    for layer in state.layers:
+        w = layer.weights
+        a, b_t = torch.zeros_like(w.a), torch.zeros_like(w.b_t)
+        ranks, scaling = torch.zeros_like(w.ranks), torch.zeros_like(w.scaling)
+        r_max = w.max_rank
+        for slot, weights in writes.items():
+            for i, name in enumerate(layer.shard_names):
+                module = weights.modules.get((layer.layer_index, name))
+                if module is None:
+                    continue
+                r, lo, hi = module.rank, layer.offsets[i], layer.offsets[i + 1]
+                a[slot, i * r_max : i * r_max + r] = module.a.to(dtype)
+                b_t[slot, :r, lo:hi] = module.b.T.to(dtype)
+                ranks[i, slot], scaling[i, slot] = r, module.scaling
+        expected.append((a, b_t, ranks, scaling))
+    return expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_staged_slot_writes_are_bit_exact_with_per_shard_writes(setup, dtype):
+    _, _, _, weights = setup
+    config = LoRAConfig(max_loras=3, max_lora_rank=8, max_cpu_loras=4)
+    state = attach_lora_layers(TinyProjections(tiny_llama()), config, "cpu", dtype, 64)
+    state.load_slot(0, weights[1])  # rank 8 on four modules ...
+    state.load_slot(0, weights[0])  # ... then rank 4 on all seven over it
+    state.load_slot(2, weights[1])
+    expected = _old_path_slots(state, {0: weights[0], 2: weights[1]}, dtype)
+    for layer, (a, b_t, ranks, scaling) in zip(state.layers, expected):
+        w = layer.weights
+        assert w.a.dtype == dtype and torch.equal(w.a, a), layer.prefix
+        assert torch.equal(w.b_t, b_t) and torch.equal(w.ranks, ranks), layer.prefix
+        assert torch.equal(w.scaling, scaling) and bool((w.dora_scale == 1).all())
+    # every layer's tensors are views of one slot-major block: a slot is one contiguous row
+    row = state.memory.weights[2]
+    for layer in state.layers:
+        for t in (layer.weights.a, layer.weights.b_t):
+            assert t[2].data_ptr() >= row.data_ptr()
+            assert t[2].data_ptr() + t[2].nbytes <= row.data_ptr() + row.nbytes
+
+
+def test_a_slot_write_costs_three_operations_whatever_the_layer_count(setup):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountOps(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:  # views launch nothing on a device
+                self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    _, state, _, weights = setup
+    image = state.stage(weights[0])  # the loader thread's part: host memory only
+    assert image.weights.device.type == "cpu" and image.extras is None
+    with CountOps() as counted:
+        state.write_slot(1, image)
+    assert len(counted.ops) == 3, counted.ops  # weights, ranks and scalings, DoRA scales
+    assert len(state.layers) == 8  # the per-shard writes took 4 to 5 operations per shard
+    state.meta.set(torch.tensor([1, -1], dtype=torch.int32))
+    linear = state.layers[0].target
+    x = torch.randn(2, 64)
+    expected = state.layers[0].weights.scaling[0, 1] * (x[0] @ weights[0].modules[0, "q_proj"].a.T)
+    expected = expected @ weights[0].modules[0, "q_proj"].b.T
+    torch.testing.assert_close(our_delta(linear, x)[0, :64], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_slot_image_of_another_model_is_refused(setup):
+    _, state, _, weights = setup
+    image = state.stage(weights[0])
+    other = attach_lora_layers(
+        TinyProjections(tiny_llama()), LoRAConfig(max_loras=2, max_lora_rank=4), "cpu",
+        torch.float32, 16,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="does not fit"):
+        other.write_slot(0, image)

@@ -208,3 +208,55 @@ def test_a_drain_for_an_adapter_with_module_copies_frees_a_copy_slot(tmp_path):
         LoRAManager(config, BaseModelSpec.from_hf_config(HF_CONFIG),
                     attach_lora_layers(TinyProjections(tiny_llama()), config, "cpu",
                                        torch.float32, 32), torch.float32)  # fmt: skip
+
+
+def test_a_request_is_admitted_only_once_its_slot_copy_has_completed(
+    manager_and_model, tmp_path, monkeypatch
+):
+    manager, *_ = manager_and_model
+    key = manager.adapter_key(LoRARequest("a", str(make_peft_adapter(tmp_path / "a", seed=1))))
+
+    class PendingCopy:  # stands in for the side stream's CUDA event
+        done = False
+
+        def query(self) -> bool:
+            return self.done
+
+    copy = PendingCopy()
+    load = manager.pool._load
+
+    def load_on_a_side_stream(k, slot):
+        load(k, slot)
+        manager.pool._slots[slot].ready = copy
+
+    monkeypatch.setattr(manager.pool, "_load", load_on_a_side_stream)
+    assert not manager.can_schedule(key)  # the copy starts: the request waits in the queue
+    slot = manager.pool.slot_of(key)
+    assert slot is not None and not manager.can_schedule(key)
+    copy.done = True
+    assert manager.can_schedule(key) and manager.pool.slot_of(key) == slot
+
+
+def test_a_staged_slot_write_fills_the_module_copy_and_a_plain_adapter_clears_it(tmp_path):
+    """The slot image carries an adapter's trained token rows beside its LoRA tensors: writing
+    it fills the slot's embed_tokens copy (base rows, trained rows replaced); a plain adapter
+    written into that slot later leaves its tokens on the base modules (copies start zero)."""
+    config = LoRAConfig(max_loras=1, max_lora_rank=8, max_cpu_loras=4, max_saved_module_loras=1)
+    model = VocabProjections(tiny_llama())
+    state = attach_lora_layers(model, config, "cpu", torch.float32, 32)
+    manager = LoRAManager(config, BaseModelSpec.from_hf_config(HF_CONFIG), state, torch.float32)
+    saved = state.vocab[0]
+    rows = make_peft_adapter(tmp_path / "rows", seed=2, trainable_token_indices=[3, 10])
+    plain = make_peft_adapter(tmp_path / "plain", seed=1)
+    key_r, key_p = (manager.adapter_key(LoRARequest(f.name, str(f))) for f in (rows, plain))
+    assert manager.acquire_for_request("r1", key_r) == 0
+    image = manager.pool.read(key_r)
+    assert image.needs_saved_module_slot and not manager.pool.read(key_p).needs_saved_module_slot
+    trained = image.extras.tokens["embed_tokens"]
+    expected = model.embed_tokens.detach().clone()
+    expected[trained.indices] = trained.values
+    torch.testing.assert_close(saved.copies["embed_tokens"][0], expected, rtol=0, atol=0)
+    assert saved.used["embed_tokens"][0]
+    manager.release_for_request("r1")
+    assert manager.acquire_for_request("p1", key_p) == 0  # evicts the adapter with rows
+    assert not saved.used["embed_tokens"][0]

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from loraplex.adapters.peft_format import LoRAModuleWeights, LoRAWeights
+from loraplex.adapters.peft_format import LoRAWeights
+from loraplex.adapters.slot_memory import SlotImage
 from loraplex.adapters.slot_pool import LoRASlotPool, NoFreeLoRASlotError
 
 
@@ -16,14 +19,13 @@ class RecordingWriter:
         self.slots: dict[int, str] = {}
         self.writes = 0
 
-    def load_slot(self, slot: int, weights: LoRAWeights) -> None:
-        self.slots[slot] = weights.path
+    def write_slot(self, slot: int, image: SlotImage) -> None:
+        self.slots[slot] = image.path
         self.writes += 1
 
 
-def _weights(key: str) -> LoRAWeights:
-    module = LoRAModuleWeights(torch.zeros(2, 4), torch.zeros(4, 2), 1.0)
-    return LoRAWeights(key, key, {(0, "q_proj"): module})
+def _weights(key: str) -> SlotImage:
+    return SlotImage(key, key, torch.zeros(8), torch.zeros(2, 1, dtype=torch.int32))
 
 
 def _pool(num_slots: int = 2, max_cpu: int = 3) -> tuple[LoRASlotPool, RecordingWriter, list]:
@@ -121,7 +123,8 @@ def test_adapters_with_module_copies_take_only_the_copy_slots():
     def loader(key):
         weights = _weights(key)
         if key.startswith("saved"):
-            return LoRAWeights(key, key, weights.modules, saved={"lm_head": torch.zeros(8, 4)})
+            extras = LoRAWeights(key, key, {}, saved={"lm_head": torch.zeros(8, 4)})
+            return dataclasses.replace(weights, extras=extras)
         return weights
 
     pool = LoRASlotPool(3, 8, writer, loader, "cpu", saved_module_slots=1)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.adapters.lora_layer import LoRABatchMeta
+from loraplex.adapters.lora_layer import LoRABatchMeta, LoRAModelState
 from loraplex.adapters.peft_format import EMBED_KEY, LM_HEAD_KEY, LoRAModuleWeights, LoRAWeights
+from loraplex.adapters.slot_memory import SlotMemory
 from loraplex.adapters.vocab_lora import EmbeddingLoRA, LMHeadLoRA
 from loraplex.kernels.lora import LoRAKernelConfig
 
@@ -25,13 +26,16 @@ def _adapter(seed: int, rank: int) -> LoRAWeights:
 
 @pytest.fixture
 def hooks():
-    meta = LoRABatchMeta(SLOTS, MAX_RANK, 32, torch.device("cpu"))
-    embed = EmbeddingLoRA(meta, VOCAB, HIDDEN, MAX_RANK, torch.float32, torch.device("cpu"))
-    head = LMHeadLoRA(meta, VOCAB, HIDDEN, MAX_RANK, torch.float32, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    meta = LoRABatchMeta(SLOTS, MAX_RANK, 32, cpu)
+    shapes = [kind.slot_shapes(VOCAB, HIDDEN, MAX_RANK) for kind in (EmbeddingLoRA, LMHeadLoRA)]
+    memory = SlotMemory(SLOTS, shapes, torch.float32, cpu)
+    embed = EmbeddingLoRA(meta, VOCAB, HIDDEN, MAX_RANK, torch.float32, cpu, memory)
+    head = LMHeadLoRA(meta, VOCAB, HIDDEN, MAX_RANK, torch.float32, cpu, memory)
+    state = LoRAModelState(meta, memory, (), (embed, head))
     adapters = {0: _adapter(1, 8), 2: _adapter(2, 3)}  # slot 1 stays empty (rank 0)
     for slot, weights in adapters.items():
-        embed.load_slot(slot, weights)
-        head.load_slot(slot, weights)
+        state.load_slot(slot, weights)
     return meta, embed, head, adapters
 
 

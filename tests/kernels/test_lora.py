@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from loraplex.kernels.lora import (
 
 # tiny tiles, so that odd sizes cross several column tiles and reduction splits
 TINY = dict(shrink_block_k=16, expand_block_n=16, group_block_m=16, group_block_n=16)
+TWO_KERNELS = dict(fused_max_tokens=0)  # the shrink + expand pair even for tiny batches
 
 
 def _stack(in_features, slice_sizes, num_slots, max_rank, seed, dtype=torch.float32, first=0):
@@ -137,7 +140,7 @@ def test_triton_matches_reference(
     # some of them past the end of a slice (masked).
     config = LoRAKernelConfig(
         token_kernels_max_tokens=64 if token_kernels else 0, max_splits=max_splits,
-        group_expand_max_chunks=expand_chunks, group_expand_programs=1, **TINY,
+        group_expand_max_chunks=expand_chunks, group_expand_programs=1, **TWO_KERNELS, **TINY,
     )  # fmt: skip
     assert chunks_for(1, slice_sizes, config) == expand_chunks
     lora = _stack(in_features, slice_sizes, num_slots, max_rank, 7, first=3)
@@ -156,7 +159,7 @@ def test_triton_matches_reference(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("num_tokens", [1, 64, 300])
+@pytest.mark.parametrize("num_tokens", [1, 8, 64, 300])  # 1, 8: the fused kernel
 def test_triton_bf16_on_gpu_replays_in_a_cuda_graph(num_tokens):
     lora = _stack(4096, (1024, 256, 256), 8, 16, 3, torch.bfloat16)
     lora = LoRAStack(
@@ -191,7 +194,6 @@ def test_triton_bf16_on_gpu_replays_in_a_cuda_graph(num_tokens):
 def _with_dora(lora: LoRAStack, seed: int, bias: bool) -> LoRAStack:
     """`lora` with a DoRA column scale on every other slot (slot 0 among them; the others
     1.0, plain LoRA) and optionally a base bias."""
-    from dataclasses import replace
 
     g = torch.Generator().manual_seed(seed + 2)
     num_slots, width = lora.a.shape[0], lora.b_t.shape[2]
@@ -236,5 +238,49 @@ def test_dora_rescales_base_and_delta_per_slot(
     torch.testing.assert_close(out_ref.double(), expected, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(out_ref.double(), base.double() + delta, atol=1e-3)  # DoRA acted
     config = LoRAKernelConfig(token_kernels_max_tokens=64 if token_kernels else 0, **TINY)
-    lora_triton(x, out_tri, lora, meta, torch.zeros(4 * num_tokens, width), config)
+    for fused in (dict(fused_max_tokens=num_tokens), TWO_KERNELS):
+        out_tri = base.clone()
+        lora_triton(x, out_tri, lora, meta, torch.zeros(4 * num_tokens, width),
+                    replace(config, **fused))  # fmt: skip
+        torch.testing.assert_close(out_tri, out_ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("block_elems", [256, 32768])  # several reduction chunks / one
+@pytest.mark.parametrize("programs", [1, 10_000])  # widest tiles (chunks past a slice's end) / 1
+@pytest.mark.parametrize(
+    ("num_tokens", "in_features", "slice_sizes", "num_slots", "max_rank"),
+    [(1, 9, (11,), 2, 5), (3, 70, (37, 9, 9), 3, 20), (8, 33, (130, 16), 4, 16)],
+)
+def test_fused_kernel_matches_reference(
+    block_elems, programs, num_tokens, in_features, slice_sizes, num_slots, max_rank
+):
+    """One launch for shrink and expand: each slice of each token at its own slot's rank (0
+    included), base-model rows (slot -1) untouched, against the two-step reference."""
+    from loraplex.kernels.triton_lora import fused_tiles, lora_triton
+
+    config = LoRAKernelConfig(fused_max_tokens=num_tokens, fused_programs=programs,
+                              fused_block_elems=block_elems, **TINY)  # fmt: skip
+    assert config.use_fused_kernel(num_tokens, in_features)
+    assert not config.use_fused_kernel(num_tokens + 1, in_features)
+    assert not config.use_fused_kernel(num_tokens, config.fused_max_k + 1)
+    block_n, chunks = fused_tiles(num_tokens, slice_sizes, max_rank, config)
+    assert block_n == 16 and (chunks > 1) == (programs == 1 and max(slice_sizes) > 16)
+    lora = _stack(in_features, slice_sizes, num_slots, max_rank, 11, first=1)
+    if len(slice_sizes) > 1:
+        lora.ranks[-1, 1 % num_slots] = 0  # a slice with no adapter on a used slot
+    x, slots = _inputs(num_tokens, in_features, num_slots, 11)
+    slots[0] = 1 % num_slots
+    if num_tokens > 1:
+        slots[-1] = -1
+    meta = lora_kernel_meta(slots, num_slots)
+    base = torch.randn(num_tokens, lora.b_t.shape[2])
+    out_ref, out_tri = base.clone(), base.clone()
+    # NOTE: a NaN workspace: the fused kernel must not read the shrink's scratch
+    workspace = torch.full((num_tokens, len(slice_sizes) * max_rank), float("nan"))
+    add_lora(x, out_ref, lora, meta, torch.zeros_like(workspace))
+    lora_triton(x, out_tri, lora, meta, workspace, config)
     torch.testing.assert_close(out_tri, out_ref, rtol=1e-4, atol=1e-4)
+    expected = base.double() + _dense_delta(x, lora, slots, base.shape[1])
+    torch.testing.assert_close(out_tri.double(), expected, rtol=1e-4, atol=1e-4)
+    assert torch.equal(out_tri[slots < 0], base[slots < 0])
+    assert not torch.equal(out_tri[0], base[0])  # the adapter acted

@@ -241,7 +241,7 @@ class ModelRunner:
             return state
         # NOTE: every slot write goes to the other ranks too, ahead of the step that uses it.
         return TensorParallelLoRAState(
-            state.meta, state.layers, state.vocab, send=self.workers.send
+            state.meta, state.memory, state.layers, state.vocab, send=self.workers.send
         )
 
     def shutdown(self) -> None:
