@@ -5,28 +5,18 @@ The torch reference runs each of Philox's 10 rounds as a dozen int64 tensor ops 
 rows of a 49k vocabulary on one core (benchmarks/results/cpu_step_profile.json). The C loop
 keeps a counter's rounds in registers and runs 32-bit lanes (gcc vectorises it): ~3 ms.
 
-The source is compiled once per host with the C compiler (`CC`, else `cc`) into
-`<cache_dir>/cpu_kernels/` and loaded through ctypes; `target_clones` picks AVX-512, AVX2 or
-plain code at load time, so a cache shared between hosts stays safe. Where no compiler works
-the caller keeps the torch reference (`load()` returns None; logged once).
+Built and loaded by `cpu_native` (`target_clones` picks AVX-512, AVX2 or plain code at load
+time, so a cache shared between hosts stays safe); where it cannot be built the caller keeps
+the torch reference.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-import loraplex.envs as envs
+from loraplex.kernels.cpu_native import load_library
 from loraplex.kernels.philox import (
     PHILOX_KEY_A,
     PHILOX_KEY_B,
@@ -35,8 +25,6 @@ from loraplex.kernels.philox import (
     PHILOX_ROUNDS,
     UNIFORM_SHIFT,
 )
-
-logger = logging.getLogger(__name__)
 
 _SOURCE = f"""
 #include <stdint.h>
@@ -90,50 +78,14 @@ void philox_uniform(const int64_t *seeds, const int64_t *steps, int64_t n, int64
 
 # NOTE: first with per-CPU clones (gcc, or clang on ELF hosts), then plain -O3 (any C compiler).
 _FLAG_SETS = (("-O3", "-DLORAPLEX_CLONES"), ("-O3",))
+_SIGNATURES = (
+    ("philox_uniform", (ctypes.c_void_p,) * 2 + (ctypes.c_int64,) * 2 + (ctypes.c_void_p,), None),
+)
 
 
-def _compile(compiler: str, target: Path) -> bool:
-    """Compile _SOURCE into the shared library `target` (atomically). -> whether it worked"""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        source = Path(tmp) / "philox.c"
-        source.write_text(_SOURCE)
-        built = Path(tmp) / target.name
-        for flags in _FLAG_SETS:
-            cmd = [compiler, *flags, "-shared", "-fPIC", "-o", str(built), str(source)]
-            try:
-                done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-            except (OSError, subprocess.TimeoutExpired) as exc:
-                logger.warning("CPU Philox: %s failed: %s", compiler, exc)
-                return False
-            if done.returncode == 0:
-                os.replace(built, target)  # NOTE: atomic, so concurrent builders never clash
-                return True
-            logger.debug("CPU Philox: %s %s failed: %s", compiler, flags, done.stderr[-400:])
-    return False
-
-
-@functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled library (built on first use), or None where it cannot be built."""
-    key = hashlib.sha256(f"{_SOURCE}{_FLAG_SETS}".encode()).hexdigest()[:16]
-    target = envs.cache_dir() / "cpu_kernels" / f"philox-{platform.machine()}-{key}.so"
-    try:
-        if not target.exists():
-            compiler = shutil.which(envs.c_compiler())
-            if compiler is None:
-                logger.info("CPU Philox: no C compiler (%s); noise uses torch", envs.c_compiler())
-                return None
-            if not _compile(compiler, target):
-                logger.warning("CPU Philox: %s could not build it; noise uses torch", compiler)
-                return None
-        lib = ctypes.CDLL(str(target))
-    except OSError as exc:
-        logger.warning("CPU Philox: %s; sampling noise uses torch", exc)
-        return None
-    lib.philox_uniform.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p]
-    lib.philox_uniform.restype = None
-    return lib
+    return load_library("philox", _SOURCE, _FLAG_SETS, _SIGNATURES)
 
 
 def philox_uniform_cpu(

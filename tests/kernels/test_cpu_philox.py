@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.kernels import cpu_philox
+from loraplex.kernels import cpu_native, cpu_philox
 from loraplex.kernels.philox import philox_uniform_ref
 from loraplex.kernels.sampling import draw, draw_ref
 
@@ -19,9 +19,9 @@ def no_compiler(monkeypatch, tmp_path):
     """A host without a working C compiler and nothing built yet."""
     monkeypatch.setenv("CC", "loraplex-no-such-compiler")
     monkeypatch.setenv("LORAPLEX_CACHE_DIR", str(tmp_path))
-    cpu_philox.load.cache_clear()
+    cpu_native.load_library.cache_clear()
     yield
-    cpu_philox.load.cache_clear()
+    cpu_native.load_library.cache_clear()
 
 
 def test_the_library_builds_here() -> None:
@@ -87,15 +87,15 @@ def test_without_a_compiler_the_draw_falls_back_to_torch(no_compiler) -> None:
 
 def test_a_build_is_cached_for_the_next_process(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("LORAPLEX_CACHE_DIR", str(tmp_path))
-    cpu_philox.load.cache_clear()
+    cpu_native.load_library.cache_clear()
     try:
         assert cpu_philox.load() is not None
         built = list((tmp_path / "cpu_kernels").glob("philox-*.so"))
         assert len(built) == 1
-        cpu_philox.load.cache_clear()
+        cpu_native.load_library.cache_clear()
         monkeypatch.setenv("CC", "loraplex-no-such-compiler")  # a cached build needs none
         assert cpu_philox.load() is not None
         out = cpu_philox.philox_uniform_cpu(torch.tensor([3]), torch.tensor([4]), 5)
         assert torch.equal(out, philox_uniform_ref(torch.tensor([3]), torch.tensor([4]), 5))
     finally:
-        cpu_philox.load.cache_clear()
+        cpu_native.load_library.cache_clear()
