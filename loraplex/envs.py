@@ -19,7 +19,8 @@ def _xdg_cache() -> Path:
 
 
 def cache_dir() -> Path:
-    """Converted models and compiled grammars (LORAPLEX_CACHE_DIR, default ~/.cache/loraplex)."""
+    """Converted models, compiled grammars and CPU kernels (LORAPLEX_CACHE_DIR, default
+    ~/.cache/loraplex)."""
     return _path("LORAPLEX_CACHE_DIR", _xdg_cache() / "loraplex")
 
 
@@ -28,6 +29,11 @@ def data_dir() -> Path:
     default ~/.local/share/loraplex)."""
     xdg = _path("XDG_DATA_HOME", Path.home() / ".local" / "share")
     return _path("LORAPLEX_DATA_DIR", xdg / "loraplex")
+
+
+def c_compiler() -> str:
+    """The C compiler that builds the CPU kernels (CC, default `cc`)."""
+    return os.environ.get("CC") or "cc"
 
 
 def admin_key() -> str | None:

@@ -1,6 +1,7 @@
-"""Dense projections: a Triton GEMV for one token where it measured faster than cuBLAS, else
-`F.linear`. Batch-1 decode is a pure weight read, and cuBLAS streams the smaller projections of
-an 8B model at about 3.0 TB/s of the H200's ~4.2 (benchmarks/results/h200_decode_profile.json).
+"""Dense projections: a Triton GEMV for one token where it measured faster than cuBLAS, on CPU
+the C kernel of `cpu_linear` for a few rows, else `F.linear`. Batch-1 decode is a pure weight
+read, and cuBLAS streams the smaller projections of an 8B model at about 3.0 TB/s of the H200's
+~4.2 (benchmarks/results/h200_decode_profile.json).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from loraplex.kernels import cpu_linear
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,8 @@ GEMV_CONFIGS: dict[tuple[int, int], GemvConfig] = {
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T (+ bias): the tuned Triton GEMV when M == 1 on CUDA."""
+    """x [M, K] @ weight [N, K]^T (+ bias): the tuned Triton GEMV when M == 1 on CUDA, the C
+    kernel of `cpu_linear` for a few rows on one CPU thread."""
     if x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype == weight.dtype:
         config = GEMV_CONFIGS.get((weight.shape[0], weight.shape[1]))
         if (
@@ -44,4 +48,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
             from loraplex.kernels.triton_gemv import gemv_triton
 
             return gemv_triton(x, weight, bias, config)
+    if cpu_linear.wanted(x, weight):
+        out = cpu_linear.linear_cpu(x, weight)
+        if out is not None:
+            return out if bias is None else out.add_(bias)
     return F.linear(x, weight, bias)

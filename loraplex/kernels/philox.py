@@ -74,6 +74,7 @@ def philox_uniform_ref(
     return (x >> UNIFORM_SHIFT).to(torch.float32) * UNIFORM_SCALE + UNIFORM_OFFSET
 
 
-def gumbel_ref(uniform: torch.Tensor) -> torch.Tensor:
-    """Gumbel(0, 1) noise from uniforms in (0, 1): -log(-log(u)). Same shape, fp32."""
-    return -torch.log(-torch.log(uniform))
+def gumbel_(uniform: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise from uniforms in (0, 1): -log(-log(u)), in place (no new tensor).
+    -> `uniform`, overwritten, fp32"""
+    return uniform.log_().neg_().log_().neg_()

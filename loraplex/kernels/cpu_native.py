@@ -1,0 +1,85 @@
+"""C kernels for the CPU engine: compiled once per host, loaded through ctypes.
+
+Where plain torch spends a step in many small passes through memory (Philox noise) or in a
+library path that is slow for the shape at hand (a few-row fp32 GEMM), a short C function does
+the work in one pass. Each kernel module holds its C source; `load_library` compiles it with the
+host's C compiler (`CC`, else `cc`) into `<cache_dir>/cpu_kernels/<name>-<machine>-<hash>.so`
+on first use (atomically, so concurrent processes never clash), and later processes load the
+cached file without a compiler. Each flag set is tried in turn; where none builds or loads, it
+returns None and the caller keeps its torch path (logged once per kernel).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import loraplex.envs as envs
+
+logger = logging.getLogger(__name__)
+
+#: (function name, argument types, return type) of each exported function
+Signature = tuple[str, tuple[type, ...], type | None]
+
+
+def _compile(compiler: str, source: str, flag_sets: tuple[tuple[str, ...], ...],
+             target: Path) -> bool:  # fmt: skip
+    """Compile `source` into the shared library `target`. -> whether a flag set worked"""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        src = Path(tmp) / "kernel.c"
+        src.write_text(source)
+        built = Path(tmp) / target.name
+        for flags in flag_sets:
+            cmd = [compiler, *flags, "-shared", "-fPIC", "-o", str(built), str(src)]
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                logger.warning("CPU kernel %s: %s failed: %s", target.name, compiler, exc)
+                return False
+            if done.returncode == 0:
+                os.replace(built, target)  # NOTE: atomic: a concurrent builder never clashes
+                return True
+            logger.debug("CPU kernel %s: %s %s: %s", target.name, compiler, flags,
+                         done.stderr[-400:])  # fmt: skip
+    return False
+
+
+@functools.cache
+def load_library(
+    name: str,
+    source: str,
+    flag_sets: tuple[tuple[str, ...], ...],
+    signatures: tuple[Signature, ...],
+) -> ctypes.CDLL | None:
+    """The compiled `source` (built on first use), or None where it cannot be built or loaded."""
+    key = hashlib.sha256(f"{source}{flag_sets}".encode()).hexdigest()[:16]
+    target = envs.cache_dir() / "cpu_kernels" / f"{name}-{platform.machine()}-{key}.so"
+    try:
+        if not target.exists():
+            compiler = shutil.which(envs.c_compiler())
+            if compiler is None:
+                logger.info("CPU kernel %s: no C compiler (%s); torch runs it", name,
+                            envs.c_compiler())  # fmt: skip
+                return None
+            if not _compile(compiler, source, flag_sets, target):
+                logger.warning("CPU kernel %s: %s could not build it; torch runs it", name,
+                               compiler)  # fmt: skip
+                return None
+        lib = ctypes.CDLL(str(target))
+    except OSError as exc:
+        logger.warning("CPU kernel %s: %s; torch runs it", name, exc)
+        return None
+    for fn_name, argtypes, restype in signatures:
+        fn = getattr(lib, fn_name)
+        fn.argtypes = list(argtypes)
+        fn.restype = restype
+    return lib
