@@ -592,6 +592,7 @@ def main_gpu_record(args: argparse.Namespace) -> int:
     from benchmarks.record import write_result
 
     args.concurrency = args.concurrency or [1, 64, 256]
+    load_at_start = os.getloadavg()  # NOTE: a shared CPU host's load bends its figures
     metrics = record_gpu(args)
     name = args.out.name if args.out != RESULTS else "h200_serving.json"
     write_result(
@@ -604,7 +605,8 @@ def main_gpu_record(args: argparse.Namespace) -> int:
          "one stream over offline (time of N tokens - time of 1) / (N - 1)"},
         workload={"num_prompts": args.num_prompts, "c1_prompts": args.c1_prompts,
                   "input_len": args.input_len, "output_len": args.output_len,
-                  "concurrency": args.concurrency, "api_server_count": args.api_server_count},
+                  "concurrency": args.concurrency, "api_server_count": args.api_server_count,
+                  "load_avg_at_start": load_at_start, "load_avg_at_end": os.getloadavg()},
     )  # fmt: skip
     return 0
 

@@ -26,7 +26,9 @@ def _config(model_dir) -> EngineConfig:
             model=str(model_dir), dtype="float32", max_model_len=MAX_MODEL_LEN, device="cpu"
         ),
         cache=CacheConfig(num_kv_blocks=256),
-        scheduler=SchedulerConfig(max_num_seqs=16),
+        # NOTE: async scheduling, as the core runs on a GPU: a Stop reaches the core while
+        # the request's next step is already launched.
+        scheduler=SchedulerConfig(max_num_seqs=16, async_scheduling=True),
     )
 
 
