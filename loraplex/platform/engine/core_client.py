@@ -206,8 +206,6 @@ class EngineCoreClient:
             self.abort(request_id)
             raise
         if isinstance(ack, BaseException):
-            self._queues.pop(request_id, None)
-            self._outputs.forget(request_id)
             raise ack
         return RequestStream(self, request_id, outputs)  # type: ignore[arg-type]
 
@@ -280,6 +278,10 @@ class EngineCoreClient:
             self._snapshot = batch.snapshot
         for ack in batch.acks:
             queue = self._queues.get(ack.request_id)
+            if ack.error is not None:
+                # NOTE: here, not in add_request: its caller may have been cancelled.
+                self._queues.pop(ack.request_id, None)
+                self._outputs.forget(ack.request_id)
             if queue is not None:
                 queue.put_nowait(_ACCEPTED if ack.error is None else rebuild_error(ack.error))
         if batch.outputs:
