@@ -16,40 +16,27 @@ from loraplex.platform.core.outputs import (
     PromptLogprobs,
     RequestOutput,
 )
-from loraplex.platform.core.sampling_params import SamplingParams
 from loraplex.platform.core.scheduler_output import EngineCoreOutput
-from loraplex.platform.engine.output_processor import OutputProcessor, StopHit, core_request_ids
-from loraplex.platform.models.tokenizer import Tokenizer
+from loraplex.platform.engine.output_processor import OutputProcessor, StopHit
 
 
-class ClientOutputs:
-    """Turns the core's token-id outputs of this process's requests into RequestOutputs."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.processor = OutputProcessor(tokenizer)
-
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-    ) -> None:
-        """Track a request sent to the core, with the caller's params (its output kind)."""
-        core_ids = core_request_ids(request_id, params.n)
-        self.processor.add_request(request_id, prompt, prompt_token_ids, params, core_ids)
+class ClientOutputs(OutputProcessor):
+    """An OutputProcessor fed with the core's token-id outputs of this process's requests
+    (tracked with `add_request` and the caller's params: its output kind, stop strings)."""
 
     def forget(self, request_id: str) -> None:
         """Drop a request the core refused or failed."""
-        self.processor.abort(request_id)
+        self.abort(request_id)
 
-    def process(self, outputs: list[RequestOutput]) -> tuple[list[RequestOutput], list[StopHit]]:
+    def process_core(
+        self, outputs: list[RequestOutput]
+    ) -> tuple[list[RequestOutput], list[StopHit]]:
         """The core's outputs of one step -> (outputs for the callers, samples that matched a
         stop string, whose core requests must be stopped)."""
         core_outputs: list[EngineCoreOutput] = []
         failed: dict[str, RequestOutput] = {}
         for output in outputs:
-            core_ids = self.processor.core_ids(output.request_id)
+            core_ids = self.core_ids(output.request_id)
             if not core_ids:
                 continue  # finished here already (a stop string), or unknown
             if output.prompt_logprobs:
@@ -60,7 +47,7 @@ class ClientOutputs:
                 core_outputs.extend(
                     _split(core_ids[sample.index], sample, output.num_cached_tokens)
                 )
-        results, stops = self.processor.process(core_outputs)
+        results, stops = self.process(core_outputs)
         for result in results:
             cause = failed.get(result.request_id)
             if cause is not None and result.finished:
@@ -72,7 +59,7 @@ class ClientOutputs:
         # enough (prompt_logprobs requests) that a call per token costs nothing that matters.
         for position, entry in enumerate(logprobs):
             if entry is not None:
-                self.processor.add_prompt_logprobs({core_id: (position, [_entries(entry)])})
+                self.add_prompt_logprobs({core_id: (position, [_entries(entry)])})
 
 
 def _entries(logprobs: dict[int, Logprob]) -> list[tuple[int, float, int]]:

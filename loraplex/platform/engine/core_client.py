@@ -285,7 +285,7 @@ class EngineCoreClient:
             if queue is not None:
                 queue.put_nowait(_ACCEPTED if ack.error is None else rebuild_error(ack.error))
         if batch.outputs:
-            outputs, stops = self._outputs.process(batch.outputs)
+            outputs, stops = self._outputs.process_core(batch.outputs)
             if stops and self._socket is not None:
                 self._socket.send(self._codec.encode(Stop(stops)), zmq.NOBLOCK)
             for output in outputs:

@@ -101,8 +101,11 @@ class OutputProcessor:
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        core_ids: list[str],
+        core_ids: list[str] | None = None,
     ) -> None:
+        """Track a request; `core_ids`: its samples' engine-core ids (`core_request_ids`)."""
+        if core_ids is None:
+            core_ids = core_request_ids(request_id, params.n)
         samples = {}
         for index, core_id in enumerate(core_ids):
             detok = _NO_TEXT
