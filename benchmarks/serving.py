@@ -431,6 +431,13 @@ def record_gpu(args: argparse.Namespace) -> dict[str, float]:
         num = args.c1_prompts if c == 1 else args.num_prompts
         return make_prompts(num, args.input_len, args.seed + 1000 * next(sets))
 
+    # NOTE: on a CPU host the offline engine fits beside the server, and each offline run
+    # goes right after the server run it is compared with: a shared host's load drifts by
+    # minutes, and a ratio of two runs far apart measures the drift. On a GPU the server
+    # stops first (one engine's memory at a time).
+    llm = bench_llm(model, **options) if on_cpu else None
+    pairs = [(sampling, c) for sampling in SAMPLINGS for c in args.concurrency
+             if not (sampling == MIXED and c == 1)]  # fmt: skip
     proc, base_url = launch_server(flags)
     try:
         import httpx
@@ -442,43 +449,46 @@ def record_gpu(args: argparse.Namespace) -> dict[str, float]:
         top = max(args.concurrency)
         lean_client_run(base_url, served, make_prompts(top, args.input_len, args.seed + 999_999),
                         16, top, MIXED)  # fmt: skip
-        for sampling in SAMPLINGS:
-            for c in args.concurrency:
-                if sampling == MIXED and c == 1:
-                    continue  # one stream has no mix
-                run = lean_client_run(base_url, served, prompts_for(c), args.output_len, c,
-                                      sampling)  # fmt: skip
-                print(f"server {sampling} c{c}: {json.dumps(run)}", flush=True)
-                metrics.update({f"{_prefix(sampling)}c{c}_{k}": v for k, v in run.items()})
+        for sampling, c in pairs:
+            run = lean_client_run(base_url, served, prompts_for(c), args.output_len, c,
+                                  sampling)  # fmt: skip
+            print(f"server {sampling} c{c}: {json.dumps(run)}", flush=True)
+            metrics.update({f"{_prefix(sampling)}c{c}_{k}": v for k, v in run.items()})
+            if llm is not None:
+                metrics.update(_offline_pair(llm, sampling, c, prompts_for(c), args, metrics))
     finally:
         proc.terminate()
         proc.wait(120)
-    llm = bench_llm(model, **options)
-    for sampling in SAMPLINGS:
-        pre = _prefix(sampling)
-        for c in args.concurrency:
-            if c == 1 and sampling == MIXED:
-                continue
-            if c == 1:
-                tpot = offline_tpot(llm, prompts_for(1)[:3], args.output_len, sampling)
-                metrics[f"{pre}offline_tpot_c1_ms"] = tpot * 1000
-                metrics[f"{pre}tpot_c1_over_offline"] = metrics[f"{pre}c1_tpot_p50_ms"] / (
-                    tpot * 1000
-                )
-                continue
-            tok_s = offline_runs(llm, prompts_for(c), args.output_len, c, sampling)
-            metrics[f"{pre}offline_c{c}_output_tok_s"] = tok_s
-            metrics[f"{pre}server_vs_offline_c{c}"] = metrics[f"{pre}c{c}_output_tok_s"] / tok_s
-            metrics[f"{pre}ttft_p99_over_p50_c{c}"] = (
-                metrics[f"{pre}c{c}_ttft_p99_ms"] / metrics[f"{pre}c{c}_ttft_p50_ms"]
-            )
-        print(f"offline {sampling}: " + json.dumps({k: v for k, v in metrics.items()
-                                                   if k.startswith(f"{pre}offline")}))  # fmt: skip
+    if llm is None:
+        llm = bench_llm(model, **options)
+        for sampling, c in pairs:
+            metrics.update(_offline_pair(llm, sampling, c, prompts_for(c), args, metrics))
+    print("offline: " + json.dumps({k: v for k, v in metrics.items() if "offline" in k}))
     suffixed = {}
     for key, value in metrics.items():
         mode = next((m for m in SAMPLINGS[1:] if key.startswith(f"{m}_")), None)
         suffixed[key[len(mode) + 1 :] + f"_{mode}" if mode else key] = value
     return suffixed
+
+
+def _offline_pair(
+    llm, sampling: str, c: int, prompts: list[list[int]], args: argparse.Namespace,
+    server: dict[str, float],
+) -> dict[str, float]:  # fmt: skip
+    """The offline twin of the server run (sampling, c) and their ratios."""
+    pre = _prefix(sampling)
+    if c == 1:
+        tpot_ms = offline_tpot(llm, prompts[:3], args.output_len, sampling) * 1000
+        return {f"{pre}offline_tpot_c1_ms": tpot_ms,
+                f"{pre}tpot_c1_over_offline": server[f"{pre}c1_tpot_p50_ms"] / tpot_ms}  # fmt: skip
+    tok_s = offline_runs(llm, prompts, args.output_len, c, sampling)
+    return {
+        f"{pre}offline_c{c}_output_tok_s": tok_s,
+        f"{pre}server_vs_offline_c{c}": server[f"{pre}c{c}_output_tok_s"] / tok_s,
+        f"{pre}ttft_p99_over_p50_c{c}": (
+            server[f"{pre}c{c}_ttft_p99_ms"] / server[f"{pre}c{c}_ttft_p50_ms"]
+        ),
+    }
 
 
 def _prefix(sampling: str) -> str:
@@ -592,6 +602,7 @@ def main_gpu_record(args: argparse.Namespace) -> int:
     from benchmarks.record import write_result
 
     args.concurrency = args.concurrency or [1, 64, 256]
+    load_at_start = os.getloadavg()  # NOTE: a shared CPU host's load bends its figures
     metrics = record_gpu(args)
     name = args.out.name if args.out != RESULTS else "h200_serving.json"
     write_result(
@@ -604,7 +615,8 @@ def main_gpu_record(args: argparse.Namespace) -> int:
          "one stream over offline (time of N tokens - time of 1) / (N - 1)"},
         workload={"num_prompts": args.num_prompts, "c1_prompts": args.c1_prompts,
                   "input_len": args.input_len, "output_len": args.output_len,
-                  "concurrency": args.concurrency, "api_server_count": args.api_server_count},
+                  "concurrency": args.concurrency, "api_server_count": args.api_server_count,
+                  "load_avg_at_start": load_at_start, "load_avg_at_end": os.getloadavg()},
     )  # fmt: skip
     return 0
 

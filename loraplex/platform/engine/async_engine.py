@@ -166,8 +166,8 @@ class AsyncEngine:
     ...     print(out.outputs[0].text)
     """
 
-    def __init__(self, config: EngineConfig) -> None:
-        self.engine = Engine(config)
+    def __init__(self, config: EngineConfig, detokenize: bool = True) -> None:
+        self.engine = Engine(config, detokenize)
         # NOTE: set once here and read-only afterwards, so any thread may read them.
         self.served_model_name = self.engine.served_model_name
         self.max_model_len = self.engine.max_model_len

@@ -2,7 +2,9 @@
 async surface (add_request, generate, abort, command, add_lora, remove_lora,
 set_tenant_weight, snapshot, timing observers), so routes do not care which one they hold.
 
-One DEALER socket per API process; one asyncio task reads the core's per-step batches and hands
+One DEALER socket per API process; one asyncio task reads the core's per-step batches, turns
+their token ids into text (`ClientOutputs`: detokenization and stop strings run here, not in
+the core, which this client tells to stop a sample whose text matched a stop string) and hands
 each output to its request's queue. Nothing here blocks the event loop except the handshake in
 the constructor (before the server starts), which also loads the tokenizer the API process
 tokenizes and renders chat templates with.
@@ -22,7 +24,7 @@ import zmq
 import zmq.asyncio
 
 from loraplex.adapters.request import LoRARequest
-from loraplex.platform.core.sampling_params import SamplingParams
+from loraplex.platform.core.sampling_params import RequestOutputKind, SamplingParams
 from loraplex.platform.engine.async_engine import (
     _ACCEPTED,
     AsyncEngine,
@@ -31,6 +33,7 @@ from loraplex.platform.engine.async_engine import (
     RequestStream,
     TimingObserver,
 )
+from loraplex.platform.engine.client_outputs import ClientOutputs
 from loraplex.platform.engine.ipc import (
     PROTOCOL_VERSION,
     Abort,
@@ -39,6 +42,7 @@ from loraplex.platform.engine.ipc import (
     CoreBatch,
     EngineInfo,
     Hello,
+    Stop,
     lora_to_wire,
     params_to_wire,
     rebuild_error,
@@ -61,6 +65,7 @@ class EngineCoreClient:
         self.adapter_validator = self.info.adapter_validator
         self._observers: list[TimingObserver] = []
         self._queues: dict[str, asyncio.Queue] = {}
+        self._outputs = ClientOutputs(self.tokenizer)
         self._results: dict[int, asyncio.Future] = {}
         self._seq = itertools.count()
         self._snapshot: EngineSnapshot | None = None
@@ -127,6 +132,7 @@ class EngineCoreClient:
         for queue in self._queues.values():
             queue.put_nowait(error)
         self._queues.clear()
+        self._outputs = ClientOutputs(self.tokenizer)
         for future in self._results.values():
             if not future.done():
                 future.set_exception(error)
@@ -169,12 +175,25 @@ class EngineCoreClient:
         self._check_alive()
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in flight")
+        # NOTE: text is tokenized here (the core need not) and client token ids go as the
+        # prompt, for the core to check against the vocabulary.
+        token_ids = prompt_token_ids
+        if token_ids is None:
+            token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            if isinstance(prompt, str):
+                prompt_token_ids = token_ids
+        wire = params_to_wire(params)
+        # The core hands out every step's tokens; this process gives the caller its kind.
+        wire["output_kind"] = RequestOutputKind.DELTA
         outputs: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = outputs
+        self._outputs.add_request(
+            request_id, prompt if isinstance(prompt, str) else None, token_ids, params
+        )
         message = AddRequest(
             request_id,
             prompt,
-            params_to_wire(params),
+            wire,
             prompt_token_ids,
             tenant,
             lora_to_wire(lora_request),
@@ -187,7 +206,6 @@ class EngineCoreClient:
             self.abort(request_id)
             raise
         if isinstance(ack, BaseException):
-            self._queues.pop(request_id, None)
             raise ack
         return RequestStream(self, request_id, outputs)  # type: ignore[arg-type]
 
@@ -260,15 +278,24 @@ class EngineCoreClient:
             self._snapshot = batch.snapshot
         for ack in batch.acks:
             queue = self._queues.get(ack.request_id)
+            if ack.error is not None:
+                # NOTE: here, not in add_request: its caller may have been cancelled.
+                self._queues.pop(ack.request_id, None)
+                self._outputs.forget(ack.request_id)
             if queue is not None:
                 queue.put_nowait(_ACCEPTED if ack.error is None else rebuild_error(ack.error))
-        for output in batch.outputs:
-            queue = self._queues.get(output.request_id)
-            if queue is not None:
-                queue.put_nowait(output)
-                if output.finished:
-                    del self._queues[output.request_id]
+        if batch.outputs:
+            outputs, stops = self._outputs.process_core(batch.outputs)
+            if stops and self._socket is not None:
+                self._socket.send(self._codec.encode(Stop(stops)), zmq.NOBLOCK)
+            for output in outputs:
+                queue = self._queues.get(output.request_id)
+                if queue is not None:
+                    queue.put_nowait(output)
+                    if output.finished:
+                        del self._queues[output.request_id]
         for failure in batch.failures:
+            self._outputs.forget(failure.request_id)
             queue = self._queues.pop(failure.request_id, None)
             if queue is not None:
                 queue.put_nowait(rebuild_error(failure.error))

@@ -7,6 +7,10 @@ process connects a DEALER socket; per step the core sends each one a single `Cor
 requests' outputs, and sends every process the timings of every finished request, so each API
 process's metrics describe the whole server.
 
+The core handles token ids only: its outputs carry each step's new token ids and logprob
+values, without text or the prompt. The API processes detokenize, match stop strings and send
+`Stop` for a sample that matched one, which the core ends as finished by that stop string.
+
 SIGTERM (or a `Shutdown` from the launcher) ends the loop: requests still in flight fail with
 EngineDeadError, which their API processes answer with 503s. SIGINT is ignored: on Ctrl-C the
 launcher drains the API processes first, then stops the core.
@@ -47,6 +51,7 @@ from loraplex.platform.engine.ipc import (
     EngineInfo,
     Hello,
     RequestFailure,
+    Stop,
     error_info,
     lora_from_wire,
     params_from_wire,
@@ -69,7 +74,7 @@ class EngineCore(AsyncEngine):
     """The engine loop of the EngineCore process, bound to `address` (e.g. ipc:///tmp/x)."""
 
     def __init__(self, config: EngineConfig, address: str) -> None:
-        super().__init__(config)
+        super().__init__(config, detokenize=False)
         self._codec = Codec()
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
@@ -134,6 +139,9 @@ class EngineCore(AsyncEngine):
             else:
                 batch.acks.append(AddResult(command.request_id, error_info(item)))
         else:
+            # NOTE: the API process holds the prompt; only what is new crosses (`_observe`
+            # has read the prompt's length already).
+            item.prompt, item.prompt_token_ids = None, []  # type: ignore[attr-defined]
             batch.outputs.append(item)  # type: ignore[arg-type]
 
     def _take_snapshot(self) -> EngineSnapshot:
@@ -152,6 +160,8 @@ class EngineCore(AsyncEngine):
         elif isinstance(message, Abort):
             for request_id in message.request_ids:
                 self._abort(request_id)
+        elif isinstance(message, Stop):
+            self._stop_samples(message)
         elif isinstance(message, CommandRequest):
             self._batch(client).results.append(self._command(message))
         elif isinstance(message, Hello):
@@ -176,6 +186,18 @@ class EngineCore(AsyncEngine):
             self._deliver(command, error)
             return
         self._add(command)
+
+    def _stop_samples(self, message: Stop) -> None:
+        """End the samples an API process found a stop string in (finish reason "stop")."""
+        now = time.monotonic()
+        for output in self.engine.stop_samples(message.hits):
+            live = self._live.get(output.request_id)
+            if live is None:
+                continue
+            if output.finished:
+                del self._live[output.request_id]
+                self._observe(live, output, now)
+            self._deliver(live.command, output)
 
     def _command(self, message: CommandRequest) -> CommandResult:
         try:

@@ -29,7 +29,7 @@ from loraplex.platform.core.request import Request, RequestStatus
 from loraplex.platform.core.sampling_params import SamplingParams
 from loraplex.platform.core.scheduler_output import EngineCoreOutput, SchedulerOutput
 from loraplex.platform.engine.gc_tuning import tune_for_serving
-from loraplex.platform.engine.output_processor import OutputProcessor
+from loraplex.platform.engine.output_processor import OutputProcessor, StopHit, core_request_ids
 from loraplex.platform.engine.structured_output import StepBitmask, StructuredOutputManager
 from loraplex.platform.models.model_loader import generation_eos_ids
 from loraplex.platform.models.model_store import resolve_model_path
@@ -71,7 +71,11 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    """`detokenize=False` (the EngineCore process): outputs carry token ids and logprob values
+    but no text, and stop strings are matched by the caller, which ends a sample that matched
+    one with `stop_samples`."""
+
+    def __init__(self, config: EngineConfig, detokenize: bool = True) -> None:
         self.config = config
         self.model_dir = resolve_model_path(config.model.model)
         self.runner = ModelRunner(config, self.model_dir, ())
@@ -101,7 +105,7 @@ class Engine:
             config.grammar,
             pin_memory=self.runner.device.type == "cuda",
         )
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, detokenize)
         tune_for_serving()  # NOTE: thousands of short-lived objects a step (see gc_tuning)
         self.served_model_name = config.model.served_model_name or self.model_dir.stem
         self._ids = itertools.count()
@@ -155,7 +159,7 @@ class Engine:
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.structured.submit(params.structured_outputs)
-        core_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        core_ids = core_request_ids(request_id, params.n)
         self.output_processor.add_request(
             request_id, prompt if isinstance(prompt, str) else None, token_ids, params, core_ids
         )
@@ -269,6 +273,19 @@ class Engine:
             out.error, out.failure = str(error), error
         return out
 
+    def stop_samples(self, hits: list[StopHit]) -> list[RequestOutput]:
+        """End samples whose text matched a stop string (found by the caller's detokenizer),
+        freeing their blocks; returns the outputs of the requests they belong to (finish
+        reason "stop", the tokens after `num_tokens` dropped from the counts)."""
+        outputs = []
+        for hit in hits:
+            self.structured.forget(hit.core_id)
+            self.scheduler.finish_requests([hit.core_id], RequestStatus.FINISHED_STOPPED)
+            out = self.output_processor.stop(hit)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
@@ -379,7 +396,9 @@ class Engine:
         if stopped:
             # NOTE: the stop-string hit was already recorded on the sample; freeing the core
             # request here only releases its blocks.
-            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+            self.scheduler.finish_requests(
+                [hit.core_id for hit in stopped], RequestStatus.FINISHED_STOPPED
+            )
         return outputs
 
     def _poll_grammars(self) -> list[RequestOutput]:

@@ -2,7 +2,7 @@
 
 Every message is a tagged msgspec Struct (typed, versioned by `PROTOCOL_VERSION`, checked in
 the `Hello` / `EngineInfo` handshake); nothing is pickled. API -> core: `Hello`, `AddRequest`,
-`Abort`, `CommandRequest`. Core -> API: `EngineInfo` (the handshake's answer), then one
+`Abort`, `Stop`, `CommandRequest`. Core -> API: `EngineInfo` (the handshake's answer), then one
 `CoreBatch` per client per engine step, holding every acknowledgement, output, command result,
 finished request's timing and (at most every `SNAPSHOT_INTERVAL_S`) the engine snapshot.
 
@@ -36,8 +36,9 @@ from loraplex.platform.engine.async_engine import (
     RequestTiming,
 )
 from loraplex.platform.engine.engine import PromptTooLongError
+from loraplex.platform.engine.output_processor import StopHit
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: outputs carry token ids only; the API processes detokenize
 SNAPSHOT_INTERVAL_S = 0.05  # the most often the core publishes its gauges while busy
 
 
@@ -75,6 +76,12 @@ class AddRequest(msgspec.Struct, tag=True, frozen=True):
 
 class Abort(msgspec.Struct, tag=True, frozen=True):
     request_ids: list[str]
+
+
+class Stop(msgspec.Struct, tag=True, frozen=True):
+    """Samples whose text matched a stop string in the API process: the core ends them."""
+
+    hits: list[StopHit]
 
 
 class CommandRequest(msgspec.Struct, tag=True, frozen=True):
@@ -118,7 +125,7 @@ class CoreBatch(msgspec.Struct, tag=True):
     snapshot: EngineSnapshot | None = None
 
 
-ClientMessage = Hello | AddRequest | Abort | CommandRequest
+ClientMessage = Hello | AddRequest | Abort | Stop | CommandRequest
 CoreMessage = EngineInfo | CoreBatch
 
 _ERROR_TYPES: dict[str, type[BaseException]] = {

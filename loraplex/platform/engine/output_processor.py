@@ -1,10 +1,15 @@
 """Turns the scheduler's token outputs into RequestOutputs: detokenization, stop strings,
-logprob decoding, and the merge of n > 1 samples into one output."""
+logprob decoding, and the merge of n > 1 samples into one output.
+
+It runs where text is wanted: inside the Engine for the offline LLM and the in-process server;
+in each API process for the EngineCore process, whose own OutputProcessor runs without text
+(`detokenize=False`: token ids and logprob values only, see `ClientOutputs`)."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from loraplex.platform.core.outputs import (
     CompletionOutput,
@@ -18,12 +23,41 @@ from loraplex.platform.engine.detokenizer import IncrementalDetokenizer
 from loraplex.platform.models.tokenizer import Tokenizer
 
 
+def core_request_ids(request_id: str, n: int) -> list[str]:
+    """The engine-core request ids of a request's n samples."""
+    return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
+
+
+class StopHit(NamedTuple):
+    """A sample that matched a stop string: its core request must stop generating."""
+
+    core_id: str
+    stop: str  # the stop string
+    num_tokens: int  # the tokens it keeps (those after the one completing the string drop)
+
+
+class _NoText:
+    """The detokenizer of an OutputProcessor without text: no text, no stop strings."""
+
+    stop: tuple[str, ...] = ()
+    text = ""
+
+    def add_tokens(self, token_ids: list[int]) -> None:
+        return None
+
+    def take_delta(self, final: bool) -> str:
+        return ""
+
+
+_NO_TEXT = _NoText()
+
+
 @dataclass
 class _Sample:
     """One of a request's n samples (one engine-core request)."""
 
     index: int
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | _NoText
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
@@ -49,8 +83,12 @@ class _Parent:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    """`detokenize=False`: outputs carry token ids and logprob values, no text (their
+    `decoded_token` is ""), and stop strings are left to whoever detokenizes them."""
+
+    def __init__(self, tokenizer: Tokenizer, detokenize: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.detokenize = detokenize
         # token id -> its text alone, for logprobs: a full batch asking for top-5 decodes
         # ~1,500 tokens a step, nearly all seen before (at most one entry per vocabulary id)
         self._token_text: dict[int, str] = {}
@@ -63,17 +101,22 @@ class OutputProcessor:
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        core_ids: list[str],
+        core_ids: list[str] | None = None,
     ) -> None:
+        """Track a request; `core_ids`: its samples' engine-core ids (`core_request_ids`)."""
+        if core_ids is None:
+            core_ids = core_request_ids(request_id, params.n)
         samples = {}
         for index, core_id in enumerate(core_ids):
-            detok = IncrementalDetokenizer(
-                self.tokenizer,
-                prompt_token_ids,
-                params.skip_special_tokens,
-                params.stop,
-                params.include_stop_str_in_output,
-            )
+            detok = _NO_TEXT
+            if self.detokenize:
+                detok = IncrementalDetokenizer(
+                    self.tokenizer,
+                    prompt_token_ids,
+                    params.skip_special_tokens,
+                    params.stop,
+                    params.include_stop_str_in_output,
+                )
             samples[core_id] = _Sample(
                 index, detok, logprobs=[] if params.logprobs is not None else None
             )
@@ -106,10 +149,11 @@ class OutputProcessor:
     def has(self, request_id: str) -> bool:
         return request_id in self._parents
 
-    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns (outputs to hand out, core request ids that hit a stop string)."""
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[StopHit]]:
+        """Returns (outputs to hand out, the samples that hit a stop string while their core
+        request still runs). Outputs of a sample that has finished are ignored."""
         touched: dict[str, _Parent] = {}
-        stopped: list[str] = []
+        stopped: list[StopHit] = []
         now = time.monotonic()
         for out in outputs:
             parent_id = self._core_to_parent.get(out.req_id)
@@ -117,6 +161,10 @@ class OutputProcessor:
                 continue
             parent = self._parents[parent_id]
             sample = parent.samples[out.req_id]
+            if sample.finish_reason is not None:
+                # NOTE: a core request that an API process stopped on a stop string runs on
+                # until the stop reaches the core: its later tokens are not part of the text.
+                continue
             if parent.first_token_time is None:
                 parent.first_token_time = now
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
@@ -128,7 +176,7 @@ class OutputProcessor:
                 sample.cumulative_logprob += out.new_logprobs[0][1]
             if stop_str is not None and out.finish_reason is None:
                 sample.finish_reason, sample.stop_reason = "stop", stop_str
-                stopped.append(out.req_id)
+                stopped.append(StopHit(out.req_id, stop_str, len(sample.token_ids)))
             elif out.finish_reason is not None:
                 sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
                 if stop_str is not None:
@@ -155,6 +203,27 @@ class OutputProcessor:
                 return token_ids[:n], stop_str
         return token_ids, None
 
+    def stop(self, hit: StopHit) -> RequestOutput | None:
+        """Finish a sample that matched a stop string found elsewhere (an API process), keeping
+        its first `hit.num_tokens` tokens; returns the request's output, None if the sample
+        had already finished."""
+        parent = self._parents.get(self._core_to_parent.get(hit.core_id, ""))
+        if parent is None:
+            return None
+        sample = parent.samples[hit.core_id]
+        if sample.finish_reason is not None:
+            return None
+        dropped = len(sample.token_ids) - hit.num_tokens
+        if dropped > 0:
+            parent.num_generated -= dropped
+            del sample.token_ids[hit.num_tokens :]
+            if sample.logprobs is not None:
+                del sample.logprobs[hit.num_tokens :]
+            sample.sent_tokens = min(sample.sent_tokens, hit.num_tokens)
+            sample.sent_logprobs = min(sample.sent_logprobs, hit.num_tokens)
+        sample.finish_reason, sample.stop_reason = "stop", hit.stop
+        return self._make_output(parent)
+
     def abort(self, request_id: str, finish_reason: str = "abort") -> RequestOutput | None:
         """End a request's unfinished samples with `finish_reason` ("abort", or "error" for a
         request that failed); returns its final output."""
@@ -173,7 +242,9 @@ class OutputProcessor:
             if token_id not in decoded:
                 text = texts.get(token_id)
                 if text is None:
-                    text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+                    text = ""
+                    if self.detokenize:
+                        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
                     texts[token_id] = text
                 decoded[token_id] = Logprob(logprob, rank, text)
         return decoded

@@ -55,6 +55,29 @@ def test_completions_streamed_and_whole_match_the_offline_api(proc_server, offli
     assert events[-1]["choices"][0]["finish_reason"] == "length"
 
 
+def test_stop_strings_end_the_text_as_offline_streamed_and_whole(proc_server, offline_llm):
+    # the API processes detokenize and match stop strings; the core ships token ids
+    greedy = dict(max_tokens=16, temperature=0, ignore_eos=True)
+    text = offline_llm.generate([PROMPT], SamplingParams(**greedy))[0].outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    for include in (False, True):
+        params = SamplingParams(**greedy, stop=(stop,), include_stop_str_in_output=include)
+        want = offline_llm.generate([PROMPT], params)[0].outputs[0]
+        body = {"model": proc_server.model, "prompt": PROMPT, **greedy, "stop": [stop],
+                "include_stop_str_in_output": include}  # fmt: skip
+        whole = httpx.post(f"{proc_server.v1}/completions", json=body, timeout=120).json()
+        assert whole["choices"][0]["text"] == want.text
+        assert whole["choices"][0]["finish_reason"] == "stop"
+        assert whole["usage"]["completion_tokens"] == len(want.token_ids)
+        streamed, events = _stream_text(
+            f"{proc_server.v1}/completions",
+            {**body, "stream_options": {"include_usage": True}},
+        )
+        assert streamed == want.text
+        assert [c["finish_reason"] for e in events for c in e["choices"]][-1] == "stop"
+        assert events[-1]["usage"]["completion_tokens"] == len(want.token_ids)
+
+
 def test_chat_with_a_json_schema_returns_matching_json(proc_server):
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
               "additionalProperties": False}  # fmt: skip
