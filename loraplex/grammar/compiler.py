@@ -14,7 +14,7 @@ from loraplex.grammar.compile_request import CompileRequest, build_compile_reque
 from loraplex.grammar.compiled import CompiledGrammar
 from loraplex.grammar.config import GrammarConfig
 from loraplex.grammar.errors import GrammarError, GrammarMemoryError, GrammarTimeoutError
-from loraplex.grammar.llguidance_backend import LLGuidanceGrammar, llguidance_tokenizer
+from loraplex.grammar.llguidance_backend import LLGuidanceGrammar
 from loraplex.grammar.llguidance_compile import is_packed, llguidance_available
 from loraplex.grammar.params import StructuredOutputs
 from loraplex.grammar.schema_limits import check_schema_limits
@@ -167,18 +167,16 @@ class GrammarCompiler:
         return workers
 
     def _warm_cold_start(self) -> None:
-        """Start the cold-start child and build llguidance's tokenizer (a failure here shows
-        again, as a compile error, on first use)."""
+        """One cold-start compile of a tiny schema: it starts the child, loads what its first
+        job imports (the schema analysis, llguidance) and builds llguidance's tokenizer here,
+        so the first real request pays none of it. A failure shows again on first use."""
         assert self._cold_workers is not None
-        worker = self._cold_workers.get()
+        tiny = build_compile_request(StructuredOutputs(json={"type": "boolean"}), self.config)
+        tiny = dataclasses.replace(tiny, backends=("llguidance",), as_outlines=True)
         try:
-            worker.start()
-            if self.vocabulary.tokenizer_json:
-                llguidance_tokenizer(self.vocabulary)
+            self._compile(tiny, tiny.key(self.vocabulary.fingerprint), self._cold_workers)
         except Exception:  # noqa: BLE001 - a warm-up only
             logger.warning("grammar cold-start warm-up failed", exc_info=True)
-        finally:
-            self._cold_workers.put(worker)
 
     def _done_future(self, key: str) -> Future[Grammar] | None:
         grammar = self._live.get(key)

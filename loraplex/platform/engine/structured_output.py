@@ -6,7 +6,7 @@ step's token bitmask rows on the CPU while the device runs its forward pass."""
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -149,6 +149,24 @@ class StructuredOutputManager:
             if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
                 request.status = RequestStatus.WAITING
         return failed
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for their grammar."""
+        return len(self._waiting)
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until a waiting request's grammar or cold-start grammar is ready, at most
+        `timeout_s`: an engine with nothing else to do sleeps here instead of spinning, which
+        would slow the compile threads (they need the GIL to finish)."""
+        pending = [
+            future
+            for _, job in self._waiting.values()
+            for future in (job.grammar, job.cold_start)
+            if future is not None and not future.done()
+        ]
+        if pending:
+            wait(pending, timeout_s, FIRST_COMPLETED)
 
     def forget(self, request_id: str) -> None:
         self._waiting.pop(request_id, None)

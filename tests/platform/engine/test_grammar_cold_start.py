@@ -186,3 +186,20 @@ def test_a_failed_compile_keeps_the_cold_grammar(grammars):
     assert manager.cold_start_stats.handed_over == 0
     manager.forget("r")
     assert manager.num_active == 0
+
+
+def test_an_engine_waiting_only_for_grammars_sleeps_instead_of_spinning(
+    engine, monkeypatch, tmp_path
+):
+    engine.structured.reconfigure(GrammarConfig(cold_start=False, cache_dir=tmp_path / "off"))
+    gate = hold_outlines(engine.structured.compiler, monkeypatch)
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputs(json=SCHEMA))
+    engine.add_request("waits", "A person as JSON:", params)
+    steps, start = 0, time.monotonic()
+    while time.monotonic() - start < 0.5:
+        engine.step()
+        steps += 1
+    # Each empty step waited (up to 10 ms) for the compile: tens of steps, not thousands.
+    assert steps <= 60, steps
+    gate.set()
+    _step_until(engine, lambda: not engine.has_unfinished_requests())
