@@ -6,7 +6,8 @@ with a schema new to the engine's grammar compiler (a fresh compile cache per se
 temperature 1.0: the seconds from `add_request` to the first generated token, with cold starts
 on (the request starts under llguidance while outlines-core compiles, then hands over) and off
 (it waits for its grammar). Each schema's compile is then waited for (so no compile of one
-schema runs during the next one's request) and the same schema again gives the warm TTFT.
+schema runs during the next one's request) and the same schema again gives the warm TTFT
+(`--no-warm`: neither; compiles go on in the background, as on a busy server).
 Every finished output is validated against its schema (jsonschema).
 
 Random weights with SmolLM2's tokenizer, as `benchmarks.grammar_throughput`: an 8B Llama shape
@@ -133,9 +134,9 @@ def run_setting(
         )  # fmt: skip
         cold = first_token(engine, f"cold-{i}", prompt, params, args.request_limit_s)
         row = {"schema": name, **{k: v for k, v in cold.items() if k != "text"}}
-        if cold["status"] == "served":
-            if cold["finish_reason"] == "stop":
-                row["valid"] = _validates(schema, cold["text"])
+        if cold["status"] == "served" and cold["finish_reason"] == "stop":
+            row["valid"] = _validates(schema, cold["text"])
+        if cold["status"] == "served" and args.warm:
             try:
                 compiler.compile(params.structured_outputs, timeout=args.request_limit_s)
             except GrammarError:
@@ -182,6 +183,13 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--request-limit-s", type=float, default=90.0)
+    parser.add_argument(
+        "--warm",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="after each cold request wait for its compile, then time the same "
+        "schema again (--no-warm: on to the next schema while it compiles)",
+    )
     parser.add_argument(
         "--out",
         default=None,
