@@ -169,14 +169,18 @@ class GrammarCompiler:
     def _warm_cold_start(self) -> None:
         """One cold-start compile of a tiny schema: it starts the child, loads what its first
         job imports (the schema analysis, llguidance) and builds llguidance's tokenizer here,
-        so the first real request pays none of it. A failure shows again on first use."""
+        so the first real request pays none of it. Neither counted nor cached; a failure
+        shows again on first use."""
         assert self._cold_workers is not None
         tiny = build_compile_request(StructuredOutputs(json={"type": "boolean"}), self.config)
         tiny = dataclasses.replace(tiny, backends=("llguidance",), as_outlines=True)
+        worker = self._cold_workers.get()
         try:
-            self._compile(tiny, tiny.key(self.vocabulary.fingerprint), self._cold_workers)
+            self._load(worker.compile(tiny), "warm-up")
         except Exception:  # noqa: BLE001 - a warm-up only
             logger.warning("grammar cold-start warm-up failed", exc_info=True)
+        finally:
+            self._cold_workers.put(worker)
 
     def _done_future(self, key: str) -> Future[Grammar] | None:
         grammar = self._live.get(key)
