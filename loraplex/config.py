@@ -202,6 +202,7 @@ class EngineConfig:
         "grammar_compile_timeout": "compile_timeout_s",
         "grammar_compile_memory_mib": "compile_memory_mib",
         "grammar_overlap": "overlap",
+        "grammar_cold_start": "cold_start",
     }
 
     @classmethod

@@ -66,6 +66,19 @@ def _import_analysis(package_parent: str):
     return schema_regex, errors, llguidance_compile
 
 
+def _as_outlines(schema: dict, llguidance) -> dict:
+    """`schema` as outlines-core would enforce it (listed properties only), when our analysis
+    lets outlines-core enforce it; otherwise unchanged (llguidance will be its backend)."""
+    from loraplex.grammar.errors import GrammarError
+    from loraplex.grammar.schema_analysis import analyse_schema
+
+    try:
+        analyse_schema(schema)
+    except GrammarError:
+        return schema
+    return llguidance.listed_properties_only(schema)
+
+
 def _compile_json(job: dict, vocabulary, schema_regex, errors, llguidance) -> tuple:
     """The reply to a "json" job: the first backend in `job["backends"]` that enforces the
     schema exactly compiles it; refused by all, the first refusal's feature is named and every
@@ -84,7 +97,8 @@ def _compile_json(job: dict, vocabulary, schema_regex, errors, llguidance) -> tu
         if not llguidance.llguidance_available():
             refusals.append(("llguidance", "llguidance: not installed"))
             continue
-        grammar, why = llguidance.json_schema_grammar(schema, job["whitespace_pattern"])
+        source = _as_outlines(schema, llguidance) if job.get("as_outlines") else schema
+        grammar, why = llguidance.json_schema_grammar(source, job["whitespace_pattern"])
         if grammar is not None:
             return ("ok", llguidance.pack(grammar))
         refusals.append((llguidance.refused_feature(why), f"llguidance: {why}"))

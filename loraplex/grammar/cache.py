@@ -46,6 +46,13 @@ class GrammarCache:
             self._remember(key, data)
         return data
 
+    def has(self, key: str) -> bool:
+        """True when `key` is stored in memory or on disk (no read, no counters)."""
+        with self._lock:
+            if key in self._entries:
+                return True
+        return self.directory is not None and self._path(key).exists()
+
     def put(self, key: str, data: bytes) -> None:
         """Store `data` under `key` in memory and, if enabled, on disk."""
         with self._lock:

@@ -30,6 +30,10 @@ class CompileRequest:
     whitespace_pattern / max_recursion_depth: passed to outlines-core for "json".
     backends: for "json", the backends to try in order ("outlines", "llguidance"); the first
         that enforces the schema exactly compiles it.
+    as_outlines: for "json" under llguidance, a cold-start grammar: where outlines-core would
+        enforce the schema, objects get only their listed properties as it emits them
+        (`listed_properties_only`), so the two grammars' outputs agree and a request can hand
+        over from one to the other mid-output.
     """
 
     kind: str
@@ -37,20 +41,21 @@ class CompileRequest:
     whitespace_pattern: str = r"[ ]?"
     max_recursion_depth: int = 3
     backends: tuple[str, ...] = ("outlines", "llguidance")
+    as_outlines: bool = False
 
     def key(self, fingerprint: str) -> str:
         """sha256 of the job and the tokenizer fingerprint: the grammar cache key."""
-        text = json.dumps(
-            [
-                self.kind,
-                self.source,
-                self.whitespace_pattern,
-                self.max_recursion_depth,
-                list(self.backends),
-                fingerprint,
-            ]
-        )
-        return hashlib.sha256(text.encode()).hexdigest()
+        fields = [
+            self.kind,
+            self.source,
+            self.whitespace_pattern,
+            self.max_recursion_depth,
+            list(self.backends),
+            fingerprint,
+        ]
+        if self.as_outlines:  # NOTE: only then, so the keys of every other job stay as they were
+            fields.append("as_outlines")
+        return hashlib.sha256(json.dumps(fields).encode()).hexdigest()
 
 
 def escape_regex(text: str) -> str:

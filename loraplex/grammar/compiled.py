@@ -63,8 +63,15 @@ class CompiledGrammar:
         return self.index.get_next_state(state, self.end_marker_id) in self._end_states
 
     def next_state(self, state: int, token_id: int) -> int | None:
-        """The state after `token_id`, or None when the grammar forbids it. Not for stop tokens."""
-        if token_id >= self.vocab_size:
+        """The state after `token_id`, or None when `mask(state)` forbids it. Not for stop
+        tokens.
+
+        NOTE: the index has a transition for exactly the tokens a state's mask allows, but for
+        the few that spell the end marker (cut from the mask): only those read the mask, so
+        this costs one index lookup, and no mask is built for states only passed through."""
+        if not 0 <= token_id < self.vocab_size:
+            return None
+        if token_id in self._marker_token_ids and not self.allows(state, token_id):
             return None
         return self.index.get_next_state(state, token_id)
 

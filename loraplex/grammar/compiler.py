@@ -15,7 +15,7 @@ from loraplex.grammar.compiled import CompiledGrammar
 from loraplex.grammar.config import GrammarConfig
 from loraplex.grammar.errors import GrammarError, GrammarMemoryError, GrammarTimeoutError
 from loraplex.grammar.llguidance_backend import LLGuidanceGrammar
-from loraplex.grammar.llguidance_compile import is_packed
+from loraplex.grammar.llguidance_compile import is_packed, llguidance_available
 from loraplex.grammar.params import StructuredOutputs
 from loraplex.grammar.schema_limits import check_schema_limits
 from loraplex.grammar.vocabulary import GrammarVocabulary
@@ -41,7 +41,8 @@ class GrammarCompiler:
     size limits (bounded work); its analysis and the compile run in child processes
     (`num_workers` at once) under the configured time and memory limits. Equal specs share one
     compile: in flight, in memory, and on disk across restarts. A failed future raises a
-    `GrammarError` (a 400).
+    `GrammarError` (a 400). `submit_cold_start` gives a JSON schema seen for the first time an
+    llguidance grammar to start under while its outlines-core grammar compiles.
     """
 
     def __init__(self, vocabulary: GrammarVocabulary, config: GrammarConfig | None = None) -> None:
@@ -50,15 +51,16 @@ class GrammarCompiler:
         directory = self.config.grammar_cache_dir if self.config.disk_cache else None
         self.cache = GrammarCache(self.config.memory_cache_mib * 1024 * 1024, directory)
         self._executor = ThreadPoolExecutor(self.config.num_workers, "grammar-compile")
-        self._workers: queue.SimpleQueue[CompileWorker] = queue.SimpleQueue()
-        for _ in range(self.config.num_workers):
-            self._workers.put(
-                CompileWorker(
-                    vocabulary,
-                    self.config.compile_timeout_s,
-                    self.config.compile_memory_mib,
-                )
-            )
+        self._workers = self._new_workers(self.config.num_workers)
+        # NOTE: cold-start grammars compile on their own thread and child, so they never queue
+        # behind the slow compiles they stand in for; both start now (a child and llguidance's
+        # tokenizer take about a second), off the caller's thread.
+        self._cold_executor: ThreadPoolExecutor | None = None
+        self._cold_workers: queue.SimpleQueue[CompileWorker] | None = None
+        if self.config.cold_start_enabled and llguidance_available():
+            self._cold_executor = ThreadPoolExecutor(1, "grammar-cold-start")
+            self._cold_workers = self._new_workers(1)
+            self._cold_executor.submit(self._warm_cold_start)
         # NOTE: reentrant, because a future that is already done runs its callback at once.
         self._lock = threading.RLock()
         self._in_flight: dict[str, Future[Grammar]] = {}
@@ -99,13 +101,44 @@ class GrammarCompiler:
         comes from the future.
         """
         request, key = self._analyse(outputs)
+        return self._submit(request, key, self._executor, self._workers)
+
+    def submit_cold_start(self, outputs: StructuredOutputs) -> Future[Grammar] | None:
+        """A future of the llguidance grammar of a JSON schema whose grammar (`submit`) is
+        neither compiled nor stored yet: it compiles in milliseconds on a thread and child of
+        its own, so a request can start under it while outlines-core compiles. None when the
+        spec is not a JSON schema, cold starts are off (`GrammarConfig.cold_start`), or its
+        grammar is live or stored (ready in milliseconds anyway)."""
+        if self._cold_executor is None or outputs.kind != "json":
+            return None
+        request, key = self._analyse(outputs)
+        if request.backends[0] == "llguidance":
+            return None
+        with self._lock:
+            if key in self._live:
+                return None
+        if self.cache.has(key):
+            return None
+        fast = dataclasses.replace(request, backends=("llguidance",), as_outlines=True)
+        assert self._cold_workers is not None
+        return self._submit(
+            fast, fast.key(self.vocabulary.fingerprint), self._cold_executor, self._cold_workers
+        )
+
+    def _submit(
+        self,
+        request: CompileRequest,
+        key: str,
+        executor: ThreadPoolExecutor,
+        workers: queue.SimpleQueue[CompileWorker],
+    ) -> Future[Grammar]:
         with self._lock:
             done = self._done_future(key)
             if done is not None:
                 return done
             future = self._in_flight.get(key)
             if future is None:
-                future = self._executor.submit(self._compile, request, key)
+                future = executor.submit(self._compile, request, key, workers)
                 self._in_flight[key] = future
                 future.add_done_callback(lambda _, key=key: self._finish(key))
             return future
@@ -117,8 +150,37 @@ class GrammarCompiler:
     def shutdown(self) -> None:
         """Stop the thread pool and every compile child process."""
         self._executor.shutdown(wait=True, cancel_futures=True)
-        while not self._workers.empty():
-            self._workers.get().close()
+        if self._cold_executor is not None:
+            self._cold_executor.shutdown(wait=True, cancel_futures=True)
+        for workers in (self._workers, self._cold_workers):
+            while workers is not None and not workers.empty():
+                workers.get().close()
+
+    def _new_workers(self, count: int) -> queue.SimpleQueue[CompileWorker]:
+        workers: queue.SimpleQueue[CompileWorker] = queue.SimpleQueue()
+        for _ in range(count):
+            workers.put(
+                CompileWorker(
+                    self.vocabulary, self.config.compile_timeout_s, self.config.compile_memory_mib
+                )
+            )
+        return workers
+
+    def _warm_cold_start(self) -> None:
+        """One cold-start compile of a tiny schema: it starts the child, loads what its first
+        job imports (the schema analysis, llguidance) and builds llguidance's tokenizer here,
+        so the first real request pays none of it. Neither counted nor cached; a failure
+        shows again on first use."""
+        assert self._cold_workers is not None
+        tiny = build_compile_request(StructuredOutputs(json={"type": "boolean"}), self.config)
+        tiny = dataclasses.replace(tiny, backends=("llguidance",), as_outlines=True)
+        worker = self._cold_workers.get()
+        try:
+            self._load(worker.compile(tiny), "warm-up")
+        except Exception:  # noqa: BLE001 - a warm-up only
+            logger.warning("grammar cold-start warm-up failed", exc_info=True)
+        finally:
+            self._cold_workers.put(worker)
 
     def _done_future(self, key: str) -> Future[Grammar] | None:
         grammar = self._live.get(key)
@@ -146,7 +208,9 @@ class GrammarCompiler:
                 if len(self._live) > _MAX_LIVE_GRAMMARS:
                     self._live.popitem(last=False)
 
-    def _compile(self, request: CompileRequest, key: str) -> Grammar:
+    def _compile(
+        self, request: CompileRequest, key: str, workers: queue.SimpleQueue[CompileWorker]
+    ) -> Grammar:
         data = self.cache.get(key)
         if data is not None:
             try:
@@ -154,7 +218,7 @@ class GrammarCompiler:
             except Exception:  # noqa: BLE001 - a corrupt cache file is recompiled
                 data = None
         try:
-            data = self._run_child(request)
+            data = self._run_child(request, workers)
         except (GrammarTimeoutError, GrammarMemoryError) as error:
             # NOTE: a child past its limit is killed, so the backends after the first were
             # never tried: outlines-core can take longer than the limit to build an automaton
@@ -165,7 +229,7 @@ class GrammarCompiler:
             rest = dataclasses.replace(request, backends=request.backends[1:])
             logger.info("%s after %s; retrying with %s", error, request.backends[0], rest.backends)
             try:
-                data = self._run_child(rest)
+                data = self._run_child(rest, workers)
             except GrammarError as retry_error:
                 message = f"{error}; then {', '.join(rest.backends)}: {retry_error}"
                 raise type(error)(message) from retry_error
@@ -173,13 +237,15 @@ class GrammarCompiler:
         self.cache.put(key, data)
         return grammar
 
-    def _run_child(self, request: CompileRequest) -> bytes:
+    def _run_child(
+        self, request: CompileRequest, workers: queue.SimpleQueue[CompileWorker]
+    ) -> bytes:
         """One compile in a child process; counted in `num_compiles` when it succeeds."""
-        worker = self._workers.get()
+        worker = workers.get()
         try:
             data = worker.compile(request)
         finally:
-            self._workers.put(worker)
+            workers.put(worker)
         with self._lock:
             self.num_compiles += 1
         return data

@@ -33,6 +33,13 @@ class GrammarConfig:
         that enforces the schema exactly wins. outlines-core (one automaton, masks reused per
         state: the cheapest per step) first; llguidance (a lazy parser: more of JSON Schema,
         instant to compile, a mask computed per step) for what outlines-core cannot enforce.
+    cold_start: while a JSON schema's grammar compiles for the first time with outlines-core
+        (about half a second, seconds for large schemas), its requests start at once under an
+        llguidance grammar of the same schema (milliseconds, in a compile child of its own) and
+        hand over to the outlines-core grammar once it is ready, when it accepts the tokens
+        generated so far (otherwise they finish under llguidance). Both enforce the schema
+        exactly; a seeded request's tokens may then depend on when the hand-over happens.
+        Needs llguidance among `json_backends` after outlines (`grammar_cold_start`).
     """
 
     compile_timeout_s: float = 30.0
@@ -48,6 +55,7 @@ class GrammarConfig:
     max_schema_bytes: int = 512 * 1024
     overlap: bool = True
     json_backends: tuple[str, ...] = ("outlines", "llguidance")
+    cold_start: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_schema_depth", "max_schema_nodes", "max_schema_bytes"):
@@ -68,6 +76,11 @@ class GrammarConfig:
             )
         if self.max_recursion_depth < 0:
             raise ValueError(f"max_recursion_depth must be >= 0, got {self.max_recursion_depth}")
+
+    @property
+    def cold_start_enabled(self) -> bool:
+        """Whether cold JSON schemas start under llguidance while outlines-core compiles."""
+        return self.cold_start and "llguidance" in self.json_backends[1:]
 
     @property
     def grammar_cache_dir(self) -> Path:

@@ -25,7 +25,7 @@ _tokenizers: dict[str, LLTokenizer] = {}
 _tokenizers_lock = threading.Lock()
 
 
-def _tokenizer(vocabulary: GrammarVocabulary) -> LLTokenizer:
+def llguidance_tokenizer(vocabulary: GrammarVocabulary) -> LLTokenizer:
     """llguidance's view of the tokenizer, built once per vocabulary (about a second)."""
     from llguidance import LLTokenizer
 
@@ -61,7 +61,7 @@ class LLGuidanceGrammar:
         self.vocab_size = vocabulary.vocab_size
         self.stop_token_ids = vocabulary.stop_token_ids
         self.grammar = data[len(_MAGIC) :].decode()
-        self._template = LLMatcher(_tokenizer(vocabulary), self.grammar, log_level=0)
+        self._template = LLMatcher(llguidance_tokenizer(vocabulary), self.grammar, log_level=0)
         if self._template.is_error():
             raise GrammarCompileError(f"llguidance: {self._template.get_error()}")
 
@@ -127,8 +127,8 @@ class LLGuidanceMatcher:
         if bitmask.shape[1] > words:
             bitmask[row, words:] = 0
 
-    def mask_key(self) -> None:
-        """None: llguidance masks depend on the whole parse, never reused by key."""
+    def mask_row(self) -> None:
+        """None: llguidance computes each mask from the whole parse (`fill_bitmask`)."""
         return None
 
     def is_final(self) -> bool:

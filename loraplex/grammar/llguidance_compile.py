@@ -56,6 +56,34 @@ def json_schema_grammar(schema: dict[str, Any], whitespace_pattern: str) -> tupl
     return grammar, ""
 
 
+# Keywords whose value is one subschema, a list of them, or a map of name -> subschema.
+_SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+_SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def listed_properties_only(schema: Any) -> Any:
+    """A copy of `schema` in which every object schema with `properties` allows only those
+    (`additionalProperties: false`): what outlines-core emits for such an object, whatever
+    its `additionalProperties` says. Only subschema positions are visited (a property named
+    "properties" is a name, not a keyword)."""
+    if not isinstance(schema, dict):
+        return schema
+    node = dict(schema)
+    for key in _SUBSCHEMA:
+        if key in node:
+            node[key] = listed_properties_only(node[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(node.get(key), list):
+            node[key] = [listed_properties_only(item) for item in node[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            node[key] = {name: listed_properties_only(s) for name, s in node[key].items()}
+    if isinstance(node.get("properties"), dict):
+        node["additionalProperties"] = False
+    return node
+
+
 def pack(grammar: str) -> bytes:
     """Grammar text as grammar-cache bytes."""
     return _MAGIC + grammar.encode()

@@ -31,8 +31,6 @@ class GrammarMatcher:
                 return False
             self._terminated = True
             return True
-        if not self.grammar.allows(self.state, token_id):
-            return False
         next_state = self.grammar.next_state(self.state, token_id)
         if next_state is None:
             return False
@@ -63,10 +61,12 @@ class GrammarMatcher:
         if bitmask.shape[1] > words:
             bitmask[row, words:] = 0
 
-    def mask_key(self) -> tuple[str, int]:
-        """Equal for two matchers exactly when `fill_bitmask` writes the same row: a batch
-        bitmask slot that holds this key's mask need not be written again."""
-        return (self.grammar.key, self.state)
+    def mask_row(self) -> np.ndarray:
+        """The packed mask `fill_bitmask` writes, kept by the grammar per state: read-only, and
+        the same array whenever a state recurs (while it stays cached), so a batch bitmask
+        slot that was copied from this very array need not be written again.
+        # [grammar words] int32"""
+        return self.grammar.mask(self.state)
 
     def is_final(self) -> bool:
         """True when the output so far is complete: a stop token is allowed now."""

@@ -99,6 +99,10 @@ class CompileWorker:
             raise GrammarCompileError(payload)
         raise GrammarCompileError(f"grammar compilation failed: {payload}")
 
+    def start(self) -> None:
+        """Start the child now (a warm-up), rather than on the first compile."""
+        self._ensure_started()
+
     def close(self) -> int | None:
         """Stop the child (if any); returns its exit code. Its stderr is kept until the next
         start, for `_stderr_tail`."""

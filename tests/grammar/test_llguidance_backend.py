@@ -75,7 +75,7 @@ def test_llguidance_matcher_forbids_what_its_mask_forbids(compiler, tokenizer) -
     assert matcher.accept_token(seven) and matcher.is_final()
     stop = grammar.stop_token_ids[0]
     assert matcher.accept_token(stop) and matcher.is_terminated() and matcher.must_stop()
-    assert matcher.mask_key() is None  # llguidance masks are never reused by key
+    assert matcher.mask_row() is None  # llguidance masks are computed each step, never reused
 
 
 def test_json_backends_choose_the_order_and_the_set(vocabulary, tmp_path) -> None:

@@ -89,6 +89,9 @@ _OPTIONS = (
             "compile; slower ones answer 400", float),
     _Option("--grammar-compile-memory-mib", 4096, "memory one grammar compile may use; more "
             "answers 400", int),
+    _Option("--grammar-cold-start", True, "a JSON schema's first requests start under "
+            "llguidance (milliseconds to compile) while outlines-core compiles, and hand over "
+            "to it mid-output", boolean=True),
     _Option("--host", "127.0.0.1", "address to listen on (0.0.0.0: every interface)"),
     _Option("--port", 8000, "TCP port to listen on", int),
     _Option("--api-server-count", None, "API server processes sharing the port (auth, "

@@ -403,6 +403,16 @@ class Engine:
 
     def _poll_grammars(self) -> list[RequestOutput]:
         """Start requests whose grammar compiled; end those whose compile failed."""
+        structured = self.structured
+        if (
+            structured.num_waiting
+            and not self.scheduler.num_running
+            and self._in_flight is None
+            and self.scheduler.num_waiting == structured.num_waiting
+        ):
+            # NOTE: every request waits for its grammar: wait a little for the compile threads
+            # instead of spinning empty steps.
+            structured.wait(0.01)
         outputs = []
         for request, error in self.structured.poll():
             parent_id = self.output_processor.parent_of(request.request_id)

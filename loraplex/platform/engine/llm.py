@@ -49,6 +49,7 @@ class LLM:
         enable_lora: bool = True,
         async_scheduling: bool | None = None,
         grammar_overlap: bool = True,
+        grammar_cold_start: bool = True,
         speculative_config: str | dict[str, Any] | None = None,
         tensor_parallel_size: int = 1,
     ) -> None:
@@ -59,8 +60,9 @@ class LLM:
             quantization=quantization, seed=seed, device=device,
             gpu_memory_utilization=gpu_memory_utilization, enable_lora=enable_lora,
             max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
-            max_saved_module_loras=max_saved_module_loras, enforce_eager=enforce_eager, async_scheduling=async_scheduling,
-            grammar_overlap=grammar_overlap, speculative_config=speculative_config,
+            max_saved_module_loras=max_saved_module_loras, enforce_eager=enforce_eager,
+            async_scheduling=async_scheduling, grammar_overlap=grammar_overlap,
+            grammar_cold_start=grammar_cold_start, speculative_config=speculative_config,
             tensor_parallel_size=tensor_parallel_size,
         )  # fmt: skip
         self.engine = Engine(config)

@@ -1,11 +1,12 @@
 """The engine's side of structured output: compile in the background, give each request a
-matcher once its grammar is ready, and fill a launched step's token bitmask rows on the CPU
-while the device runs its forward pass."""
+matcher once its grammar is ready (or, for a JSON schema seen for the first time, a cold-start
+llguidance grammar first, handed over to the compiled grammar mid-output), and fill a launched
+step's token bitmask rows on the CPU while the device runs its forward pass."""
 
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -15,8 +16,7 @@ import torch
 from loraplex.platform.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from loraplex.grammar.compiled import CompiledGrammar
-    from loraplex.grammar.compiler import GrammarCompiler
+    from loraplex.grammar.compiler import Grammar, GrammarCompiler
     from loraplex.grammar.config import GrammarConfig
     from loraplex.grammar.params import StructuredOutputs
     from loraplex.platform.models.tokenizer import Tokenizer
@@ -30,6 +30,25 @@ class StepBitmask:
 
     bitmask: torch.Tensor  # [k, words] int32
     rows: torch.Tensor  # [k] int64
+
+
+@dataclass(frozen=True)
+class GrammarJob:
+    """The compiles a structured-output request waits on: its grammar, and for a JSON schema
+    whose grammar is neither compiled nor stored, a cold-start grammar (llguidance, ready in
+    milliseconds) to start under meanwhile (`GrammarCompiler.submit_cold_start`)."""
+
+    grammar: Future[Grammar]
+    cold_start: Future[Grammar] | None = None
+
+
+@dataclass
+class ColdStartStats:
+    """Counters of requests that started under a cold-start grammar (benchmarks read them)."""
+
+    started: int = 0  # requests that started under a cold-start grammar
+    handed_over: int = 0  # of those, switched to their compiled grammar mid-output
+    refused: int = 0  # of those, kept theirs: the compiled grammar refused their output so far
 
 
 @dataclass
@@ -59,15 +78,19 @@ class StructuredOutputManager:
         self._max_rows = max_num_seqs
         self._pin_memory = pin_memory
         self._compiler: GrammarCompiler | None = None
-        self._waiting: dict[str, tuple[Request, Future[CompiledGrammar]]] = {}
+        self._waiting: dict[str, tuple[Request, GrammarJob]] = {}
         # Requests holding a matcher, until they finish.
         self._active: dict[str, Request] = {}
+        # Requests running under a cold-start grammar: the grammar they hand over to.
+        self._handovers: dict[str, Future[Grammar]] = {}
         self._bitmask: torch.Tensor | None = None  # [max_rows, words] int32
         self._bitmask_np: np.ndarray | None = None  # its numpy view
         self._rows: torch.Tensor | None = None  # [max_rows] int64
-        # What each bitmask slot holds now: a matcher's `mask_key`, or None (unknown).
-        self._slot_keys: list[object] = []
+        # What each bitmask slot holds now: the grammar's mask array it was copied from
+        # (`mask_row`), or None (unknown, or computed by llguidance).
+        self._slot_masks: list[np.ndarray | None] = []
         self.stats = MaskFillStats()
+        self.cold_start_stats = ColdStartStats()
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -85,72 +108,144 @@ class StructuredOutputManager:
         """Requests holding a matcher (some may have finished since the last fill)."""
         return len(self._active)
 
-    def submit(self, spec: StructuredOutputs) -> Future[CompiledGrammar]:
-        """Start (or reuse) a compile; raises GrammarError at once for refused specs."""
-        return self.compiler.submit(spec)
+    def submit(self, spec: StructuredOutputs) -> GrammarJob:
+        """Start (or reuse) a compile, and a cold-start one for a JSON schema whose grammar is
+        not ready; raises GrammarError at once for refused specs."""
+        compiler = self.compiler
+        grammar = compiler.submit(spec)
+        cold_start = None if grammar.done() else compiler.submit_cold_start(spec)
+        return GrammarJob(grammar, cold_start)
 
-    def add_request(self, request: Request, future: Future[CompiledGrammar]) -> None:
+    def add_request(self, request: Request, job: GrammarJob) -> None:
         request.status = RequestStatus.WAITING_FOR_GRAMMAR
-        self._waiting[request.request_id] = (request, future)
+        self._waiting[request.request_id] = (request, job)
 
     def poll(self) -> list[tuple[Request, Exception]]:
-        """Hand matchers to requests whose grammar is ready; returns the failed ones."""
+        """Hand matchers to requests whose grammar (or cold-start grammar) is ready; returns
+        the failed ones. A failed cold-start compile only means waiting for the grammar."""
         if not self._waiting:
             return []
         failed = []
-        for req_id, (request, future) in list(self._waiting.items()):
-            if not future.done():
+        for req_id, (request, job) in list(self._waiting.items()):
+            handover = None
+            if job.grammar.done():
+                ready = job.grammar
+            elif job.cold_start is not None and _succeeded(job.cold_start):
+                ready, handover = job.cold_start, job.grammar
+            else:
                 continue
             del self._waiting[req_id]
             if request.status.finished:
                 continue
             try:
-                request.grammar = future.result().new_matcher()
+                request.grammar = ready.result().new_matcher()
             except Exception as exc:  # a GrammarError from the compile
                 failed.append((request, exc))
                 continue
             self._active[req_id] = request
+            if handover is not None:
+                self._handovers[req_id] = handover
+                self.cold_start_stats.started += 1
             if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
                 request.status = RequestStatus.WAITING
         return failed
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for their grammar."""
+        return len(self._waiting)
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until a waiting request's grammar or cold-start grammar is ready, at most
+        `timeout_s`: an engine with nothing else to do sleeps here instead of spinning, which
+        would slow the compile threads (they need the GIL to finish)."""
+        pending = [
+            future
+            for _, job in self._waiting.values()
+            for future in (job.grammar, job.cold_start)
+            if future is not None and not future.done()
+        ]
+        if pending:
+            wait(pending, timeout_s, FIRST_COMPLETED)
+
     def forget(self, request_id: str) -> None:
         self._waiting.pop(request_id, None)
         self._active.pop(request_id, None)
+        self._handovers.pop(request_id, None)
 
     def active_requests(self) -> list[Request]:
         """The unfinished requests holding a matcher; finished ones are dropped here."""
         for req_id in [r for r, req in self._active.items() if req.status.finished]:
             del self._active[req_id]
+            self._handovers.pop(req_id, None)
         return list(self._active.values())
+
+    def _hand_over(self) -> None:
+        """Move requests running under a cold-start grammar to their compiled grammar once it
+        is ready: a fresh matcher replays the request's output so far and replaces the old one
+        if it accepts every token. If it does not (the two backends' languages differ in some
+        detail: whitespace, number forms), or the compile failed, the request finishes under
+        the cold-start grammar, which enforces the schema exactly too.
+
+        NOTE: called where every matcher has accepted every token sampled so far (before a
+        step's masks are filled, after the previous step's tokens were read), so the next
+        token is sampled under the new matcher's mask and accepted by it."""
+        stats = self.cold_start_stats
+        for req_id, future in list(self._handovers.items()):
+            if not future.done():
+                continue
+            del self._handovers[req_id]
+            request = self._active.get(req_id)
+            if request is None or request.status.finished or not _succeeded(future):
+                continue
+            grammar = future.result()
+            if grammar.backend == request.grammar.grammar.backend:
+                continue  # NOTE: outlines-core refused the schema: the same llguidance grammar
+            matcher = grammar.new_matcher()
+            if matcher.accept_tokens(request.output_token_ids) and not matcher.is_terminated():
+                request.grammar = matcher
+                stats.handed_over += 1
+            else:
+                stats.refused += 1
 
     def fill_bitmask(self, requests: list[Request], logits_rows: np.ndarray) -> StepBitmask | None:
         """The masks of the constrained requests about to sample, filled in place.
 
         requests: each with a matcher; logits_rows: [len(requests)] int64, the logits row
         each samples in (-1: it does not sample this step). Rows are written in ascending
-        logits row order, one call per row; a slot that already holds the same grammar state
-        keeps its mask. The host buffer is reused by the next fill: call it only once the
+        logits row order; a slot that already holds the same grammar state's mask keeps it. The host buffer is reused by the next fill: call it only once the
         previous step's tokens were read back (its mask copy is then complete).
         """
         if not requests:
             return None
+        if self._handovers:
+            self._hand_over()
         order = np.argsort(logits_rows, kind="stable")
         order = order[logits_rows[order] >= 0]
         if not len(order):
             return None
         start = time.perf_counter()
         rows, buffer = self._buffers()
-        slot_keys = self._slot_keys
+        slot_masks = self._slot_masks
+        width = buffer.shape[1]
         reused = 0
+        # NOTE: the one Python loop per row of the step: a cached mask row is copied straight
+        # into the slot (or left there: the slot already holds that very array); a mask with
+        # no cached row (llguidance) is computed into the slot by its matcher.
         for slot, i in enumerate(order.tolist()):
             matcher = requests[i].grammar
-            key = matcher.mask_key()
-            if key is not None and slot_keys[slot] == key:
+            mask = matcher.mask_row()
+            if mask is None:
+                matcher.fill_bitmask(buffer, slot)
+            elif slot_masks[slot] is mask:
                 reused += 1
                 continue
-            matcher.fill_bitmask(buffer, slot)
-            slot_keys[slot] = key
+            else:
+                words = mask.shape[0]
+                buffer[slot, :words] = mask
+                if words != width:
+                    buffer[slot, words:] = 0
+            slot_masks[slot] = mask
         k = len(order)
         rows[:k] = torch.from_numpy(logits_rows[order])
         stats = self.stats
@@ -169,10 +264,22 @@ class StructuredOutputManager:
             )
             self._bitmask_np = self._bitmask.numpy()
             self._rows = torch.zeros(self._max_rows, dtype=torch.int64, pin_memory=self._pin_memory)
-            self._slot_keys = [None] * self._max_rows
+            self._slot_masks = [None] * self._max_rows
         return self._rows, self._bitmask_np  # type: ignore[return-value]
+
+    def reconfigure(self, config: GrammarConfig) -> None:
+        """Compile under `config` from now on (benchmarks compare settings on one engine): the
+        compiler and its children restart, and what it held in memory is dropped. Call it
+        with no grammar request in flight."""
+        self.shutdown()
+        self._config = config
 
     def shutdown(self) -> None:
         if self._compiler is not None:
             self._compiler.shutdown()
             self._compiler = None
+
+
+def _succeeded(future: Future) -> bool:
+    """True when `future` finished with a result (not an error, not cancelled)."""
+    return future.done() and not future.cancelled() and future.exception() is None

@@ -142,6 +142,8 @@ def _scenario(text_model: Path, adapters: list[LoRARequest], tp: int) -> dict[st
         grammar = SamplingParams(
             max_tokens=24, temperature=0, structured_outputs=StructuredOutputs(json=SCHEMA)
         )
+        # NOTE: compiled first, so no engine starts it under a cold-start grammar.
+        llm.engine.structured.compiler.compile(grammar.structured_outputs, timeout=120)
         constrained = llm.generate(["A JSON name:"], grammar)[0].outputs[0]
         _greedy(llm, [SHARED + "first"])
         before = llm.stats().prefix_cache_hits
