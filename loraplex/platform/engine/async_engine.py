@@ -32,7 +32,7 @@ from loraplex.platform.core.commands import (
 )
 from loraplex.platform.core.outputs import RequestOutput, merge_deltas
 from loraplex.platform.core.request import RequestStatus
-from loraplex.platform.core.sampling_params import SamplingParams
+from loraplex.platform.core.sampling_params import RequestOutputKind, SamplingParams
 from loraplex.platform.engine.engine import Engine, EngineStats
 
 logger = logging.getLogger(__name__)
@@ -122,10 +122,17 @@ _ACCEPTED = object()
 class RequestStream:
     """The outputs of one accepted request, as an async iterator; ends after the final one."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, outputs: asyncio.Queue) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        request_id: str,
+        outputs: asyncio.Queue,
+        kind: RequestOutputKind = RequestOutputKind.DELTA,
+    ) -> None:
         self.request_id = request_id
         self._engine = engine
         self._outputs = outputs
+        self._cumulative = kind == RequestOutputKind.CUMULATIVE
         self._error: BaseException | None = None  # raised after the outputs before it
         self.finished = False
 
@@ -142,12 +149,13 @@ class RequestStream:
         # NOTE: a reader that fell behind (a busy API process at hundreds of streams) takes
         # every delta already waiting as one output: one stream event instead of several, so
         # the server catches up instead of falling further behind (vLLM merges the same way).
+        # A cumulative output already holds everything before it: the latest one replaces it.
         while not item.finished and not self._outputs.empty():
             later = self._outputs.get_nowait()
             if isinstance(later, BaseException):
                 self._error = later
                 break
-            item = merge_deltas(item, later)
+            item = later if self._cumulative else merge_deltas(item, later)
         self.finished = item.finished
         return item
 
@@ -257,7 +265,7 @@ class AsyncEngine:
             raise
         if isinstance(ack, BaseException):
             raise ack
-        return RequestStream(self, request_id, outputs)
+        return RequestStream(self, request_id, outputs, params.output_kind)
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; unknown or finished ids are ignored."""

@@ -207,7 +207,8 @@ class EngineCoreClient:
             raise
         if isinstance(ack, BaseException):
             raise ack
-        return RequestStream(self, request_id, outputs)  # type: ignore[arg-type]
+        stream = RequestStream(self, request_id, outputs, params.output_kind)  # type: ignore[arg-type]
+        return stream
 
     def abort(self, request_id: str) -> None:
         """Abort a request; unknown or finished ids are ignored."""

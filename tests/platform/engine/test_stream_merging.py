@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from loraplex.platform.core.outputs import CompletionOutput, Logprob, RequestOutput
+from loraplex.platform.core.sampling_params import RequestOutputKind
 from loraplex.platform.engine.async_engine import RequestStream
 
 
@@ -81,3 +82,26 @@ def test_a_reader_that_keeps_up_gets_every_delta_alone() -> None:
         return seen
 
     assert asyncio.run(run()) == [[1], [2]]
+
+
+def test_a_reader_of_cumulative_outputs_that_fell_behind_gets_the_latest_whole_text() -> None:
+    # NOTE: a cumulative output holds everything before it: merged like deltas, the text of a
+    # lagging reader came out repeated ("t1 t1 t2 ...").
+    def whole(i: int, finish: str | None = None) -> RequestOutput:
+        text = "".join(f"t{j} " for j in range(1, i + 1))
+        sample = CompletionOutput(0, text, list(range(1, i + 1)), None, None, finish)
+        return RequestOutput("r", None, [1, 2], [sample], finish is not None)
+
+    async def read() -> list[RequestOutput]:
+        queue: asyncio.Queue = asyncio.Queue()
+        for item in (whole(1), whole(2), whole(3, finish="length")):
+            queue.put_nowait(item)
+        stream = RequestStream(_Engine(), "r", queue, RequestOutputKind.CUMULATIVE)  # type: ignore[arg-type]
+        return [output async for output in stream]
+
+    outputs = asyncio.run(read())
+    assert len(outputs) == 1
+    (last,) = outputs
+    assert last.finished
+    assert last.outputs[0].text == "t1 t2 t3 "
+    assert last.outputs[0].token_ids == [1, 2, 3]
