@@ -21,6 +21,17 @@ if _XDIST_WORKER and "OMP_NUM_THREADS" not in os.environ:
 
     torch.set_num_threads(1)
 
+# NOTE: Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when its module is first
+# imported, and collection imports every test module (tests/benchmarks' too, whose benchmarks
+# import kernel modules) before any test runs: set here, in the root conftest, where no CUDA
+# device is present, the kernels run in the CPU interpreter whichever module imports them first.
+# On a CUDA machine they compile for the GPU.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 # NOTE: set before any test reads `loraplex.envs.cache_dir()`, so every run shares one converted
 # default model in the git-ignored `.cache/` at the repository root instead of the user's cache.
 _TEST_CACHE = Path(__file__).resolve().parents[1] / ".cache"

@@ -3,22 +3,16 @@ random walk that drives a matcher to completion without a model."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 from tokenizers import Tokenizer
 
-# NOTE: before any Triton kernel module is imported, as in tests/kernels/conftest.py.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from loraplex.grammar.compiler import GrammarCompiler  # noqa: E402
-from loraplex.grammar.config import GrammarConfig  # noqa: E402
-from loraplex.grammar.vocabulary import GrammarVocabulary, build_vocabulary  # noqa: E402
-from loraplex.grammar.walk import RandomWalker  # noqa: E402
+from loraplex.grammar.compiler import GrammarCompiler
+from loraplex.grammar.config import GrammarConfig
+from loraplex.grammar.vocabulary import GrammarVocabulary, build_vocabulary
+from loraplex.grammar.walk import RandomWalker
 
 
 @pytest.fixture(scope="session")
