@@ -40,9 +40,33 @@ def device_name() -> str:
     return f"cpu ({torch.get_num_threads()} threads)"
 
 
+def flatten_metrics(metrics: dict[str, Any]) -> tuple[dict[str, float], dict[str, Any]]:
+    """A record's metrics as flat name -> number (nested names joined by "_"), and what is not a
+    number (lists of rounds, flags, labels) by its flat name, kept beside them."""
+    flat: dict[str, float] = {}
+    details: dict[str, Any] = {}
+
+    def walk(name: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                walk(f"{name}_{key}" if name else str(key), inner)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            flat[name] = value
+        else:
+            details[name] = value
+
+    walk("", metrics)
+    return flat, details
+
+
 def write_result(
-    name: str, benchmark: str, metrics: dict[str, float], baseline: dict[str, Any], **extra: Any
+    name: str, benchmark: str, metrics: dict[str, Any], baseline: dict[str, Any], **extra: Any
 ) -> Path:
+    """Write `results/<name>`: metrics flattened to name -> number (`flatten_metrics`), what is
+    not a number under "metric_details"."""
+    metrics, details = flatten_metrics(metrics)
+    if details:
+        extra = {**extra, "metric_details": {**details, **extra.get("metric_details", {})}}
     record = {
         "benchmark": benchmark,
         "device": device_name(),
