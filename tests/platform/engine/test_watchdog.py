@@ -15,6 +15,7 @@ from loraplex.config import SchedulerConfig
 from loraplex.platform.api.errors import request_failed
 from loraplex.platform.api.metrics import ServerMetrics
 from loraplex.platform.engine.async_engine import AsyncEngine, RequestStalledError
+from loraplex.platform.engine.structured_output import GrammarJob
 
 TIMEOUT_S = 1.0
 
@@ -35,7 +36,7 @@ def engine(model_dir):
 def test_a_stalled_request_is_ended_and_freed_while_others_progress(engine, monkeypatch):
     # A grammar whose compile never finishes: the request waits forever, making no progress.
     structured = engine.engine.structured
-    monkeypatch.setattr(structured, "submit", lambda spec: Future())
+    monkeypatch.setattr(structured, "submit", lambda spec: GrammarJob(Future()))
     stuck = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputs(choice=["a", "b"]))
     # Takes longer than the timeout on CPU, but makes progress every step.
     busy = SamplingParams(max_tokens=80, ignore_eos=True, temperature=0)
