@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -27,16 +27,9 @@ from loraplex.adapters.peft_format import LoRAWeights
 
 
 @dataclass(frozen=True)
-class AdapterRecord:
-    """One catalogued adapter of one tenant."""
+class AdapterRecord(CatalogEntry):
+    """One catalogued adapter of one tenant: its catalog row, and where its files are here."""
 
-    tenant: str
-    name: str
-    digest: str  # sha256 of adapter_config.json + adapter_model.safetensors
-    created: float  # unix seconds
-    size: int  # bytes of both files
-    rank: int
-    modules: tuple[str, ...]  # adapted projections, e.g. ("q_proj", "v_proj")
     path: str  # the content-addressed folder on this machine (see `AdapterRegistry.materialize`)
 
     @property
@@ -157,10 +150,7 @@ class AdapterRegistry:
     # -- internals ------------------------------------------------------------------------------
 
     def _record(self, entry: CatalogEntry) -> AdapterRecord:
-        return AdapterRecord(
-            entry.tenant, entry.name, entry.digest, entry.created, entry.size, entry.rank,
-            entry.modules, str(self.store.local_path(entry.digest)),
-        )  # fmt: skip
+        return AdapterRecord(**asdict(entry), path=str(self.store.local_path(entry.digest)))
 
 
 def check_registry_url(url: str) -> str:
