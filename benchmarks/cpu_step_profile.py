@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     llm.engine.shutdown()
     del llm
     if args.http:
-        from benchmarks.serving import launch_server, serve_flags
+        from benchmarks.server_launch import launch_server, serve_flags
 
         proc, base_url = launch_server(serve_flags(options))
         try:

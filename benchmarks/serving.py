@@ -28,8 +28,6 @@ import asyncio
 import json
 import os
 import random
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -38,7 +36,9 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.record import git_commit
 from benchmarks.sampling_mixes import MIXED, mix_fields
+from benchmarks.server_launch import launch_server, serve_flags
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "cpu_serving.json"
@@ -196,42 +196,6 @@ def run_offline_benchmark(
     return runs
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def launch_server(extra_args: list[str]) -> tuple[subprocess.Popen, str]:
-    """`loraplex serve` on a free loopback port; returns once /health answers."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "loraplex.cli", "serve", "--port", str(port),
-           "--uvicorn-log-level", "warning", *extra_args]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=REPO)
-    base_url = f"http://127.0.0.1:{port}"
-    wait_for_health(proc, base_url, 300, "the server")
-    return proc, base_url
-
-
-def wait_for_health(proc: subprocess.Popen, base_url: str, timeout_s: float, name: str) -> None:
-    """Return once `base_url`/health answers 200; raise if `proc` exits or `timeout_s` passes
-    (then `proc` is terminated)."""
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.terminate()
-    raise RuntimeError(f"{name} did not start within {timeout_s:g} s")
-
-
 def record(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     """Server runs at each --concurrency, then offline, for each sampling mode; the flat metrics
     of the results JSON (greedy's unprefixed, the others prefixed `t1_` / `mixed_`)."""
@@ -272,18 +236,6 @@ GPU_ENGINE = dict(dtype="bfloat16", max_model_len=4096, gpu_memory_utilization=0
                   enable_lora=False, seed=0, max_num_seqs=256, max_num_batched_tokens=2048)  # fmt: skip
 CPU_ENGINE = dict(dtype="float32", device="cpu", max_model_len=512, enable_lora=False, seed=0,
                   max_num_seqs=64, max_num_batched_tokens=2048)  # fmt: skip
-
-
-def serve_flags(options: dict) -> list[str]:
-    """`loraplex serve` flags for LLM keyword options (`enable_lora=False` -> --no-enable-lora)."""
-    flags = []
-    for key, value in options.items():
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            flags.append(flag if value else f"--no-{flag[2:]}")
-        else:
-            flags += [flag, str(value)]
-    return flags
 
 
 async def _lean_load(
@@ -495,14 +447,6 @@ def _prefix(sampling: str) -> str:
     return "" if sampling == "greedy" else f"{sampling}_"
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                              text=True, check=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="a running server")
@@ -576,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
             "benchmark": "serving",
             "device": args.device,
             "command": " ".join(["python", "benchmarks/serving.py", *sys.argv[1:]]),
-            "commit": _commit(),
+            "commit": git_commit(),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "workload": {"num_prompts": args.num_prompts, "input_len": args.input_len,
                          "output_len": args.output_len, "load_avg_at_start": load},

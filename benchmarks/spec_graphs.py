@@ -39,6 +39,7 @@ from benchmarks.speculative import (
     MODES,
     alpha_for_length,
     expected_speedup,
+    record_pair,
     run_batch,
     verify_cost,
 )
@@ -123,22 +124,6 @@ def compare(eager: torch.Tensor, graphed: torch.Tensor) -> tuple[float, float, i
     lp_g = torch.log_softmax(graphed, dim=-1).gather(1, top)
     agree = (graphed.argmax(dim=-1, keepdim=True) == top).float().mean()
     return float((lp_e - lp_g).abs().max()), float(agree), eager.shape[0]
-
-
-def record_pair(key: str, plain: dict, spec: dict, metrics: dict) -> None:
-    """One workload's `run_batch` results without and with speculation, as metrics and a line."""
-    for name in ("tpot_ms", "tokens_per_s"):
-        metrics[f"{key}_plain_{name}"] = plain[name]
-        metrics[f"{key}_spec_{name}"] = spec[name]
-    metrics[f"{key}_tpot_speedup"] = plain["tpot_ms"] / spec["tpot_ms"]
-    metrics[f"{key}_acceptance_rate"] = spec["acceptance_rate"]
-    metrics[f"{key}_mean_acceptance_length"] = spec["mean_acceptance_length"]
-    print(
-        f"{key}: tpot {plain['tpot_ms']:.2f} -> {spec['tpot_ms']:.2f} ms "
-        f"({metrics[f'{key}_tpot_speedup']:.2f}x), {plain['tokens_per_s']:.0f} -> "
-        f"{spec['tokens_per_s']:.0f} tok/s, acceptance length "
-        f"{spec['mean_acceptance_length']:.2f}"
-    )
 
 
 class OracleProposer(Proposer):

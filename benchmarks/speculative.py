@@ -73,6 +73,22 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
 _KV_BLOCKS_8B = 4096  # 8 GiB each at 8B: room for two engines and batch 64 x 520 tokens
 
 
+def record_pair(key: str, plain: dict, spec: dict, metrics: dict) -> None:
+    """One workload's `run_batch` results without and with speculation, as metrics and a line."""
+    for name in ("tpot_ms", "tokens_per_s"):
+        metrics[f"{key}_plain_{name}"] = plain[name]
+        metrics[f"{key}_spec_{name}"] = spec[name]
+    metrics[f"{key}_tpot_speedup"] = plain["tpot_ms"] / spec["tpot_ms"]
+    metrics[f"{key}_acceptance_rate"] = spec["acceptance_rate"]
+    metrics[f"{key}_mean_acceptance_length"] = spec["mean_acceptance_length"]
+    print(
+        f"{key}: tpot {plain['tpot_ms']:.2f} -> {spec['tpot_ms']:.2f} ms "
+        f"({metrics[f'{key}_tpot_speedup']:.2f}x), {plain['tokens_per_s']:.0f} -> "
+        f"{spec['tokens_per_s']:.0f} tok/s, acceptance length "
+        f"{spec['mean_acceptance_length']:.2f}"
+    )
+
+
 def run_batch(
     llm: LLM,
     prompts: list[str] | list[list[int]],
@@ -141,17 +157,7 @@ def smol_part(max_tokens: int, batch_sizes: list[int]) -> dict[str, float]:
             for mode in MODES:
                 b = run_batch(base, prompts, mode, max_tokens)
                 s = run_batch(spec, prompts, mode, max_tokens)
-                key = f"smol_{workload}_bs{bs}_{mode}"
-                metrics[f"{key}_base_tpot_ms"] = b["tpot_ms"]
-                metrics[f"{key}_spec_tpot_ms"] = s["tpot_ms"]
-                metrics[f"{key}_speedup"] = b["tpot_ms"] / s["tpot_ms"]
-                metrics[f"{key}_acceptance_rate"] = s["acceptance_rate"]
-                metrics[f"{key}_mean_acceptance_length"] = s["mean_acceptance_length"]
-                print(
-                    f"{key}: tpot {b['tpot_ms']:.2f} -> {s['tpot_ms']:.2f} ms "
-                    f"({metrics[f'{key}_speedup']:.2f}x), acceptance "
-                    f"{s['acceptance_rate']:.2f}, length {s['mean_acceptance_length']:.2f}"
-                )
+                record_pair(f"smol_{workload}_bs{bs}_{mode}", b, s, metrics)
     del base, spec
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return metrics
