@@ -120,9 +120,11 @@ def run_setting(
     engine = llm.engine
     engine.structured.reconfigure(config)
     compiler = engine.structured.compiler
-    # NOTE: not timed: the children's start and llguidance's tokenizer, once per server.
+    # NOTE: not timed: the children's start and llguidance's tokenizer, once per server (a
+    # server starts them when it starts: `StructuredOutputManager.prepare`).
     compiler.compile(StructuredOutputs(json={"type": "boolean"}), timeout=120)
-    time.sleep(2.0)  # the cold-start child's warm-up, in the background
+    if not compiler.wait_warm(120):
+        raise RuntimeError("the cold-start child did not warm up in 120 s")
     stats_before = replace(engine.structured.cold_start_stats)
     rng = random.Random(0)
     rows = []

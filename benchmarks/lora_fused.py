@@ -3,8 +3,8 @@ GPU: Llama-3.1-8B shapes, bf16, rank 16, 64 slots, 32 layers' weights cycled (fr
 forward), batches of 1, 8 and 64 tokens each on its own adapter.
 
 Paths: `fused` (forced on every projection), `two_kernels` (the pair), `default` (what serving
-runs: fused up to `fused_max_tokens` tokens on inputs up to `fused_max_k`, i.e. all but
-down_proj at this shape). First a check: every projection, every path, against the fp32 torch reference with mixed ranks
+runs: `LoRAKernelConfig()`, fused up to `fused_max_tokens` tokens on inputs up to `fused_max_k`;
+since the H200 run at bae7d40 that is never, so `default` is the pair). First a check: every projection, every path, against the fp32 torch reference with mixed ranks
 (1..16, a zero-rank shard) and base-model rows (slot -1); a failure stops the run. Then each
 path's time per layer and per projection, replayed from a CUDA graph. No sampling is involved
 (kernels only), so there is no greedy / temperature / mixed split here: `benchmarks.multi_lora`

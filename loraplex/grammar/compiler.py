@@ -7,7 +7,7 @@ import logging
 import queue
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from loraplex.grammar.cache import GrammarCache
 from loraplex.grammar.compile_request import CompileRequest, build_compile_request
@@ -57,10 +57,11 @@ class GrammarCompiler:
         # tokenizer take about a second), off the caller's thread.
         self._cold_executor: ThreadPoolExecutor | None = None
         self._cold_workers: queue.SimpleQueue[CompileWorker] | None = None
+        self._cold_warm_up: Future[None] | None = None
         if self.config.cold_start_enabled and llguidance_available():
             self._cold_executor = ThreadPoolExecutor(1, "grammar-cold-start")
             self._cold_workers = self._new_workers(1)
-            self._cold_executor.submit(self._warm_cold_start)
+            self._cold_warm_up = self._cold_executor.submit(self._warm_cold_start)
         # NOTE: reentrant, because a future that is already done runs its callback at once.
         self._lock = threading.RLock()
         self._in_flight: dict[str, Future[Grammar]] = {}
@@ -146,6 +147,13 @@ class GrammarCompiler:
     def compile(self, outputs: StructuredOutputs, timeout: float | None = None) -> Grammar:
         """Compile `outputs` and wait (for offline use and tests)."""
         return self.submit(outputs).result(timeout)
+
+    def wait_warm(self, timeout: float | None = None) -> bool:
+        """Wait for the cold-start child's warm-up; True when it is over (or there is none)."""
+        if self._cold_warm_up is None:
+            return True
+        wait([self._cold_warm_up], timeout)
+        return self._cold_warm_up.done()
 
     def shutdown(self) -> None:
         """Stop the thread pool and every compile child process."""

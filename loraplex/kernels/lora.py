@@ -45,7 +45,11 @@ class LoRAKernelConfig:
     """Which Triton kernels run and with which tiles (all sizes powers of two)."""
 
     token_kernels_max_tokens: int = 64  # up to this many tokens: one program per token
-    fused_max_tokens: int = 8  # up to this many: one fused shrink + expand launch (0: never)
+    # NOTE: up to this many tokens one fused shrink + expand launch; 0 (the default): never. On
+    # the H200 the pair beat it at 1 and 8 tokens on every 8B projection (31 against 64 us a
+    # layer at one token, benchmarks/results/h200_lora_fused.json): each fused program re-reads
+    # its slice's A, which costs more than the launch it saves.
+    fused_max_tokens: int = 0
     fused_programs: int = 256  # widen the fused kernel's column tiles until about this many
     fused_block_elems: int = 32768  # A elements per fused shrink iteration (rank x block_k)
     # NOTE: each fused program reads its slice's whole A (rank x in); past this many input

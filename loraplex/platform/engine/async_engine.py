@@ -198,8 +198,10 @@ class AsyncEngine:
     # -- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the engine thread (idempotent)."""
+        """Start the engine thread (idempotent), and the grammar compiler beside it (a server
+        is long-lived: its first JSON-schema request should not wait for the vocabulary)."""
         if self._thread is None:
+            self.engine.structured.prepare()
             self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
             self._thread.start()
 

@@ -94,6 +94,7 @@ class EngineCore(AsyncEngine):
 
     def run(self) -> None:
         """Serve until stopped; the engine is shut down on return."""
+        self.engine.structured.prepare()  # as `start` does in process
         try:
             self._run()
         finally:

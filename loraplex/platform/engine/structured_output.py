@@ -5,6 +5,8 @@ step's token bitmask rows on the CPU while the device runs its forward pass."""
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
@@ -20,6 +22,8 @@ if TYPE_CHECKING:
     from loraplex.grammar.config import GrammarConfig
     from loraplex.grammar.params import StructuredOutputs
     from loraplex.platform.models.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,11 @@ class StructuredOutputManager:
         self._max_rows = max_num_seqs
         self._pin_memory = pin_memory
         self._compiler: GrammarCompiler | None = None
+        # NOTE: the compiler is built on the engine thread or by `prepare`'s thread: whichever
+        # comes first builds it, the other waits; `shutdown` takes it too, so a late `prepare`
+        # cannot start children after it.
+        self._compiler_lock = threading.Lock()
+        self._shut_down = False
         self._waiting: dict[str, tuple[Request, GrammarJob]] = {}
         # Requests holding a matcher, until they finish.
         self._active: dict[str, Request] = {}
@@ -94,14 +103,33 @@ class StructuredOutputManager:
 
     @property
     def compiler(self) -> GrammarCompiler:
-        """Started on first use: it spawns compile worker processes."""
-        if self._compiler is None:
-            from loraplex.grammar.compiler import GrammarCompiler
-            from loraplex.grammar.vocabulary import build_vocabulary
+        """Started on first use (or by `prepare`): it spawns compile worker processes."""
+        with self._compiler_lock:
+            if self._shut_down:
+                raise RuntimeError("the structured-output manager is shut down")
+            if self._compiler is None:
+                from loraplex.grammar.compiler import GrammarCompiler
+                from loraplex.grammar.vocabulary import build_vocabulary
 
-            vocab = build_vocabulary(self._tokenizer.backend, self._stop_token_ids)
-            self._compiler = GrammarCompiler(vocab, self._config)
-        return self._compiler
+                vocab = build_vocabulary(self._tokenizer.backend, self._stop_token_ids)
+                self._compiler = GrammarCompiler(vocab, self._config)
+            return self._compiler
+
+    def prepare(self) -> threading.Thread:
+        """Build the grammar vocabulary and start the compiler (and its cold-start child) on
+        a thread now, so a server's first grammar request does not pay for them (about a
+        second at a 49k vocabulary). A failure (no outlines-core, say) is logged; the first
+        grammar request meets it again as its error."""
+
+        def build() -> None:
+            try:
+                self.compiler  # noqa: B018 - built for its side effect
+            except Exception as exc:  # noqa: BLE001 - reported again on first use
+                logger.warning("structured output not prepared: %s", exc)
+
+        thread = threading.Thread(target=build, name="grammar-prepare", daemon=True)
+        thread.start()
+        return thread
 
     @property
     def num_active(self) -> int:
@@ -273,11 +301,14 @@ class StructuredOutputManager:
         with no grammar request in flight."""
         self.shutdown()
         self._config = config
+        self._shut_down = False
 
     def shutdown(self) -> None:
-        if self._compiler is not None:
-            self._compiler.shutdown()
-            self._compiler = None
+        with self._compiler_lock:
+            self._shut_down = True
+            if self._compiler is not None:
+                self._compiler.shutdown()
+                self._compiler = None
 
 
 def _succeeded(future: Future) -> bool:

@@ -95,3 +95,20 @@ def test_a_shut_down_engine_refuses_requests(model_dir):
 
     with pytest.raises(EngineDeadError):
         asyncio.run(run())
+
+
+def test_starting_prepares_structured_output(model_dir, monkeypatch):
+    """A started server builds its grammar compiler at once, not on the first JSON request."""
+    from loraplex.platform.engine.structured_output import StructuredOutputManager
+
+    calls: list[StructuredOutputManager] = []
+    monkeypatch.setattr(StructuredOutputManager, "prepare", lambda self: calls.append(self))
+    engine = AsyncEngine(cpu_engine_config(model_dir, num_kv_blocks=32))
+    try:
+        assert calls == []
+        engine.start()
+        engine.start()  # idempotent: once
+        assert calls == [engine.engine.structured]
+    finally:
+        engine.shutdown()
+        engine.engine.shutdown()

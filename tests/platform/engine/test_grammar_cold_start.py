@@ -203,3 +203,50 @@ def test_an_engine_waiting_only_for_grammars_sleeps_instead_of_spinning(
     assert steps <= 60, steps
     gate.set()
     _step_until(engine, lambda: not engine.has_unfinished_requests())
+
+
+def test_a_server_builds_the_grammar_compiler_before_its_first_request(engine, monkeypatch):
+    """`prepare` (run when a server starts) builds the vocabulary on its own thread, so the
+    first JSON-schema request neither builds it again nor waits on the engine thread."""
+    import threading
+
+    import loraplex.grammar.vocabulary as vocabulary
+
+    built_on: list[str] = []
+    real = vocabulary.build_vocabulary
+
+    def build(*args, **kwargs):
+        built_on.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(vocabulary, "build_vocabulary", build)
+    engine.structured.prepare().join(120)
+    assert built_on == ["grammar-prepare"]
+    assert engine.structured.compiler.wait_warm(120)
+    params = SamplingParams(
+        temperature=1.0, seed=3, max_tokens=24, structured_outputs=StructuredOutputs(json=SCHEMA)
+    )
+    engine.add_request("first", "A person as JSON:", params)
+    outputs = _step_until(engine, lambda: not engine.scheduler.requests)
+    assert built_on == ["grammar-prepare"]  # not again for the request
+    [final] = [o for o in outputs if o.request_id == "first" and o.finished]
+    assert final.outputs[0].finish_reason in ("stop", "length")
+
+
+def test_a_shutdown_during_prepare_leaves_no_compiler(engine, monkeypatch):
+    import loraplex.grammar.vocabulary as vocabulary
+
+    real = vocabulary.build_vocabulary
+
+    def slow_build(*args, **kwargs):
+        time.sleep(0.3)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(vocabulary, "build_vocabulary", slow_build)
+    thread = engine.structured.prepare()
+    engine.structured.shutdown()
+    thread.join(120)
+    assert not thread.is_alive()
+    assert engine.structured._compiler is None  # no compile children left behind
+    with pytest.raises(RuntimeError, match="shut down"):
+        _ = engine.structured.compiler
