@@ -97,3 +97,26 @@ def test_cuda_path_matches_reference(dtype) -> None:
     logits, bitmask = logits.cuda(), bitmask.cuda()
     apply_token_bitmask_(logits, bitmask, torch.tensor([5, 0, 2, 1, 3, 4], device="cuda"))
     assert torch.equal(logits.cpu(), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_warm_up_compiles_the_kernel_the_sampler_launches() -> None:
+    """After the warm-up, a sampler-shaped call (rows index, fp32, a 49k vocabulary) finds
+    its kernel compiled: the first grammar request of a server compiled it (1-2 s)."""
+    from loraplex.grammar.bitmask import warm_up_bitmask
+    from loraplex.grammar.bitmask_kernel import _apply_bitmask_kernel
+
+    device = torch.device("cuda")
+    assert warm_up_bitmask(49152, device) == 1
+    compiled = sum(len(c[0]) for c in _apply_bitmask_kernel.device_caches.values())
+    logits, bitmask, rows = _random_case(8, 49152, seed=5, mask_vocab=49152)
+    logits, bitmask = logits.float().cuda(), bitmask[:3].cuda()
+    apply_token_bitmask_(logits, bitmask, torch.tensor([7, 0, 4], device=device))
+    assert sum(len(c[0]) for c in _apply_bitmask_kernel.device_caches.values()) == compiled
+
+
+def test_warm_up_is_a_no_op_off_cuda() -> None:
+    from loraplex.grammar.bitmask import warm_up_bitmask
+
+    assert warm_up_bitmask(49152, torch.device("cpu")) == 0

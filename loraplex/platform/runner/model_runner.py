@@ -18,6 +18,7 @@ import torch
 
 from loraplex.adapters.lora_layer import LoRAModelState, attach_lora_layers
 from loraplex.config import EngineConfig
+from loraplex.grammar.bitmask import warm_up_bitmask
 from loraplex.kernels.attention import decode_plan
 from loraplex.kernels.sampling import warm_up as warm_up_sampler
 from loraplex.platform.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -186,6 +187,7 @@ class ModelRunner:
             # NOTE: compiles the sampler's kernels now, not on the first batch of each shape
             start = time.perf_counter()
             calls = warm_up_sampler(self.arch.vocab_size, self.device, max_seqs)
+            calls += warm_up_bitmask(self.arch.vocab_size, self.device)
             logger.info("sampler warmed up: %d calls in %.1f s", calls, time.perf_counter() - start)
         logger.info(
             "model on %s in %s; %d KV blocks of %d tokens",
