@@ -1,6 +1,6 @@
 #!/bin/bash
-# The H200 runs this repository's open issues wait for, in priority order: every check and figure
-# below was built and CPU-tested in a session that was lent no GPU. Run from the repository root
+# The H200 runs of issues 16-22, in priority order (built in a session lent no GPU; all ran at
+# bae7d40, records in benchmarks/results/). Run from the repository root
 # on the device, where the serve extra's packages (fastapi, uvicorn, pydantic, outlines-core,
 # llguidance, jsonschema, gguf; cp312 wheels) are installed first, outlines-core and llguidance
 # into the interpreter itself (the grammar compile child runs `python -I`):

@@ -81,7 +81,7 @@ def _settings(cpu: bool) -> dict:
 def build_engine(args, enable_lora: bool) -> LLM:
     start = time.perf_counter()
     lora = dict(enable_lora=enable_lora, max_loras=args.slots, max_lora_rank=RANK,
-                max_cpu_loras=max(args.adapters) + 8)  # fmt: skip
+                max_cpu_loras=max(*args.adapters, args.slots) + 8)  # fmt: skip
     if args.device == "cpu":
         llm = LLM(args.model, device="cpu", dtype="float32", seed=0, num_kv_blocks=256,
                   max_model_len=512, max_num_seqs=args.running + 4, async_scheduling=True,
