@@ -211,17 +211,18 @@ class Engine:
     ) -> Tokenizer | TokenIdsOnlyTokenizer:
         """The tokenizer of a request: its adapter's own, else the base's. Grammar requests
         on an adapter with its own tokenizer are refused (grammar vocabularies are the base
-        tokenizer's). The EngineCore (no text here) loads one only to encode a text prompt."""
-        if not self.adapter_tokenizers.has_own(lora_request):
+        tokenizer's). The EngineCore (no text here) loads one only to encode a text prompt,
+        and looks for one only for such a prompt or a grammar request."""
+        needs_text = self.output_processor.detokenize or encodes
+        grammar = params.structured_outputs is not None
+        if not (needs_text or grammar) or not self.adapter_tokenizers.has_own(lora_request):
             return self.tokenizer
-        if params.structured_outputs is not None:
+        if grammar:
             raise GrammarError(
                 "Structured output (response_format, guided decoding, tool_choice 'required' "
                 "or named) is not available on an adapter that has its own tokenizer: its "
                 "grammars are compiled for the base model's tokenizer."
             )
-        if not (self.output_processor.detokenize or encodes):
-            return self.tokenizer
         return self.adapter_tokenizers.get(lora_request)
 
     def _build_lora_manager(self) -> LoRAManager | None:
