@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
+from collections import OrderedDict
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -30,6 +32,11 @@ TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "chat_template.jinja")
 #: how large an adapter's tokenizer_config.json / chat_template.jinja may be
 MAX_TOKENIZER_CONFIG_BYTES = 1024 * 1024
+#: tokenizers that passed (the adapter's digest, rows, base folder), so that reloading an
+#: adapter (after its host copy was evicted) does not compare whole vocabularies again
+_PASSED: OrderedDict[tuple[str, int, str], None] = OrderedDict()
+_PASSED_LOCK = threading.Lock()
+_MAX_PASSED = 256
 
 
 def tokenizer_files(folder: Path) -> list[tuple[str, bytes]]:
@@ -42,15 +49,31 @@ def tokenizer_files(folder: Path) -> list[tuple[str, bytes]]:
 
 
 def check_adapter_tokenizer(
-    folder: Path, files: list[tuple[str, bytes]], vocab_rows: int, base_tokenizer: str
+    folder: Path,
+    files: list[tuple[str, bytes]],
+    vocab_rows: int,
+    base_tokenizer: str,
+    digest: str,
 ) -> None:
     """Refuse a tokenizer (`files`, from `tokenizer_files`) that could not serve the adapter on
     the base model: unreadable, an id past the `vocab_rows` embedding rows, or an id whose
     meaning differs from the base tokenizer's in `base_tokenizer` (a folder; "" for a model
-    served without a tokenizer: then only the rows are checked)."""
+    served without a tokenizer: then only the rows are checked). `digest`: the adapter's
+    content digest (it covers `files`): an adapter that passed is not checked again."""
     if not files:
         return
-    contents = dict(files)
+    key = (digest, vocab_rows, base_tokenizer)
+    with _PASSED_LOCK:
+        if key in _PASSED:
+            return
+    _check(folder, dict(files), vocab_rows, base_tokenizer)
+    with _PASSED_LOCK:
+        _PASSED[key] = None
+        while len(_PASSED) > _MAX_PASSED:
+            _PASSED.popitem(last=False)
+
+
+def _check(folder: Path, contents: dict[str, bytes], vocab_rows: int, base_tokenizer: str) -> None:
     where = folder / TOKENIZER_FILE
     for name in TOKENIZER_FILES[1:]:
         if len(contents.get(name, b"")) > MAX_TOKENIZER_CONFIG_BYTES:

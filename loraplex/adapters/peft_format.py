@@ -261,8 +261,8 @@ def load_peft_adapter(
         raise AdapterValidationError(
             f"{folder}: an adapter's tokenizer needs the base model's vocabulary size"
         )
-    check_adapter_tokenizer(folder, tokenizer, spec.vocab_size, base_tokenizer)
     digest = content_digest(config_bytes, weights_bytes, tokenizer)
+    check_adapter_tokenizer(folder, tokenizer, spec.vocab_size, base_tokenizer, digest)
     return LoRAWeights(str(folder), digest, modules, saved, tokens)
 
 
