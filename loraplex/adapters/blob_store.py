@@ -1,7 +1,8 @@
 """`AdapterBlobStore`: where adapters' files live, content-addressed by their digest.
 
 A digest names a folder of the two PEFT files (`adapter_config.json`,
-`adapter_model.safetensors`). The contract every store keeps:
+`adapter_model.safetensors`) and, for an adapter with its own tokenizer, its tokenizer files
+(`adapter_tokenizer.TOKENIZER_FILES`). The contract every store keeps:
 
 - `put(digest, staging)` makes the folder visible whole or not at all: a writer killed at any
   point leaves at most unreferenced leftovers, never a torn folder under the digest's name;
@@ -25,21 +26,32 @@ import uuid
 from abc import ABC, abstractmethod
 from pathlib import Path
 
+from loraplex.adapters.adapter_tokenizer import TOKENIZER_FILES, tokenizer_files
 from loraplex.adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE, content_digest
 
 ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
+#: every file a stored adapter may hold: the two PEFT files, then its tokenizer's
+STORED_FILES = ADAPTER_FILES + TOKENIZER_FILES
 #: how old an unreferenced folder or staging leftover of a shared store must be to be deleted
 SHARED_GRACE_S = 3600.0
 
 
 def stored_digest(folder: Path) -> str | None:
-    """The content digest of a folder's two adapter files, None if they cannot be read."""
+    """The content digest of a folder's adapter files (its tokenizer's too), None if they
+    cannot be read."""
     try:
         return content_digest(
-            (folder / CONFIG_FILE).read_bytes(), (folder / WEIGHTS_FILE).read_bytes()
+            (folder / CONFIG_FILE).read_bytes(),
+            (folder / WEIGHTS_FILE).read_bytes(),
+            tokenizer_files(folder),
         )
     except OSError:
         return None
+
+
+def present_files(folder: Path) -> list[str]:
+    """The names of `STORED_FILES` the folder holds."""
+    return [name for name in STORED_FILES if (folder / name).is_file()]
 
 
 def _fsync_dir(path: Path) -> None:
@@ -52,7 +64,7 @@ def _fsync_dir(path: Path) -> None:
 
 def fsync_files(folder: Path) -> None:
     """Flush the adapter files of `folder` to stable storage."""
-    for name in ADAPTER_FILES:
+    for name in present_files(folder):
         with open(folder / name, "rb") as handle:
             os.fsync(handle.fileno())
 
@@ -93,7 +105,7 @@ class AdapterBlobStore(ABC):
 
     @abstractmethod
     def put(self, digest: str, staging: Path) -> None:
-        """Store the staging folder's two files under `digest`, atomically; consumes it.
+        """Store the staging folder's files under `digest`, atomically; consumes it.
 
         If a complete, valid copy is already stored, the staging folder is dropped; a stored
         copy whose files no longer hash to `digest` (damaged) is replaced."""
@@ -130,7 +142,7 @@ class LocalBlobStore(AdapterBlobStore):
             self.discard(staging)
             return
         for extra in staging.iterdir():
-            if extra.name not in ADAPTER_FILES:
+            if extra.name not in STORED_FILES:
                 shutil.rmtree(extra) if extra.is_dir() else extra.unlink()
         damaged = None
         if blob.is_dir():

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from loraplex.adapters.adapter_tokenizer import TOKENIZER_FILES
 from loraplex.adapters.errors import (
     AdapterLoadError,
     AdapterNotFoundError,
@@ -120,10 +121,16 @@ class _KeyStats:
 
 
 def _fingerprint(path: str) -> tuple[int, ...]:
+    """The adapter files' times and sizes (its tokenizer's too): a change re-registers it."""
     try:
         stats = [os.stat(os.path.join(path, f)) for f in (CONFIG_FILE, WEIGHTS_FILE)]
     except OSError:
         return ()
+    for name in TOKENIZER_FILES:
+        try:
+            stats.append(os.stat(os.path.join(path, name)))
+        except OSError:
+            pass
     return tuple(v for st in stats for v in (st.st_mtime_ns, st.st_size))
 
 
@@ -138,9 +145,12 @@ class LoRAManager:
         dtype: torch.dtype,
         *,
         background_loads: bool = False,
+        base_tokenizer: str = "",
     ) -> None:
         """`background_loads`: read adapters from disk on a loader thread (the engine's way);
-        without it `can_schedule` reads them inline (simple, for tests and tools)."""
+        without it `can_schedule` reads them inline (simple, for tests and tools).
+        `base_tokenizer`: the folder of the base model's tokenizer.json ("": none), which an
+        adapter's own tokenizer must agree with."""
         model_state.check_spec(spec)
         if model_state.saved_module_slots != config.max_saved_module_loras:
             raise ValueError(
@@ -149,6 +159,7 @@ class LoRAManager:
             )
         self.config = config
         self.spec = spec
+        self.base_tokenizer = base_tokenizer
         self._state = model_state
         self._dtype = dtype
         self._device = model_state.meta.workspace.device
@@ -569,8 +580,9 @@ class LoRAManager:
         """The checks of this manager's adapters, as a value to hand to other processes."""
         dtype = str(self._dtype).removeprefix("torch.")
         return AdapterValidator(
-            self.spec, self.config.max_lora_rank, dtype, self.config.max_saved_module_loras
-        )
+            self.spec, self.config.max_lora_rank, dtype, self.config.max_saved_module_loras,
+            self.base_tokenizer,
+        )  # fmt: skip
 
     def _fail(self, key: str, error: Exception) -> None:
         path = self._paths.get(key, "")

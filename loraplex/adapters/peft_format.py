@@ -19,6 +19,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
+from loraplex.adapters.adapter_tokenizer import check_adapter_tokenizer, tokenizer_files
 from loraplex.adapters.errors import AdapterValidationError
 from loraplex.adapters.peft_config import PeftLoRAConfig, parse_peft_config
 from loraplex.adapters.peft_saved import SAVED_PART, TOKENS_PART, TrainedTokens, vocab_extras
@@ -155,7 +156,7 @@ class LoRAWeights:
     embed_tokens / lm_head, by module name."""
 
     path: str
-    digest: str  # sha256 of adapter_config.json and adapter_model.safetensors
+    digest: str  # sha256 of adapter_config.json, adapter_model.safetensors and its tokenizer
     modules: dict[tuple[int, str], LoRAModuleWeights]
     saved: dict[str, torch.Tensor] = field(default_factory=dict)  # module -> [vocab, hidden]
     tokens: dict[str, TrainedTokens] = field(default_factory=dict)
@@ -229,14 +230,17 @@ def load_peft_adapter(
     max_rank: int,
     dtype: torch.dtype = torch.float32,
     saved_module_slots: int = 0,
+    base_tokenizer: str = "",
 ) -> LoRAWeights:
     """Load and validate a PEFT LoRA folder; tensors come back fp32 on CPU.
 
     `dtype` is the dtype the adapter will be served in: its weights and every module's scaling
     must be finite there. `saved_module_slots`: how many slots can hold full embed_tokens /
     lm_head copies (`LoRAConfig.max_saved_module_loras`); with none, adapters that need one
-    (`modules_to_save`, `trainable_token_indices`) are refused. Raises `AdapterValidationError`
-    for anything that cannot be served exactly, naming the field, tensor or module.
+    (`modules_to_save`, `trainable_token_indices`) are refused. A tokenizer saved in the folder
+    is checked against the base model's rows and its tokenizer in `base_tokenizer` (a folder,
+    "" if it has none; see `adapter_tokenizer`). Raises `AdapterValidationError` for anything
+    that cannot be served exactly, naming the field, tensor or module.
     """
     folder = Path(path)
     if not folder.is_dir():
@@ -252,7 +256,13 @@ def load_peft_adapter(
     groups = _group_tensors(folder / WEIGHTS_FILE, tensors, spec)
     saved, tokens = _take_vocab_extras(folder, config, groups, spec, dtype, saved_module_slots)
     modules = _build_modules(folder, config, groups, spec, max_rank, dtype)
-    digest = content_digest(config_bytes, weights_bytes)
+    tokenizer = tokenizer_files(folder)
+    if tokenizer and not spec.vocab_size:
+        raise AdapterValidationError(
+            f"{folder}: an adapter's tokenizer needs the base model's vocabulary size"
+        )
+    digest = content_digest(config_bytes, weights_bytes, tokenizer)
+    check_adapter_tokenizer(folder, tokenizer, spec.vocab_size, base_tokenizer, digest)
     return LoRAWeights(str(folder), digest, modules, saved, tokens)
 
 
@@ -307,10 +317,17 @@ def _check_values(
         )
 
 
-def content_digest(config_bytes: bytes, weights_bytes: bytes) -> str:
-    """An adapter's identity: sha256 of its config file's bytes, then its weights file's."""
+def content_digest(
+    config_bytes: bytes, weights_bytes: bytes, extra: list[tuple[str, bytes]] | None = None
+) -> str:
+    """An adapter's identity: sha256 of its config file's bytes, then its weights file's, then
+    each `extra` file's name, length and bytes (its tokenizer files; none: the digest of the
+    two files alone, as it always was)."""
     digest = hashlib.sha256(config_bytes)
     digest.update(weights_bytes)
+    for name, data in extra or ():
+        digest.update(b"\0%s\0%d\0" % (name.encode(), len(data)))
+        digest.update(data)
     return digest.hexdigest()
 
 

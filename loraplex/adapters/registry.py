@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from loraplex.adapters.blob_store import ADAPTER_FILES, AdapterBlobStore, LocalBlobStore
+from loraplex.adapters.blob_store import AdapterBlobStore, LocalBlobStore, present_files
 from loraplex.adapters.catalog import AdapterCatalog, CatalogEntry, SQLiteCatalog
 from loraplex.adapters.peft_format import LoRAWeights
 
@@ -91,7 +91,7 @@ class AdapterRegistry:
         """Store a validated staging folder and catalogue it under (tenant, name).
 
         Returns (new record, the record it replaced or None). The staging folder is consumed."""
-        size = sum((staging / f).stat().st_size for f in ADAPTER_FILES)
+        size = sum((staging / f).stat().st_size for f in present_files(staging))
         with self._lock:
             self.store.put(weights.digest, staging)
             old = self.catalog.get(tenant, name)

@@ -23,8 +23,10 @@ from typing import Any
 from loraplex.adapters.blob_store import (
     ADAPTER_FILES,
     SHARED_GRACE_S,
+    STORED_FILES,
     AdapterBlobStore,
     fsync_files,
+    present_files,
     stored_digest,
 )
 from loraplex.adapters.catalog import AdapterCatalog, CatalogEntry
@@ -63,7 +65,7 @@ class S3BlobStore(AdapterBlobStore):
         if self._complete(digest) and self._verify_cached(digest):
             self.discard(staging)
             return
-        for name in ADAPTER_FILES:
+        for name in present_files(staging):
             self.client.upload_file(str(staging / name), self.bucket, self._key(digest, name))
         self.client.put_object(Bucket=self.bucket, Key=self._key(digest, COMPLETE), Body=b"")
         self._install(digest, staging)  # the uploader's cache holds it already
@@ -83,8 +85,14 @@ class S3BlobStore(AdapterBlobStore):
             raise FileNotFoundError(f"no stored adapter {digest}")
         staging = self.new_staging_dir()
         try:
-            for name in ADAPTER_FILES:
-                self.client.download_file(self.bucket, self._key(digest, name), str(staging / name))
+            for name in STORED_FILES:
+                try:
+                    self.client.download_file(
+                        self.bucket, self._key(digest, name), str(staging / name)
+                    )
+                except Exception as error:
+                    if name in ADAPTER_FILES or not _missing(error):
+                        raise  # a tokenizer file is there only for adapters that have one
             if stored_digest(staging) != digest:
                 raise ValueError(f"the stored files of adapter {digest} do not match its digest")
             self._install(digest, staging)

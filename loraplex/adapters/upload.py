@@ -1,8 +1,9 @@
 """Unpack an uploaded PEFT adapter into a staging folder, safely.
 
 An upload is either the two files (`adapter_config.json`, `adapter_model.safetensors`) or one
-`.zip` / `.tar.gz` holding them, at its root or in one folder; other files (a README) are
-ignored. Archive members that are links,
+`.zip` / `.tar.gz` holding them, at its root or in one folder, each optionally with the
+adapter's own tokenizer (`tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja`);
+other files (a README) are ignored. Archive members that are links,
 devices, absolute paths or paths with `..` are refused, as are pickle checkpoints and anything
 larger than the size limit; nothing is written outside the staging folder.
 """
@@ -16,6 +17,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from loraplex.adapters.adapter_tokenizer import TOKENIZER_FILES
 from loraplex.adapters.peft_format import (
     CONFIG_FILE,
     PICKLE_SUFFIXES,
@@ -24,6 +26,8 @@ from loraplex.adapters.peft_format import (
 )
 
 ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
+#: the files an upload may hold: the adapter's, then its tokenizer's (optional)
+UPLOADED_FILES = ADAPTER_FILES + TOKENIZER_FILES
 ARCHIVE_SUFFIXES = (".zip", ".tar.gz", ".tgz")
 MAX_CONFIG_BYTES = 1024 * 1024
 
@@ -39,7 +43,7 @@ class UploadedFile:
 
 
 def unpack_upload(files: list[UploadedFile], dest: Path, max_bytes: int) -> None:
-    """Write the adapter's two files into `dest`; AdapterValidationError if the upload is bad."""
+    """Write the adapter's files into `dest`; AdapterValidationError if the upload is bad."""
     if not files:
         raise AdapterValidationError(
             f"no files uploaded; send {list(ADAPTER_FILES)} or one .zip / .tar.gz"
@@ -53,7 +57,7 @@ def unpack_upload(files: list[UploadedFile], dest: Path, max_bytes: int) -> None
             raise AdapterValidationError("send either one archive or the adapter files, not both")
         members = _read_archive(names[0], files[0].data, max_bytes)
     else:
-        members = {n: f.data for n, f in zip(names, files) if n in ADAPTER_FILES}
+        members = {n: f.data for n, f in zip(names, files) if n in UPLOADED_FILES}
     _write(members, dest)
 
 
@@ -117,7 +121,7 @@ def _read_archive(name: str, data: bytes, max_bytes: int) -> dict[str, bytes]:
     members = {}
     for path, content in entries.items():
         base = _check_name(posixpath.basename(path))
-        if posixpath.dirname(path) == folder and base in ADAPTER_FILES:
+        if posixpath.dirname(path) == folder and base in UPLOADED_FILES:
             members[base] = content
     return members
 
@@ -129,5 +133,6 @@ def _write(members: dict[str, bytes], dest: Path) -> None:
         raise AdapterValidationError(f"missing {WEIGHTS_FILE}")
     if len(members[CONFIG_FILE]) > MAX_CONFIG_BYTES:
         raise UploadTooLargeError(f"{CONFIG_FILE} is over {MAX_CONFIG_BYTES} bytes")
-    for name in ADAPTER_FILES:
-        (dest / name).write_bytes(members[name])
+    for name in UPLOADED_FILES:
+        if name in members:
+            (dest / name).write_bytes(members[name])

@@ -18,12 +18,14 @@ from loraplex.adapters.peft_format import BaseModelSpec, LoRAWeights, load_peft_
 @dataclass(frozen=True)
 class AdapterValidator:
     """What an adapter must fit: the base model's spec, `max_lora_rank`, the serving dtype,
-    and whether slots for full embed_tokens / lm_head copies exist (`max_saved_module_loras`)."""
+    whether slots for full embed_tokens / lm_head copies exist (`max_saved_module_loras`), and
+    the base tokenizer an adapter's own tokenizer must agree with (`adapter_tokenizer`)."""
 
     spec: BaseModelSpec
     max_lora_rank: int
     dtype: str  # the serving dtype's torch name, e.g. "bfloat16"
     max_saved_module_loras: int = 0
+    base_tokenizer: str = ""  # the folder of the base model's tokenizer.json ("": none)
 
     def __post_init__(self) -> None:
         if self.max_lora_rank < 1:
@@ -41,4 +43,5 @@ class AdapterValidator:
             self.max_lora_rank,
             getattr(torch, self.dtype),
             self.max_saved_module_loras,
+            self.base_tokenizer,
         )

@@ -1,7 +1,8 @@
 """One adapter registry for all replicas: a folder every replica mounts (file://) and an
 S3-compatible object store (s3://, against moto's real HTTP S3 server on loopback). An adapter
 committed through one replica is served by another; a replica killed with SIGKILL mid-upload
-leaves no torn adapter visible from the other."""
+leaves no torn adapter visible from the other. An adapter's own tokenizer is stored and fetched
+with it."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from loraplex.adapters.blob_store import ADAPTER_FILES
-from loraplex.adapters.peft_format import load_peft_adapter
+from loraplex.adapters.blob_store import ADAPTER_FILES, STORED_FILES
+from loraplex.adapters.errors import AdapterValidationError
+from loraplex.adapters.peft_format import content_digest, load_peft_adapter
 from loraplex.adapters.registry import AdapterRegistry, open_registry
 
 BUCKET = "loraplex-registry"
@@ -151,3 +153,37 @@ def test_kill_9_mid_upload_leaves_no_torn_adapter_on_the_other_replica(
     record, replaced = _commit(survivor, new_folder, spec)
     assert replaced is not None and record.digest == new_digest
     assert load_peft_adapter(survivor.materialize(record), spec, 64).digest == new_digest
+
+
+def _word_tokenizer(size: int) -> bytes:
+    """A tokenizer.json of `size` whole-word tokens, ids 0..size-1."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(size)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tokenizer.to_str().encode()
+
+
+def test_an_adapters_own_tokenizer_travels_with_it_to_the_other_replica(
+    shared_url, tmp_path, make_adapter, spec
+):
+    folder = make_adapter("with-tokenizer", seed=3)
+    (folder / "tokenizer.json").write_bytes(_word_tokenizer(spec.vocab_size))
+    (folder / "tokenizer_config.json").write_text('{"eos_token": "w1"}')
+    replica_a = open_registry(shared_url, tmp_path / "a")
+    replica_b = open_registry(shared_url, tmp_path / "b")
+    staging = replica_a.new_staging_dir()
+    for f in STORED_FILES:
+        if (folder / f).is_file():
+            (staging / f).write_bytes((folder / f).read_bytes())
+    weights = load_peft_adapter(staging, spec, 64)
+    plain = content_digest(*((folder / f).read_bytes() for f in ADAPTER_FILES))
+    assert weights.digest != plain  # the digest covers the tokenizer
+    record, _ = replica_a.commit("t", "support", staging, weights)
+    local = replica_b.materialize(replica_b.get("t", "support"))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        assert (local / f).read_bytes() == (folder / f).read_bytes()
+    assert load_peft_adapter(local, spec, 64).digest == record.digest
+    (folder / "tokenizer.json").write_bytes(_word_tokenizer(spec.vocab_size + 1))
+    with pytest.raises(AdapterValidationError, match="embedding rows"):
+        load_peft_adapter(folder, spec, 64)  # an id past the base model's rows

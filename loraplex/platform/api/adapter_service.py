@@ -22,8 +22,9 @@ import shutil
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+from loraplex.adapters.blob_store import present_files
 from loraplex.adapters.errors import without_path
-from loraplex.adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE, AdapterValidationError
+from loraplex.adapters.peft_format import AdapterValidationError
 from loraplex.adapters.registry import AdapterRecord
 from loraplex.adapters.upload import UploadedFile, UploadTooLargeError, unpack_upload
 from loraplex.platform.api.errors import APIError, bad_request
@@ -72,18 +73,17 @@ def files_from_upload(files: list[UploadedFile]) -> Callable[[Path, int], None]:
 
 
 def files_from_path(path: str) -> Callable[[Path, int], None]:
-    """Copy a server-local PEFT folder's two files into the staging folder."""
+    """Copy a server-local PEFT folder's files (its tokenizer's too) into the staging folder."""
 
     def copy(staging: Path, limit: int) -> None:
         folder = Path(path)
         if not folder.is_dir():
             raise AdapterValidationError(f"{path}: adapter path is not a folder")
-        if any((folder / f).is_file() and (folder / f).stat().st_size > limit
-               for f in (CONFIG_FILE, WEIGHTS_FILE)):  # fmt: skip
+        names = present_files(folder)
+        if sum((folder / f).stat().st_size for f in names) > limit:
             raise UploadTooLargeError(f"{path}: over the limit of {limit} bytes")
-        for f in (CONFIG_FILE, WEIGHTS_FILE):
-            if (folder / f).is_file():
-                shutil.copyfile(folder / f, staging / f)
+        for f in names:
+            shutil.copyfile(folder / f, staging / f)
 
     return copy
 

@@ -54,12 +54,12 @@ from loraplex.platform.models.tokenizer import Tokenizer
 router = APIRouter()
 
 
-def tool_parser(state: ServerState) -> ToolParser:
-    """The server's tool-call parser: `--tool-call-parser`, else the chat template's format."""
+def tool_parser(state: ServerState, tokenizer: Tokenizer | None = None) -> ToolParser:
+    """The server's tool-call parser: `--tool-call-parser`, else the format of the chat
+    template of `tokenizer` (the request's; None: the base model's)."""
     name = state.settings.tool_call_parser
-    return (
-        get_tool_parser(name) if name else parser_for_template(state.engine.tokenizer.chat_template)
-    )
+    template = (tokenizer or state.engine.tokenizer).chat_template
+    return get_tool_parser(name) if name else parser_for_template(template)
 
 
 def render_chat_prompt(
@@ -152,11 +152,10 @@ async def create_chat_completion(request: Request) -> Response:
     tenant = tenant_of(request).name
     served = state.models.resolve_model(body.model, tenant)
     tools = tool_request_for(body)
-    parser = tool_parser(state)
-    params = with_tool_grammar(chat_sampling_params(body, state.request_limits), tools)
-    prompt = await asyncio.to_thread(
-        render_chat_prompt, state.engine.tokenizer, body, tools, parser
-    )
+    tokenizer = await state.tokenizer_of(served)
+    parser = tool_parser(state, tokenizer)
+    params = with_tool_grammar(chat_sampling_params(body, state.limits_for(tokenizer)), tools)
+    prompt = await asyncio.to_thread(render_chat_prompt, tokenizer, body, tools, parser)
     admit(request, *reservation(state.engine.max_model_len, params, [len(prompt.token_ids)]))
     request_id = new_id("chatcmpl")
     streams = await submit_chat(state, prompt, params, request_id, tenant, served, tools, parser)

@@ -66,8 +66,8 @@ async def create_completion(request: Request) -> Response:
     body = await read_json_model(request, CompletionRequest, limit)
     tenant = tenant_of(request).name
     served = state.models.resolve_model(body.model, tenant)
-    params = completion_sampling_params(body, state.request_limits)
-    tokenizer = state.engine.tokenizer
+    tokenizer = await state.tokenizer_of(served)
+    params = completion_sampling_params(body, state.limits_for(tokenizer))
     prompts = await asyncio.to_thread(tokenize_prompts, tokenizer, body.prompts)
     admit(
         request,
@@ -80,8 +80,8 @@ async def create_completion(request: Request) -> Response:
     if body.stream:
         poll_s = state.settings.disconnect_poll_s
         outputs = await first_output_then_rest(request, streams, poll_s)
-        events = _completion_events(request, state, body, prompts, streams, outputs, request_id,
-                                    served.name)  # fmt: skip
+        events = _completion_events(request, state, tokenizer, body, prompts, streams, outputs,
+                                    request_id, served.name)  # fmt: skip
         return StreamingResponse(
             events, media_type="text/event-stream", background=BackgroundTask(abort_all, streams)
         )
@@ -172,6 +172,7 @@ def _choices(
 async def _completion_events(
     request: Request,
     state: ServerState,
+    tokenizer: Tokenizer,
     body: CompletionRequest,
     prompts: list[Prompt],
     streams: list[RequestStream],
@@ -201,7 +202,9 @@ async def _completion_events(
                     started.add(prompt_index)
                     # NOTE: the echoed prompt waits for the first output, which brings its
                     # prompt logprobs; each choice's first chunk carries it.
-                    for index, choice in _first_choices(body, state, prompts, prompt_index, output):
+                    for index, choice in _first_choices(
+                        body, tokenizer, prompts, prompt_index, output
+                    ):
                         offsets[index] = len(choice["text"])
                         yield sse({**head, "choices": [choice]})
                 for delta in output.outputs:
@@ -231,7 +234,7 @@ async def _completion_events(
 
 def _first_choices(
     body: CompletionRequest,
-    state: ServerState,
+    tokenizer: Tokenizer,
     prompts: list[Prompt],
     prompt_index: int,
     output: RequestOutput,
@@ -241,7 +244,7 @@ def _first_choices(
     if not body.echo and body.prompt_logprobs is None:
         return []
     prompt = prompts[prompt_index]
-    echoed = echoed_prompt(body, state.engine.tokenizer, prompt, output.prompt_logprobs)
+    echoed = echoed_prompt(body, tokenizer, prompt, output.prompt_logprobs)
     logprobs = echoed.logprobs
     if logprobs is None and body.logprobs is not None:
         logprobs = completion_logprobs([], body.logprobs, 0)

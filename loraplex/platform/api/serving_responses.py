@@ -110,11 +110,10 @@ async def create_response(request: Request) -> Response:
     chat = chat_request(body, conversation)
     served = state.models.resolve_model(chat.model, tenant)
     tools = tool_request_for(chat)
-    parser = tool_parser(state)
-    params = with_tool_grammar(chat_sampling_params(chat, state.request_limits), tools)
-    prompt = await asyncio.to_thread(
-        render_chat_prompt, state.engine.tokenizer, chat, tools, parser
-    )
+    tokenizer = await state.tokenizer_of(served)
+    parser = tool_parser(state, tokenizer)
+    params = with_tool_grammar(chat_sampling_params(chat, state.limits_for(tokenizer)), tools)
+    prompt = await asyncio.to_thread(render_chat_prompt, tokenizer, chat, tools, parser)
     admit(request, *reservation(state.engine.max_model_len, params, [len(prompt.token_ids)]))
     response_id = new_id("resp").replace("-", "_")
     created = now_s()

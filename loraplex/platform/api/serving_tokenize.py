@@ -35,8 +35,8 @@ BODY_MODELS = (TokenizeRequest, DetokenizeRequest)
 async def tokenize(request: Request) -> JSONResponse:
     state = server_state(request)
     body = await read_json_model(request, TokenizeRequest, state.settings.max_request_body_bytes)
-    state.models.resolve_model(body.model, tenant_of(request).name)
-    tokenizer = state.engine.tokenizer
+    served = state.models.resolve_model(body.model, tenant_of(request).name)
+    tokenizer = await state.tokenizer_of(served)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt and messages", param="prompt")
     if body.messages is not None:
@@ -50,7 +50,7 @@ async def tokenize(request: Request) -> JSONResponse:
         )
         tools = tool_request_for(chat)
         prompt = await asyncio.to_thread(
-            render_chat_prompt, tokenizer, chat, tools, tool_parser(state)
+            render_chat_prompt, tokenizer, chat, tools, tool_parser(state, tokenizer)
         )
         ids = prompt.token_ids
         if body.add_special_tokens:  # the template writes its own; add them only if asked
@@ -75,9 +75,10 @@ async def detokenize(request: Request) -> JSONResponse:
     state = server_state(request)
     limit = state.settings.max_request_body_bytes
     body = await read_json_model(request, DetokenizeRequest, limit)
-    state.models.resolve_model(body.model, tenant_of(request).name)
-    check_token_ids(body.tokens, state.request_limits, "tokens")
-    text = await asyncio.to_thread(state.engine.tokenizer.decode, body.tokens, False)
+    served = state.models.resolve_model(body.model, tenant_of(request).name)
+    tokenizer = await state.tokenizer_of(served)
+    check_token_ids(body.tokens, state.limits_for(tokenizer), "tokens")
+    text = await asyncio.to_thread(tokenizer.decode, body.tokens, False)
     return JSONResponse({"prompt": text})
 
 

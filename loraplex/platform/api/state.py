@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -19,6 +20,7 @@ from loraplex.platform.api.tenancy import Tenancy
 from loraplex.platform.api.tenants import OPEN_TENANT
 from loraplex.platform.api.tool_parsers import TOOL_PARSERS
 from loraplex.platform.engine.async_engine import AsyncEngine
+from loraplex.platform.models.tokenizer import TokenIdsOnlyTokenizer, Tokenizer
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_ADAPTER_BYTES = 512 * 1024 * 1024
@@ -103,11 +105,22 @@ class ServerState:
     metrics: ServerMetrics
     tenancy: Tenancy
 
+    async def tokenizer_of(self, served: ServedModel) -> Tokenizer | TokenIdsOnlyTokenizer:
+        """The tokenizer requests on `served` are encoded and decoded with: its adapter's own
+        when it stores one, else the base model's (read off the event loop)."""
+        if served.lora_request is None:
+            return self.engine.tokenizer
+        return await asyncio.to_thread(self.engine.tokenizer_for, served.lora_request)
+
     @property
     def request_limits(self) -> RequestLimits:
         """What one request may ask of this server (`--max-n`, `--max-prompts-per-request`)."""
+        return self.limits_for(self.engine.tokenizer)
+
+    def limits_for(self, tokenizer: Tokenizer | TokenIdsOnlyTokenizer) -> RequestLimits:
+        """`request_limits` for a request encoded with `tokenizer` (its token ids' range)."""
         return RequestLimits(
-            vocab_size=self.engine.tokenizer.vocab_size,
+            vocab_size=tokenizer.vocab_size,
             max_n=self.settings.max_n,
             max_prompts_per_request=self.settings.max_prompts_per_request,
         )

@@ -88,7 +88,7 @@ class AutoToolStream:
                 include_stop_str_in_output=False, max_tokens=self._remaining(),
                 min_tokens=max(0, self.params.min_tokens - self._generated),
             )  # fmt: skip
-        tokenizer = self.engine.tokenizer
+        tokenizer = self.engine.tokenizer_for(self.lora_request)  # loaded by the route already
         text = self.prompt.text + self._text
         ids = self.prompt.token_ids + tokenizer.encode(self._text, add_special_tokens=False)
         if not first:  # the prompt's logprobs come with the first phase only

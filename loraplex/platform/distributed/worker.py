@@ -41,6 +41,7 @@ class _AdapterReader:
     def __init__(self, runner: object, config: EngineConfig, model_dir: str) -> None:
         from loraplex.adapters.peft_format import BaseModelSpec
         from loraplex.adapters.validator import AdapterValidator
+        from loraplex.platform.models.tokenizer import tokenizer_folder
 
         spec = BaseModelSpec.from_hf_config(runner.arch.raw, name_or_path=model_dir)  # type: ignore[attr-defined]
         dtype = runner.dtype  # type: ignore[attr-defined]
@@ -49,6 +50,7 @@ class _AdapterReader:
             config.lora.max_lora_rank,
             str(dtype).removeprefix("torch."),
             config.lora.max_saved_module_loras,
+            str(tokenizer_folder(Path(model_dir)) or ""),
         )
         self._dtype = dtype
         self._cache: OrderedDict[str, object] = OrderedDict()

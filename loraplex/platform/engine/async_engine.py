@@ -180,6 +180,7 @@ class AsyncEngine:
         self.served_model_name = self.engine.served_model_name
         self.max_model_len = self.engine.max_model_len
         self.tokenizer = self.engine.tokenizer
+        self.tokenizer_for = self.engine.adapter_tokenizers.get  # any thread (see its doc)
         self.adapter_validator = self.engine.adapter_validator
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}  # engine thread only

@@ -25,6 +25,7 @@ import zmq.asyncio
 
 from loraplex.adapters.request import LoRARequest
 from loraplex.platform.core.sampling_params import RequestOutputKind, SamplingParams
+from loraplex.platform.engine.adapter_tokenizers import AdapterTokenizers
 from loraplex.platform.engine.async_engine import (
     _ACCEPTED,
     AsyncEngine,
@@ -62,6 +63,8 @@ class EngineCoreClient:
         self.served_model_name = self.info.served_model_name
         self.max_model_len = self.info.max_model_len
         self.tokenizer = load_tokenizer(Path(self.info.model_dir), self.info.vocab_size)
+        # NOTE: read-only after this: the routes' threads and the event loop call it.
+        self.tokenizer_for = AdapterTokenizers(self.tokenizer).get
         self.adapter_validator = self.info.adapter_validator
         self._observers: list[TimingObserver] = []
         self._queues: dict[str, asyncio.Queue] = {}
@@ -177,9 +180,10 @@ class EngineCoreClient:
             raise ValueError(f"request id {request_id!r} is already in flight")
         # NOTE: text is tokenized here (the core need not) and client token ids go as the
         # prompt, for the core to check against the vocabulary.
+        tokenizer = self.tokenizer_for(lora_request)  # the adapter's own tokenizer, if it has one
         token_ids = prompt_token_ids
         if token_ids is None:
-            token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            token_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             if isinstance(prompt, str):
                 prompt_token_ids = token_ids
         wire = params_to_wire(params)
@@ -188,8 +192,9 @@ class EngineCoreClient:
         outputs: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = outputs
         self._outputs.add_request(
-            request_id, prompt if isinstance(prompt, str) else None, token_ids, params
-        )
+            request_id, prompt if isinstance(prompt, str) else None, token_ids, params,
+            tokenizer=tokenizer,
+        )  # fmt: skip
         message = AddRequest(
             request_id,
             prompt,

@@ -16,6 +16,7 @@ from loraplex.adapters.manager import LoRAManager, LoRAStats
 from loraplex.adapters.peft_format import BaseModelSpec
 from loraplex.adapters.request import LoRARequest
 from loraplex.config import EngineConfig
+from loraplex.grammar.errors import GrammarError
 from loraplex.platform.core.commands import (
     AddAdapter,
     EngineCommand,
@@ -28,12 +29,18 @@ from loraplex.platform.core.outputs import RequestOutput
 from loraplex.platform.core.request import Request, RequestStatus
 from loraplex.platform.core.sampling_params import SamplingParams
 from loraplex.platform.core.scheduler_output import EngineCoreOutput, SchedulerOutput
+from loraplex.platform.engine.adapter_tokenizers import AdapterTokenizers
 from loraplex.platform.engine.gc_tuning import tune_for_serving
 from loraplex.platform.engine.output_processor import OutputProcessor, StopHit, core_request_ids
 from loraplex.platform.engine.structured_output import StepBitmask, StructuredOutputManager
 from loraplex.platform.models.model_loader import generation_eos_ids
 from loraplex.platform.models.model_store import resolve_model_path
-from loraplex.platform.models.tokenizer import load_tokenizer
+from loraplex.platform.models.tokenizer import (
+    TokenIdsOnlyTokenizer,
+    Tokenizer,
+    load_tokenizer,
+    tokenizer_folder,
+)
 from loraplex.platform.runner.model_runner import LaunchedStep, ModelRunner, StepOutput
 from loraplex.platform.scheduler.scheduler import Scheduler
 from loraplex.platform.spec.proposer import can_speculate
@@ -81,6 +88,7 @@ class Engine:
         self.runner = ModelRunner(config, self.model_dir, ())
         arch = self.runner.arch
         self.tokenizer = load_tokenizer(self.model_dir, arch.vocab_size)
+        self.adapter_tokenizers = AdapterTokenizers(self.tokenizer)
         eos = generation_eos_ids(self.model_dir, arch)
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
             eos = (self.tokenizer.eos_token_id, *eos)
@@ -124,9 +132,13 @@ class Engine:
 
     # -- requests ------------------------------------------------------------------------
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
+    def tokenize(
+        self,
+        prompt: str | list[int],
+        tokenizer: Tokenizer | TokenIdsOnlyTokenizer | None = None,
+    ) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
+            return (tokenizer or self.tokenizer).encode(prompt)
         ids = list(prompt)
         vocab = self.runner.arch.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
@@ -147,22 +159,30 @@ class Engine:
 
         Raises ValueError for prompts that cannot fit, adapters that cannot be served
         (`AdapterValidationError`) and structured-output specs that cannot be compiled
-        (`GrammarError`)."""
+        (`GrammarError`, also for a request on an adapter with its own tokenizer).
+
+        A request on an adapter that stores its own tokenizer is tokenized and detokenized
+        with it (`AdapterTokenizers`)."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if self.output_processor.has(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        token_ids = self.tokenize(prompt_token_ids if prompt_token_ids is not None else prompt)
+        adapter_key = self._adapter_key(lora_request)  # NOTE: validates its tokenizer first
+        encodes = prompt_token_ids is None and isinstance(prompt, str)
+        tokenizer = self._tokenizer_for(lora_request, params, encodes)
+        token_ids = self.tokenize(
+            prompt_token_ids if prompt_token_ids is not None else prompt, tokenizer
+        )
         if not token_ids:
             raise ValueError("the prompt is empty")
         max_tokens = self._check_length(len(token_ids), params)
-        adapter_key = self._adapter_key(lora_request)
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.structured.submit(params.structured_outputs)
         core_ids = core_request_ids(request_id, params.n)
         self.output_processor.add_request(
-            request_id, prompt if isinstance(prompt, str) else None, token_ids, params, core_ids
-        )
+            request_id, prompt if isinstance(prompt, str) else None, token_ids, params, core_ids,
+            tokenizer,
+        )  # fmt: skip
         for index, core_id in enumerate(core_ids):
             child = params if params.n == 1 else params.for_child(index)
             if child.seed is None:
@@ -186,6 +206,25 @@ class Engine:
         self.prompt_tokens_total += len(token_ids)
         return request_id
 
+    def _tokenizer_for(
+        self, lora_request: LoRARequest | None, params: SamplingParams, encodes: bool
+    ) -> Tokenizer | TokenIdsOnlyTokenizer:
+        """The tokenizer of a request: its adapter's own, else the base's. Grammar requests
+        on an adapter with its own tokenizer are refused (grammar vocabularies are the base
+        tokenizer's). The EngineCore (no text here) loads one only to encode a text prompt,
+        and looks for one only for such a prompt or a grammar request."""
+        needs_text = self.output_processor.detokenize or encodes
+        grammar = params.structured_outputs is not None
+        if not (needs_text or grammar) or not self.adapter_tokenizers.has_own(lora_request):
+            return self.tokenizer
+        if grammar:
+            raise GrammarError(
+                "Structured output (response_format, guided decoding, tool_choice 'required' "
+                "or named) is not available on an adapter that has its own tokenizer: its "
+                "grammars are compiled for the base model's tokenizer."
+            )
+        return self.adapter_tokenizers.get(lora_request)
+
     def _build_lora_manager(self) -> LoRAManager | None:
         """The engine's adapter manager, the one owner of adapters: over the runner's LoRA
         layers, reading adapters on its loader thread."""
@@ -193,7 +232,11 @@ class Engine:
         if state is None:
             return None
         spec = BaseModelSpec.from_hf_config(self.runner.arch.raw, name_or_path=str(self.model_dir))
-        return LoRAManager(self.config.lora, spec, state, self.runner.dtype, background_loads=True)
+        base_tokenizer = tokenizer_folder(self.model_dir)
+        return LoRAManager(
+            self.config.lora, spec, state, self.runner.dtype, background_loads=True,
+            base_tokenizer=str(base_tokenizer or ""),
+        )  # fmt: skip
 
     # -- commands --------------------------------------------------------------------------
 

@@ -111,12 +111,14 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        loras = self._per_prompt(lora_request, len(conversations), "lora requests")
         items: list[tuple[Prompt, list[int] | None]] = []
-        for conv in conversations:
-            ids = self.tokenizer.encode_chat(conv, add_generation_prompt=add_generation_prompt)
-            items.append((self.tokenizer.decode(ids, skip_special_tokens=False), ids))
+        for conv, lora in zip(conversations, loras):
+            # NOTE: an adapter with its own tokenizer renders through its own chat template
+            tokenizer = self.engine.adapter_tokenizers.get(lora)
+            ids = tokenizer.encode_chat(conv, add_generation_prompt=add_generation_prompt)
+            items.append((tokenizer.decode(ids, skip_special_tokens=False), ids))
         params_list = self._params_per_prompt(sampling_params, len(items))
-        loras = self._per_prompt(lora_request, len(items), "lora requests")
         return self._run(items, params_list, loras, use_tqdm)
 
     @staticmethod

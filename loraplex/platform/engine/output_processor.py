@@ -75,6 +75,7 @@ class _Parent:
     params: SamplingParams
     samples: dict[str, _Sample]  # core request id -> sample
     arrival: float
+    tokenizer: Tokenizer  # the request's: its adapter's own, or the processor's
     num_cached_tokens: int = 0
     first_token_time: float | None = None
     num_generated: int = 0
@@ -102,8 +103,11 @@ class OutputProcessor:
         prompt_token_ids: list[int],
         params: SamplingParams,
         core_ids: list[str] | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
-        """Track a request; `core_ids`: its samples' engine-core ids (`core_request_ids`)."""
+        """Track a request; `core_ids`: its samples' engine-core ids (`core_request_ids`);
+        `tokenizer`: the one its text comes from (None: the processor's, the base model's)."""
+        tokenizer = tokenizer or self.tokenizer
         if core_ids is None:
             core_ids = core_request_ids(request_id, params.n)
         samples = {}
@@ -111,7 +115,7 @@ class OutputProcessor:
             detok = _NO_TEXT
             if self.detokenize:
                 detok = IncrementalDetokenizer(
-                    self.tokenizer,
+                    tokenizer,
                     prompt_token_ids,
                     params.skip_special_tokens,
                     params.stop,
@@ -122,7 +126,7 @@ class OutputProcessor:
             )
             self._core_to_parent[core_id] = request_id
         self._parents[request_id] = _Parent(
-            request_id, prompt, prompt_token_ids, params, samples, time.monotonic()
+            request_id, prompt, prompt_token_ids, params, samples, time.monotonic(), tokenizer
         )
         if params.prompt_logprobs is not None:
             self._parents[request_id].prompt_logprobs = [None] * len(prompt_token_ids)
@@ -137,7 +141,7 @@ class OutputProcessor:
             if parent is None or parent.prompt_logprobs is None:
                 continue
             for pos, entry in enumerate(entries, start=first):
-                parent.prompt_logprobs[pos] = self._decode_logprobs(entry)
+                parent.prompt_logprobs[pos] = self._decode_logprobs(entry, parent.tokenizer)
 
     def core_ids(self, request_id: str) -> list[str]:
         parent = self._parents.get(request_id)
@@ -172,7 +176,7 @@ class OutputProcessor:
             parent.num_generated += len(new_ids)
             sample.token_ids.extend(new_ids)
             if sample.logprobs is not None and out.new_logprobs is not None:
-                sample.logprobs.append(self._decode_logprobs(out.new_logprobs))
+                sample.logprobs.append(self._decode_logprobs(out.new_logprobs, parent.tokenizer))
                 sample.cumulative_logprob += out.new_logprobs[0][1]
             if stop_str is not None and out.finish_reason is None:
                 sample.finish_reason, sample.stop_reason = "stop", stop_str
@@ -235,16 +239,19 @@ class OutputProcessor:
                 sample.finish_reason = finish_reason
         return self._make_output(parent)
 
-    def _decode_logprobs(self, entries: list[tuple[int, float, int]]) -> dict[int, Logprob]:
+    def _decode_logprobs(
+        self, entries: list[tuple[int, float, int]], tokenizer: Tokenizer
+    ) -> dict[int, Logprob]:
         decoded: dict[int, Logprob] = {}
-        texts = self._token_text
+        # NOTE: the cache holds the base tokenizer's texts; an adapter's own decodes afresh
+        texts = self._token_text if tokenizer is self.tokenizer else {}
         for token_id, logprob, rank in entries:
             if token_id not in decoded:
                 text = texts.get(token_id)
                 if text is None:
                     text = ""
                     if self.detokenize:
-                        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+                        text = tokenizer.decode([token_id], skip_special_tokens=False)
                     texts[token_id] = text
                 decoded[token_id] = Logprob(logprob, rank, text)
         return decoded

@@ -19,7 +19,11 @@ def _token_text(value: Any) -> str | None:
 
 
 class Tokenizer:
-    def __init__(self, model_dir: Path) -> None:
+    """`base`: the tokenizer this one extends (an adapter's own, see
+    `adapters.adapter_tokenizer`): its chat template, BOS / EOS tokens and `add_bos_token`
+    serve where this folder's tokenizer_config.json does not set them."""
+
+    def __init__(self, model_dir: Path, base: Tokenizer | None = None) -> None:
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
@@ -34,6 +38,11 @@ class Tokenizer:
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.add_bos_token = bool(cfg.get("add_bos_token", False))
+        if base is not None:
+            self.chat_template = self.chat_template or base.chat_template
+            self.bos_token = self.bos_token or base.bos_token
+            self.eos_token = self.eos_token or base.eos_token
+            self.add_bos_token = bool(cfg.get("add_bos_token", base.add_bos_token))
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -119,9 +128,13 @@ class TokenIdsOnlyTokenizer:
         return ""
 
 
-def load_tokenizer(model_path: Path, vocab_size: int) -> Tokenizer | TokenIdsOnlyTokenizer:
+def tokenizer_folder(model_path: Path) -> Path | None:
+    """The folder of the model's tokenizer.json, None if it has none."""
     # NOTE: a random-weight model is a bare config file; its tokenizer may sit beside it.
     folder = Path(model_path) if Path(model_path).is_dir() else Path(model_path).parent
-    if (folder / "tokenizer.json").is_file():
-        return Tokenizer(folder)
-    return TokenIdsOnlyTokenizer(vocab_size)
+    return folder if (folder / "tokenizer.json").is_file() else None
+
+
+def load_tokenizer(model_path: Path, vocab_size: int) -> Tokenizer | TokenIdsOnlyTokenizer:
+    folder = tokenizer_folder(model_path)
+    return TokenIdsOnlyTokenizer(vocab_size) if folder is None else Tokenizer(folder)
