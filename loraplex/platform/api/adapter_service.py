@@ -43,9 +43,14 @@ def adapter_not_found(name: str) -> APIError:
     )  # fmt: skip
 
 
+def valid_adapter_name(name: str) -> bool:
+    """Letters, digits and `_ . : -` (1-128, a letter or digit first), no `..`: never a path."""
+    return bool(_NAME.match(name)) and ".." not in name
+
+
 def check_adapter_name(name: object, base_name: str) -> str:
     """A valid adapter name, or 400: letters, digits and `_ . : -`, no `/`, `..` or NUL."""
-    if not isinstance(name, str) or not _NAME.match(name) or ".." in name or name == base_name:
+    if not isinstance(name, str) or not valid_adapter_name(name) or name == base_name:
         raise bad_request(
             f"invalid adapter name {name!r}: use 1-128 letters, digits, '_', '.', ':' or '-', "
             "starting with a letter or digit, without '..', and not the base model's name",
@@ -107,6 +112,11 @@ class AdapterService:
         validator = self.state.engine.adapter_validator
         if validator is None:
             raise bad_request("LoRA adapters are disabled on this server")
+        if name in self.state.models.server_wide:
+            raise bad_request(
+                f"the adapter name {name!r} is taken by a server-wide adapter (--lora-modules)",
+                param="name",
+            )
         registry = self.state.tenancy.registry
         limit = self.state.settings.max_adapter_bytes
         staging = registry.new_staging_dir()
@@ -163,6 +173,35 @@ class AdapterService:
         for record in records:
             registered += await self._try_register(record)
         return registered
+
+    async def register_lora_modules(self) -> int:
+        """Validate the `--lora-modules` folders (off the event loop) and serve each to every
+        tenant under its name; returns how many. ValueError naming the module when LoRA is off,
+        its `base_model_name` is not the served model's, or its folder is refused: the server
+        does not start with an adapter it was told to serve and cannot."""
+        modules = self.state.settings.lora_modules
+        if not modules:
+            return 0
+        validator = self.state.engine.adapter_validator
+        if validator is None:
+            raise ValueError("--lora-modules needs LoRA serving on (--enable-lora)")
+        for module in modules:
+            if module.base_model_name not in (None, self.base_name):
+                raise ValueError(
+                    f"--lora-modules {module.name}: base_model_name {module.base_model_name!r} "
+                    f"is not the served model {self.base_name!r}"
+                )
+            try:
+                weights = await asyncio.to_thread(validator.validate, module.path)
+            except (AdapterValidationError, OSError) as error:
+                raise ValueError(f"--lora-modules {module.name}: {error}") from None
+            engine_name = f"{module.name}@{weights.digest[:12]}"  # tenants' have "tenant/"
+            await self.state.engine.add_adapter(
+                AddAdapter(engine_name, module.path, weights.digest, label=module.name)
+            )
+            self.state.models.add_server_wide(module.name, engine_name, module.path)
+            logger.info("serving adapter %s from %s to every tenant", module.name, module.path)
+        return len(modules)
 
     async def sync_with_registry(self) -> tuple[int, int]:
         """Register the adapters other replicas added to the shared registry and unregister

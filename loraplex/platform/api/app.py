@@ -88,6 +88,7 @@ def build_app(
         try:
             await serving_admin.sync_weights(state)
             await app.state.adapters.register_stored()
+            await app.state.adapters.register_lora_modules()
             async with dashboard.stats.sampling(), app.state.adapters.following_registry():
                 yield
         finally:

@@ -28,6 +28,7 @@ class _Option:
     type: Any = str
     boolean: bool = False
     json_object: bool = False  # JSON text on the command line; in YAML a mapping or JSON text
+    multiple: bool = False  # one or more values on the command line; in YAML a list
 
     @property
     def key(self) -> str:
@@ -117,6 +118,9 @@ _OPTIONS = (
             "answers 400", int),
     _Option("--max-prompts-per-request", 64, "the most prompts one /v1/completions request may "
             "hold; more answers 400", int),
+    _Option("--lora-modules", None, "adapters every tenant may name from start-up, as vLLM's: "
+            "name=path or a JSON object {\"name\", \"path\", \"base_model_name\"}, one or "
+            "more (default: none)", multiple=True),
     _Option("--tool-call-parser", None, "how the model writes tool calls: hermes, qwen, "
             "llama3_json or mistral (default: the one its chat template shows, else hermes)"),
 )  # fmt: skip
@@ -126,7 +130,7 @@ _SERVER_KEYS = {"host", "port", "max_request_body_bytes", "uvicorn_log_level", "
                 "adapter_registry",
                 "api_server_count", "shutdown_timeout",
                 "tenants", "admin_key", "max_adapter_bytes", "max_n",
-                "max_prompts_per_request", "tool_call_parser"}  # fmt: skip
+                "max_prompts_per_request", "tool_call_parser", "lora_modules"}  # fmt: skip
 _ENGINE_KEYS = sorted(_KEYS - _SERVER_KEYS)
 
 
@@ -157,6 +161,8 @@ def add_serve_parser(
             parser.add_argument(
                 option.flag, action=argparse.BooleanOptionalAction, default=None, help=shown
             )
+        elif option.multiple:
+            parser.add_argument(option.flag, nargs="+", default=None, help=shown)
         else:
             parser.add_argument(option.flag, type=option.type, default=None, help=shown)
     return parser
@@ -179,6 +185,11 @@ def load_yaml_options(path: str | Path) -> dict[str, Any]:
         if value is None:
             continue
         if option.json_object and isinstance(value, dict):
+            continue
+        if option.multiple:
+            if not isinstance(value, list):
+                raise ValueError(f"{path}: {option.key} must be a list, got {value!r}")
+            data[option.key] = value
             continue
         expected = bool if option.boolean else option.type
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
@@ -208,6 +219,7 @@ def engine_config(values: dict[str, Any]) -> EngineConfig:
 
 def server_settings(values: dict[str, Any]) -> ServerSettings:
     """The HTTP side's settings among the resolved serve options."""
+    from loraplex.platform.api.lora_modules import parse_lora_modules
     from loraplex.platform.api.state import ServerSettings
 
     return ServerSettings(
@@ -222,6 +234,7 @@ def server_settings(values: dict[str, Any]) -> ServerSettings:
         max_n=values["max_n"],
         max_prompts_per_request=values["max_prompts_per_request"],
         tool_call_parser=values["tool_call_parser"],
+        lora_modules=parse_lora_modules(values["lora_modules"]),
     )
 
 

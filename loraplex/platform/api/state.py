@@ -10,6 +10,7 @@ from fastapi import Request
 from loraplex.adapters.registry import check_registry_url
 from loraplex.adapters.request import LoRARequest
 from loraplex.platform.api.errors import model_not_found
+from loraplex.platform.api.lora_modules import LoRAModule
 from loraplex.platform.api.metrics import ServerMetrics
 from loraplex.platform.api.sampling import (
     DEFAULT_MAX_N,
@@ -45,6 +46,8 @@ class ServerSettings:
     # s3://bucket/prefix (one registry for every replica); see `open_registry`
     adapter_registry: str = "local"
     registry_sync_s: float = 2.0  # how often a shared registry's changes reach this engine
+    # adapters served to every tenant from start-up (`--lora-modules`, as vLLM's)
+    lora_modules: tuple[LoRAModule, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -86,15 +89,27 @@ class ModelResolver:
 
     def __init__(self, base_name: str) -> None:
         self.base = ServedModel(name=base_name, root=base_name)
+        # `--lora-modules` adapters: every tenant sees them, before its own of the same name
+        self.server_wide: dict[str, ServedModel] = {}
+
+    def add_server_wide(self, name: str, engine_name: str, path: str) -> None:
+        """Serve the engine's adapter `engine_name` (folder `path`) as `name` to everyone."""
+        self.server_wide[name] = ServedModel(
+            name=name, root=self.base.name, adapter=name,
+            lora_request=LoRARequest(engine_name, path),
+        )  # fmt: skip
 
     def resolve_model(self, name: str | None, tenant: str = OPEN_TENANT) -> ServedModel:
         """The served model of `name` (None = the base model); 404 `model_not_found` if none."""
         if name is None or name == self.base.name:
             return self.base
-        raise model_not_found(name)
+        served = self.server_wide.get(name)
+        if served is None:
+            raise model_not_found(name)
+        return served
 
     def list_models(self, tenant: str = OPEN_TENANT) -> list[ServedModel]:
-        return [self.base]
+        return [self.base, *self.server_wide.values()]
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ from loraplex.platform.api.tenants import OPEN_TENANT
 
 
 class TenantModelResolver(ModelResolver):
-    """The base model under its served name, plus the tenant's adapters from the registry.
+    """The base model under its served name, the server-wide adapters (`--lora-modules`), and
+    the tenant's adapters from the registry.
 
     The same adapter name in two tenants resolves to two different engine adapters, named
     `tenant/name@digest` (see `AdapterRecord.engine_name`)."""
@@ -22,8 +23,8 @@ class TenantModelResolver(ModelResolver):
         self.registry = registry
 
     def resolve_model(self, name: str | None, tenant: str = OPEN_TENANT) -> ServedModel:
-        if name is None or name == self.base.name:
-            return self.base
+        if name is None or name == self.base.name or name in self.server_wide:
+            return super().resolve_model(name, tenant)
         record = self.registry.get(tenant, name)
         if record is None:
             raise model_not_found(name)
@@ -37,7 +38,8 @@ class TenantModelResolver(ModelResolver):
         return self.served(record)
 
     def list_models(self, tenant: str = OPEN_TENANT) -> list[ServedModel]:
-        return [self.base, *(self.served(r) for r in self.registry.list(tenant))]
+        own = [self.served(r) for r in self.registry.list(tenant) if r.name not in self.server_wide]
+        return [*super().list_models(tenant), *own]
 
     def served(self, record: AdapterRecord) -> ServedModel:
         return ServedModel(

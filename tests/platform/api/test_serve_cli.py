@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,27 @@ def test_a_bad_speculative_config_exits_2_with_the_reason(capsys):
     assert "loraplex serve: error:" in err and "num_speculative_tokens" in err
     assert main(["serve", "--speculative-config", "{nope"]) == 2
     assert "not valid JSON" in capsys.readouterr().err
+
+
+def test_lora_modules_from_the_command_line_and_yaml(tmp_path):
+    from loraplex.platform.api.serve_cli import server_settings
+
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text("{}")
+    values = resolve_options(
+        _parse("--lora-modules", f"a={tmp_path / 'a'}",
+               json.dumps({"name": "b", "path": str(tmp_path / "b")}))
+    )  # fmt: skip
+    assert [m.name for m in server_settings(values).lora_modules] == ["a", "b"]
+    path = tmp_path / "serve.yaml"
+    path.write_text(
+        f"lora_modules:\n  - a={tmp_path / 'a'}\n  - name: b\n    path: {tmp_path / 'b'}\n"
+    )
+    values = resolve_options(_parse("--config", str(path)))
+    assert [m.path for m in server_settings(values).lora_modules] == [
+        str((tmp_path / "a").resolve()), str((tmp_path / "b").resolve())
+    ]  # fmt: skip
+    path.write_text("lora_modules: a=/x\n")
+    with pytest.raises(ValueError, match="lora_modules must be a list"):
+        resolve_options(_parse("--config", str(path)))
