@@ -2,8 +2,10 @@
 
 Over the coverage corpus (`benchmarks.grammar_coverage`: public real-world schemas; the test
 suite's schemas where its `check-jsonschema` package is absent), one request at a time, each
-with a schema new to the engine's grammar compiler (a fresh compile cache per setting), at
-temperature 1.0: the seconds from `add_request` to the first generated token, with cold starts
+with a schema new to the engine's grammar compiler (a fresh compile cache per setting), request
+i greedy, at temperature 1.0 or under the mixed batch's (i mod 9)-th sampling mix by turns
+(`MODES`; TTFT is also reported per mode): the seconds from `add_request` to the first
+generated token, with cold starts
 on (the request starts under llguidance while outlines-core compiles, then hands over) and off
 (it waits for its grammar). Each schema's compile is then waited for (so no compile of one
 schema runs during the next one's request) and the same schema again gives the warm TTFT
@@ -35,12 +37,15 @@ import torch
 
 from benchmarks.grammar_throughput import VOCAB_SIZE, model_folder
 from benchmarks.record import write_result
+from benchmarks.sampling_mixes import MIXED, mix_fields
 from loraplex import LLM, SamplingParams, StructuredOutputs
 from loraplex.grammar.config import GrammarConfig
 from loraplex.grammar.errors import GrammarError
 from loraplex.platform.engine.engine import Engine
 
 ROOT = Path(__file__).resolve().parents[1]
+#: request i samples as MODES[i % 3]: greedy, temperature 1.0, the mixed batch's i-th mix
+MODES = ("greedy", "t1", MIXED)
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -130,12 +135,14 @@ def run_setting(
     rows = []
     for i, (name, schema) in enumerate(entries):
         prompt = [rng.randrange(100, VOCAB_SIZE - 100) for _ in range(args.prompt_len)]
+        mode = MODES[i % len(MODES)]
+        fields = {"seed": i, **mix_fields(mode, i // len(MODES))}
         params = SamplingParams(
-            temperature=1.0, seed=i, max_tokens=args.max_tokens,
-            structured_outputs=StructuredOutputs(json=schema),
+            max_tokens=args.max_tokens, structured_outputs=StructuredOutputs(json=schema),
+            **fields,
         )  # fmt: skip
         cold = first_token(engine, f"cold-{i}", prompt, params, args.request_limit_s)
-        row = {"schema": name, **{k: v for k, v in cold.items() if k != "text"}}
+        row = {"schema": name, "mode": mode, **{k: v for k, v in cold.items() if k != "text"}}
         if cold["status"] == "served" and cold["finish_reason"] == "stop":
             row["valid"] = _validates(schema, cold["text"])
         if cold["status"] == "served" and args.warm:
@@ -166,6 +173,11 @@ def run_setting(
         "handed_over": stats.handed_over - stats_before.handed_over,
         "hand_over_refused": stats.refused - stats_before.refused,
     }
+    for mode in MODES:
+        ms = [r["ttft_s"] * 1e3 for r in served if r["mode"] == mode]
+        if ms:
+            metrics[f"{mode}_cold_ttft_p50_ms"] = round(statistics.median(ms), 1)
+            metrics[f"{mode}_cold_ttft_max_ms"] = round(max(ms), 1)
     return metrics, rows
 
 
