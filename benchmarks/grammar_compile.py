@@ -4,7 +4,7 @@ Over the test suite's JSON schemas (tests/grammar/grammar_schemas.py) with the e
 vocabulary, on the CPU. Cold compiles run in the child process as served; the baseline is
 outlines-core compiling the same regex in-process and filling masks through its own `Guide`.
 
-    python benchmarks/grammar_compile.py [--out benchmarks/results/cpu_grammar.json]
+    python -m benchmarks.grammar_compile [--out benchmarks/results/cpu_grammar.json]
 """
 
 from __future__ import annotations

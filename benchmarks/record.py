@@ -87,5 +87,11 @@ def write_result(
 def _module_argv() -> list[str]:
     main = sys.modules["__main__"]
     spec = getattr(main, "__spec__", None)
-    module = spec.name if spec is not None else Path(sys.argv[0]).stem
+    script = Path(sys.argv[0]).resolve()
+    if spec is not None:
+        module = spec.name
+    elif script.parent == Path(__file__).resolve().parent:  # `python benchmarks/x.py`
+        module = f"benchmarks.{script.stem}"
+    else:
+        module = script.stem
     return [module, *sys.argv[1:]]

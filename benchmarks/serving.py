@@ -9,11 +9,11 @@ p50/p90/p99. `--offline` runs the same workload through `LLM.generate`. `--sampl
 three, their metrics named with a `t1_` / `mixed_` prefix.
 
     # against a running server
-    python benchmarks/serving.py --base-url http://127.0.0.1:8000 --max-concurrency 8
+    python -m benchmarks.serving --base-url http://127.0.0.1:8000 --max-concurrency 8
     # the same workload offline
-    python benchmarks/serving.py --offline
+    python -m benchmarks.serving --offline
     # launch a server, run concurrency 1, 8 and 32 and offline, write the results JSON
-    python benchmarks/serving.py --record --concurrency 1 8 32
+    python -m benchmarks.serving --record --concurrency 1 8 32
     # the GPU record (issue 19): the 8B shape with random weights served by `loraplex serve`
     # (engine-core process + API processes), a lean aiohttp streaming client in its own
     # process at concurrency 1, 64 and 256, then the offline LLM on the same engine options;
@@ -31,12 +31,11 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.record import git_commit
+from benchmarks.record import write_result
 from benchmarks.sampling_mixes import MIXED, mix_fields
 from benchmarks.server_launch import launch_server, serve_flags
 
@@ -502,8 +501,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="append",
         help="an extra `loraplex serve` argument for --record (repeatable)",
     )
-    p.add_argument("--out", type=Path, default=RESULTS, help="the results JSON (--record)")
-    p.add_argument("--device", default="cpu", help="the device, as written into the results")
+    p.add_argument("--out", type=Path, default=RESULTS,
+                   help="the results JSON's name in benchmarks/results/ (--record)")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -516,21 +515,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.record:
         load = os.getloadavg()
         metrics = record(args, prompts)
-        result = {
-            "benchmark": "serving",
-            "device": args.device,
-            "command": " ".join(["python", "benchmarks/serving.py", *sys.argv[1:]]),
-            "commit": git_commit(),
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "workload": {"num_prompts": args.num_prompts, "input_len": args.input_len,
-                         "output_len": args.output_len, "load_avg_at_start": load},
-            "metrics": metrics,
-            "baseline": "the same workload through the offline API (LLM.generate, one batch); "
-            "server_vs_offline_cN = server output tok/s at concurrency N / offline output tok/s",
-        }  # fmt: skip
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.out}")
+        write_result(
+            args.out.name, "serving", metrics,
+            {"offline": "the same workload through the offline API (LLM.generate, one batch); "
+             "server_vs_offline_cN = server output tok/s at concurrency N / offline output "
+             "tok/s"},
+            workload={"num_prompts": args.num_prompts, "input_len": args.input_len,
+                      "output_len": args.output_len, "load_avg_at_start": load},
+        )  # fmt: skip
         return 0
     if args.offline:
         metrics = run_offline_benchmark(prompts, args.output_len, (args.sampling,))[args.sampling]
@@ -543,8 +535,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def main_gpu_record(args: argparse.Namespace) -> int:
-    from benchmarks.record import write_result
-
     args.concurrency = args.concurrency or [1, 64, 256]
     load_at_start = os.getloadavg()  # NOTE: a shared CPU host's load bends its figures
     metrics = record_gpu(args)

@@ -27,3 +27,19 @@ def test_nested_metrics_are_flattened_and_non_numbers_kept_beside(tmp_path, monk
     assert written["baseline"] == {"before_step_ms": 240.0}
     for key in ("benchmark", "device", "command", "commit", "date"):
         assert key in written
+
+
+def test_the_command_reruns_a_benchmark_run_as_a_script_or_a_module(monkeypatch) -> None:
+    """`python benchmarks/serving.py ...` and `python -m benchmarks.serving ...` both record
+    `python -m benchmarks.serving ...` (a script's bare stem would not run)."""
+    import sys
+    import types
+
+    script = str(record.Path(record.__file__).parent / "serving.py")
+    monkeypatch.setattr(sys, "argv", [script, "--record", "--num-prompts", "8"])
+    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))
+    assert record._module_argv() == ["benchmarks.serving", "--record", "--num-prompts", "8"]
+    main = types.ModuleType("__main__")
+    main.__spec__ = types.SimpleNamespace(name="benchmarks.quant_e2e")
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    assert record._module_argv()[0] == "benchmarks.quant_e2e"
