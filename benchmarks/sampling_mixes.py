@@ -18,14 +18,18 @@ MIXES: dict[str, dict] = {
 # "mixed": one batch as a multi-tenant server sees it, request i taking the (i mod 9)-th mix
 # above (greedy included); its throughput only (batch 1 has no mix).
 MIXED = "mixed"
+# "greedy_t1": half the batch greedy, half at temperature 1.0 (request i greedy when i is even),
+# the split that costs a CPU step both samplers' work.
+GREEDY_T1 = "greedy_t1"
+_COMBINED = {MIXED: list(MIXES), GREEDY_T1: ["greedy", "t1"]}
 
 
 def mix_fields(mix: str, i: int) -> dict:
-    """The sampling fields of request i under `mix` (MIXES' names or MIXED): the same names
-    in SamplingParams and in the OpenAI request body (extensions such as top_k included)."""
-    if mix != MIXED and mix not in MIXES:
-        raise ValueError(f"unknown mix {mix!r}; choose from {[*MIXES, MIXED]}")
-    names = list(MIXES) if mix == MIXED else [mix]
+    """The sampling fields of request i under `mix` (MIXES' names, MIXED or GREEDY_T1): the same
+    names in SamplingParams and in the OpenAI request body (extensions such as top_k included)."""
+    if mix not in _COMBINED and mix not in MIXES:
+        raise ValueError(f"unknown mix {mix!r}; choose from {[*MIXES, *_COMBINED]}")
+    names = _COMBINED.get(mix, [mix])
     fields = dict(MIXES[names[i % len(names)]])
     if fields.pop("seed", False):
         fields["seed"] = i

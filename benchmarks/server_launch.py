@@ -18,12 +18,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch_server(extra_args: list[str]) -> tuple[subprocess.Popen, str]:
-    """`loraplex serve` on a free loopback port; returns once /health answers."""
+def launch_server(
+    extra_args: list[str], env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, str]:
+    """`loraplex serve` on a free loopback port (`env`: its environment, default ours); returns
+    once /health answers."""
     port = free_port()
     cmd = [sys.executable, "-m", "loraplex.cli", "serve", "--port", str(port),
            "--uvicorn-log-level", "warning", *extra_args]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=REPO)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env)
     base_url = f"http://127.0.0.1:{port}"
     wait_for_health(proc, base_url, 300, "the server")
     return proc, base_url

@@ -68,6 +68,13 @@ def cpu_threads() -> int | None:
     return int(value)
 
 
+def cpu_omp_threads_bind() -> str:
+    """Where a CPU engine's compute threads run (LORAPLEX_CPU_OMP_THREADS_BIND, vLLM's
+    VLLM_CPU_OMP_THREADS_BIND): `auto` (default), `nobind`, or a CPU list such as `1` or
+    `0-3,6`; parsed and checked by `loraplex.platform.runner.cpu_threads`."""
+    return os.environ.get("LORAPLEX_CPU_OMP_THREADS_BIND", "").strip() or "auto"
+
+
 def omp_num_threads_set() -> bool:
     """Whether OMP_NUM_THREADS is set (torch then already took its thread count from it)."""
     return bool(os.environ.get("OMP_NUM_THREADS"))

@@ -41,6 +41,9 @@ os.environ.setdefault("LORAPLEX_CACHE_DIR", str(_TEST_CACHE))
 os.environ.setdefault(
     "LORAPLEX_DATA_DIR", str(_TEST_CACHE / (f"data-{_XDIST_WORKER}" if _XDIST_WORKER else "data"))
 )
+# NOTE: the engine cores of servers that tests start would all bind to the host's last core
+# (`auto`), however many xdist workers start them; tests that check binding set it themselves.
+os.environ.setdefault("LORAPLEX_CPU_OMP_THREADS_BIND", "nobind")
 
 # The CI bound on the suite's wall time (`.ci/run` sets it): over it, the run fails.
 WALL_BUDGET_ENV = "LORAPLEX_TEST_WALL_BUDGET_S"

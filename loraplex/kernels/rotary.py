@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from loraplex.kernels import cpu_rotary
 from loraplex.kernels.kv_cache import write_kv_cache_ref
 
 
@@ -175,8 +176,17 @@ def rotary_write_kv_cpu(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens], -1 = padding (skipped)
 ) -> torch.Tensor:
-    """`rotary_write_kv_ref` in about half the ops (q and k rotated as one tensor, no boolean
-    indexing where no slot is padding), each output element computed by the same float ops."""
+    """`rotary_write_kv_ref` in one C call (`cpu_rotary`) for fp32, else in about half the
+    torch ops (q and k rotated as one tensor, no boolean indexing where no slot is padding);
+    each output element computed by the same float ops either way."""
+    if positions.shape == slot_mapping.shape == q.shape[:1] and cpu_rotary.supports(
+        q, k, v, cache, k_cache, v_cache
+    ):
+        out = cpu_rotary.rotary_write_kv_c(
+            positions, q, k, v, cache, k_cache, v_cache, slot_mapping
+        )
+        if out is not None:
+            return out
     num_heads = q.shape[1]
     cos, sin = cache[positions.long()].chunk(2, dim=-1)  # [num_tokens, head_dim // 2] each
     cos, sin = cos[:, None, :], sin[:, None, :]

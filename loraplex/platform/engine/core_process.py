@@ -56,6 +56,8 @@ from loraplex.platform.engine.ipc import (
     lora_from_wire,
     params_from_wire,
 )
+from loraplex.platform.runner.cpu_threads import configure_cpu_threads
+from loraplex.platform.runner.model_runner import resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -286,6 +288,11 @@ def run_engine_core(config: EngineConfig, address: str, refusals: Connection | N
     # when the engine core itself dies.
     set_worker_death_handler(_exit_on_worker_death)
     try:
+        if resolve_device(config.model.device).type == "cpu":
+            # NOTE: before the model loads, so every thread the core starts inherits the binding
+            configure_cpu_threads(
+                own_process=True, tensor_parallel_size=config.parallel.tensor_parallel_size
+            )
         core = EngineCore(config, address)
     except (ValueError, FileNotFoundError) as exc:
         if refusals is None:

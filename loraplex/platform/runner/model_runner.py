@@ -104,7 +104,7 @@ class ModelRunner:
         self.device = resolve_device(config.model.device)
         self.block_size = config.cache.block_size
         if self.device.type == "cpu":
-            configure_cpu_threads()
+            configure_cpu_threads(tensor_parallel_size=config.parallel.tensor_parallel_size)
         self.workers: TensorParallelWorkers | None = None
         self._owed_tokens = 0  # rows of a launched step whose tokens were not broadcast
         if tp is None and config.parallel.tensor_parallel_size > 1:
