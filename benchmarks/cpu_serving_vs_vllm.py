@@ -52,7 +52,8 @@ llm = LLM(model=cfg["model"], dtype=cfg["dtype"], max_model_len=cfg["max_model_l
 out = {}
 for name, fields in cfg["samplings"].items():
     params = [SamplingParams(max_tokens=cfg["output_len"], ignore_eos=True, **f) for f in fields]
-    llm.generate([{"prompt_token_ids": cfg["prompts"][0][:8]}], params[0], use_tqdm=False)
+    warm = SamplingParams(max_tokens=4, ignore_eos=True, **fields[0])  # the whole batch's memory
+    llm.generate([{"prompt_token_ids": p} for p in cfg["prompts"]], warm, use_tqdm=False)
     start = time.perf_counter()
     res = llm.generate([{"prompt_token_ids": p} for p in cfg["prompts"]], params, use_tqdm=False)
     seconds = time.perf_counter() - start
@@ -69,7 +70,8 @@ llm = LLM(model=cfg["model"], dtype=cfg["dtype"], max_model_len=cfg["max_model_l
 out = {}
 for name, fields in cfg["samplings"].items():
     params = [SamplingParams(max_tokens=cfg["output_len"], ignore_eos=True, **f) for f in fields]
-    llm.generate([cfg["prompts"][0][:8]], params[0])
+    warm = SamplingParams(max_tokens=4, ignore_eos=True, **fields[0])  # the whole batch's memory
+    llm.generate(cfg["prompts"], warm)
     start = time.perf_counter()
     res = llm.generate(cfg["prompts"], params)
     seconds = time.perf_counter() - start
