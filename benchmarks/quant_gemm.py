@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.record import git_commit
+from benchmarks.record import git_commit, record_header
 from loraplex.kernels.fp8_gemm import FP8_DECODE_MAX_M, Fp8DecodeConfig
 from loraplex.kernels.quant_gemm_configs import M_BUCKETS, GemmConfig, write_selection_table
 
@@ -478,7 +478,14 @@ def main() -> int:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
         if args.table is not None:
             args.table.parent.mkdir(parents=True, exist_ok=True)
-            write_selection_table(args.table, selection_table(rows))
+            table = selection_table(rows)
+            about = {
+                **record_header("quant_gemm W4A16 selection table"),
+                "metrics": {"entries": len(table)},
+                "baseline": {"what": "each entry: the fastest W4A16 kernel config of its shape "
+                             "in the sweep, timed beside bf16 cuBLAS in the same run"},
+            }  # fmt: skip
+            write_selection_table(args.table, table, about)
             print(f"wrote the W4A16 selection table {args.table}", flush=True)
     if sweep:
         print(result["tuned_configs"])

@@ -59,6 +59,17 @@ def flatten_metrics(metrics: dict[str, Any]) -> tuple[dict[str, float], dict[str
     return flat, details
 
 
+def record_header(benchmark: str) -> dict[str, str]:
+    """The fields naming a run: benchmark, device, command (re-runnable), commit, date."""
+    return {
+        "benchmark": benchmark,
+        "device": device_name(),
+        "command": " ".join(shlex.quote(a) for a in ["python", "-m", *_module_argv()]),
+        "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
 def write_result(
     name: str, benchmark: str, metrics: dict[str, Any], baseline: dict[str, Any], **extra: Any
 ) -> Path:
@@ -68,11 +79,7 @@ def write_result(
     if details:
         extra = {**extra, "metric_details": {**details, **extra.get("metric_details", {})}}
     record = {
-        "benchmark": benchmark,
-        "device": device_name(),
-        "command": " ".join(shlex.quote(a) for a in ["python", "-m", *_module_argv()]),
-        "commit": git_commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **record_header(benchmark),
         "metrics": metrics,
         "baseline": baseline,
         **extra,

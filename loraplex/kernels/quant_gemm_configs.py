@@ -131,13 +131,16 @@ _TABLE: dict[tuple[int, int, int, int], GemmConfig] = {}
 _TABLE_PATH: list[Path] = []
 
 
-def write_selection_table(path: Path, table: dict[tuple[int, int, int, int], GemmConfig]) -> None:
-    """Write (bits, M bucket, N, K) -> config as JSON, for `use_selection_table`."""
+def write_selection_table(
+    path: Path, table: dict[tuple[int, int, int, int], GemmConfig], about: dict | None = None
+) -> None:
+    """Write (bits, M bucket, N, K) -> config as JSON, for `use_selection_table`; `about`: other
+    keys written beside (e.g. what run measured it), which reading ignores."""
     entries = [
         {"bits": b, "m_bucket": m, "n": n, "k": k, "config": list(astuple(c))}
         for (b, m, n, k), c in sorted(table.items())
     ]
-    path.write_text(json.dumps({"w4a16": entries}, indent=1) + "\n")
+    path.write_text(json.dumps({**(about or {}), "w4a16": entries}, indent=1) + "\n")
 
 
 def read_selection_table(path: Path) -> dict[tuple[int, int, int, int], GemmConfig]:

@@ -44,3 +44,17 @@ def test_metrics_report_the_stream_kernel_beside_the_winner() -> None:
     assert metrics["w4a16_speedup_m1"] == 1.5
     assert metrics["w4a16_stream_speedup_m1"] == 2.0
     assert "w4a16_dispatched_speedup_m1" not in metrics  # not measured: no figure
+
+
+def test_the_shipped_h200_table_is_what_the_runtime_dispatches_by_default() -> None:
+    """The committed sweep table reads back (its run's record fields beside the entries), and
+    `TUNED_CONFIGS` holds each of its winners: serving without the table file dispatches what
+    the H200 sweep measured."""
+    from pathlib import Path
+
+    from loraplex.kernels.quant_gemm_configs import TUNED_CONFIGS
+
+    path = Path(__file__).parents[2] / "benchmarks/results/h200_w4a16_table.json"
+    table = read_selection_table(path)
+    assert len(table) == 16
+    assert all(TUNED_CONFIGS[key] == config for key, config in table.items())
