@@ -76,6 +76,17 @@ def start_server(
     )
 
 
+def create_tenants(server: TenantServer, *names: str) -> dict[str, str]:
+    """Create each tenant through the admin API; their API keys by name."""
+    admin = server.client(ADMIN_KEY)
+    keys = {}
+    for name in names:
+        response = admin.post("/admin/tenants", json={"name": name})
+        assert response.status_code == 201, response.text
+        keys[name] = response.json()["api_key"]
+    return keys
+
+
 def load_hf_model(model_dir: Path):
     from transformers import AutoModelForCausalLM
 

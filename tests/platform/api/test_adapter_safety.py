@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 from api_helpers import wait_until_idle
-from tenant_helpers import ADMIN_KEY, start_server
+from tenant_helpers import create_tenants, start_server
 
 from loraplex.adapters.registry import AdapterRegistry
 from loraplex.platform.core.request import RequestStatus
@@ -30,11 +30,7 @@ def world(model_dir, tmp_path_factory):
     """A server with two tenants, alpha (the adapter owner) and beta (the bystander)."""
     data_dir = tmp_path_factory.mktemp("data")
     server = start_server(model_dir, data_dir)
-    keys = {}
-    for name in ("alpha", "beta"):
-        response = server.client(ADMIN_KEY).post("/admin/tenants", json={"name": name})
-        assert response.status_code == 201, response.text
-        keys[name] = response.json()["api_key"]
+    keys = create_tenants(server, "alpha", "beta")
     yield {"server": server, "keys": keys, "data_dir": data_dir}
     server.stop()
 

@@ -10,8 +10,8 @@ import httpx
 import pytest
 from process_server import launch
 from tenant_helpers import (
-    ADMIN_KEY,
     complete,
+    create_tenants,
     load_hf_model,
     make_adapter,
     peft_greedy,
@@ -38,12 +38,7 @@ def world(model_dir, tmp_path_factory):
         [f"sql-lora={sql}", json.dumps({"name": "chat-lora", "path": str(chat)})]
     )
     server = start_server(model_dir, tmp_path_factory.mktemp("data"), lora_modules=modules)
-    admin = server.client(ADMIN_KEY)
-    keys = {}
-    for name in ("alpha", "beta"):
-        response = admin.post("/admin/tenants", json={"name": name})
-        assert response.status_code == 201, response.text
-        keys[name] = response.json()["api_key"]
+    keys = create_tenants(server, "alpha", "beta")
     yield {"server": server, "base": base, "sql": sql, "chat": chat, "keys": keys}
     server.stop()
 

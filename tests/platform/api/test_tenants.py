@@ -11,6 +11,7 @@ import pytest
 from tenant_helpers import (
     ADMIN_KEY,
     complete,
+    create_tenants,
     load_hf_model,
     make_adapter,
     peft_greedy,
@@ -39,12 +40,7 @@ def world(model_dir, tmp_path_factory):
     # NOTE: one slot for embed_tokens / lm_head copies, for test_bad_uploads' trained-tokens form
     lora = LoRAConfig(max_saved_module_loras=1)
     server = start_server(model_dir, data_dir, lora=lora, max_adapter_bytes=MAX_ADAPTER_BYTES)
-    admin = server.client(ADMIN_KEY)
-    keys = {}
-    for name in ("alpha", "beta"):
-        response = admin.post("/admin/tenants", json={"name": name})
-        assert response.status_code == 201, response.text
-        keys[name] = response.json()["api_key"]
+    keys = create_tenants(server, "alpha", "beta")
     state = {"server": server, "data_dir": data_dir, "base": base, "folders": folders,
              "keys": keys}  # fmt: skip
     yield state
