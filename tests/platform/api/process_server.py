@@ -6,14 +6,14 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from benchmarks.server_launch import free_port, wait_for_health
 
 REPO = Path(__file__).resolve().parents[3]
 START_TIMEOUT_S = 240.0
@@ -75,12 +75,6 @@ def alive(pids: list[int]) -> list[int]:
     return running
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(
     model_dir: Path,
     log_path: Path,
@@ -92,7 +86,7 @@ def launch(
     """Start `loraplex serve` and return once /health answers 200."""
     from loraplex.platform.models.tokenizer import load_tokenizer
 
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "loraplex.cli", "serve", "--model", str(model_dir),
            "--dtype", "float32", "--device", "cpu", "--max-model-len", str(max_model_len),
            "--num-kv-blocks", str(num_kv_blocks), "--max-num-seqs", "64", "--host", "127.0.0.1",
@@ -102,19 +96,11 @@ def launch(
     log = log_path.open("w")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}:\n{log_path.read_text()}")
-        try:
-            if httpx.get(f"{base_url}/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"the server did not start:\n{log_path.read_text()}")
-        time.sleep(0.25)
+    try:
+        wait_for_health(proc, base_url, START_TIMEOUT_S, "the server")
+    except RuntimeError as exc:
+        proc.kill()
+        raise RuntimeError(f"{exc}:\n{log_path.read_text()}") from None
     model = httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["id"]
     tokenizer = load_tokenizer(model_dir, 0)
     return ProcessServer(proc, base_url, model, log_path, ServerTokenizer(tokenizer))
