@@ -30,9 +30,9 @@ from loraplex.grammar.bitmask import allocate_token_bitmask, apply_token_bitmask
 from loraplex.grammar.compiler import GrammarCompiler
 from loraplex.grammar.config import GrammarConfig
 from loraplex.grammar.matcher import GrammarMatcher
-from loraplex.grammar.params import StructuredOutputs
 from loraplex.grammar.schema_analysis import schema_regex
 from loraplex.grammar.vocabulary import build_vocabulary
+from loraplex.platform.core.structured_outputs import StructuredOutputs
 from loraplex.platform.models.model_store import ensure_default_model
 
 ROOT = Path(__file__).resolve().parents[1]

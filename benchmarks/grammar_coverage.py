@@ -41,9 +41,9 @@ from loraplex.grammar.errors import (
     SchemaTooLargeError,
     UnsupportedSchemaError,
 )
-from loraplex.grammar.params import StructuredOutputs
 from loraplex.grammar.vocabulary import build_vocabulary
 from loraplex.grammar.walk import RandomWalker
+from loraplex.platform.core.structured_outputs import StructuredOutputs
 
 BACKENDS = {"outlines": ("outlines",), "llguidance": ("llguidance",)}
 AUTO = "outlines+llguidance"

@@ -25,10 +25,10 @@ from benchmarks.grammar_throughput import SCHEMA
 from benchmarks.record import write_result
 from loraplex.grammar.compiler import GrammarCompiler
 from loraplex.grammar.config import GrammarConfig
-from loraplex.grammar.params import StructuredOutputs
 from loraplex.grammar.vocabulary import build_vocabulary
 from loraplex.platform.core.request import Request
 from loraplex.platform.core.sampling_params import SamplingParams
+from loraplex.platform.core.structured_outputs import StructuredOutputs
 from loraplex.platform.engine.structured_output import GrammarJob, StructuredOutputManager
 
 

@@ -10,15 +10,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from loraplex.adapters.request import LoRARequest
-    from loraplex.grammar.params import StructuredOutputs
     from loraplex.platform.core.outputs import CompletionOutput, Logprob, RequestOutput
     from loraplex.platform.core.sampling_params import RequestOutputKind, SamplingParams
+    from loraplex.platform.core.structured_outputs import StructuredOutputs
     from loraplex.platform.engine.llm import LLM
 
 _EXPORTS = {
     "LLM": "loraplex.platform.engine.llm",
     "LoRARequest": "loraplex.adapters.request",
-    "StructuredOutputs": "loraplex.grammar.params",
+    "StructuredOutputs": "loraplex.platform.core.structured_outputs",
     "CompletionOutput": "loraplex.platform.core.outputs",
     "Logprob": "loraplex.platform.core.outputs",
     "RequestOutput": "loraplex.platform.core.outputs",

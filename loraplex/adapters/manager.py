@@ -69,6 +69,7 @@ from loraplex.platform.core.commands import (
     AdapterStatsReport,
     AddAdapter,
 )
+from loraplex.platform.core.stats import LoRAStats
 
 logger = logging.getLogger(__name__)
 
@@ -77,20 +78,6 @@ BASE_SLOT = -1
 #: steps an adapter waits for a slot, with none free or idle, before one slot is drained for it
 STARVATION_STEPS = 16
 _PIN_PREFIX = "\x00pin:"  # the holder id of a PinAdapter pin (no request id starts with NUL)
-
-
-@dataclass(frozen=True)
-class LoRAStats:
-    """A snapshot for metrics."""
-
-    registered: int
-    gpu_resident: int
-    gpu_pinned: int
-    cpu_resident: int
-    gpu_loads: int
-    gpu_evictions: int
-    disk_loads: int
-    cpu_evictions: int
 
 
 @dataclass(frozen=True)

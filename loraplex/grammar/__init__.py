@@ -31,7 +31,7 @@ from loraplex.grammar.errors import (
     SchemaTooLargeError,
     UnsupportedSchemaError,
 )
-from loraplex.grammar.params import StructuredOutputs
+from loraplex.platform.core.structured_outputs import StructuredOutputs
 
 if TYPE_CHECKING:
     from loraplex.grammar.bitmask import allocate_token_bitmask, apply_token_bitmask_

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 
 from loraplex.grammar.config import GrammarConfig
-from loraplex.grammar.params import StructuredOutputs, canonical_schema
+from loraplex.platform.core.structured_outputs import StructuredOutputs, canonical_schema
 
 # Escaped in choices: every character the Rust regex syntax treats as special.
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~")

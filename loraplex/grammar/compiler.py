@@ -16,10 +16,10 @@ from loraplex.grammar.config import GrammarConfig
 from loraplex.grammar.errors import GrammarError, GrammarMemoryError, GrammarTimeoutError
 from loraplex.grammar.llguidance_backend import LLGuidanceGrammar
 from loraplex.grammar.llguidance_compile import is_packed, llguidance_available
-from loraplex.grammar.params import StructuredOutputs
 from loraplex.grammar.schema_limits import check_schema_limits
 from loraplex.grammar.vocabulary import GrammarVocabulary
 from loraplex.grammar.worker import CompileWorker, load_index
+from loraplex.platform.core.structured_outputs import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 

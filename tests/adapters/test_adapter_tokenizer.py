@@ -24,7 +24,7 @@ from loraplex import LLM, LoRARequest, SamplingParams
 from loraplex.adapters.errors import AdapterValidationError
 from loraplex.adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE, content_digest
 from loraplex.grammar.errors import GrammarError
-from loraplex.grammar.params import StructuredOutputs
+from loraplex.platform.core.structured_outputs import StructuredOutputs
 
 pytestmark = pytest.mark.slow
 

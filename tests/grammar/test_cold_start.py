@@ -12,7 +12,7 @@ from compile_gate import hold_outlines
 from loraplex.grammar.compiler import GrammarCompiler
 from loraplex.grammar.config import GrammarConfig
 from loraplex.grammar.llguidance_compile import listed_properties_only
-from loraplex.grammar.params import StructuredOutputs
+from loraplex.platform.core.structured_outputs import StructuredOutputs
 
 pytest.importorskip("llguidance", reason="cold starts use the llguidance backend")
 

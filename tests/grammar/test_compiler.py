@@ -14,7 +14,7 @@ from loraplex.grammar.errors import (
     UnsupportedSchemaError,
 )
 from loraplex.grammar.matcher import GrammarMatcher
-from loraplex.grammar.params import StructuredOutputs
+from loraplex.platform.core.structured_outputs import StructuredOutputs
 
 
 def _long_string(max_length: int) -> StructuredOutputs:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from loraplex.grammar.params import StructuredOutputs, canonical_schema
+from loraplex.platform.core.structured_outputs import StructuredOutputs, canonical_schema
 
 
 def _schema(*names: str, required_first: bool = True) -> dict:

@@ -10,7 +10,7 @@ import pytest
 from jsonschema import Draft202012Validator
 
 from loraplex.grammar.errors import UnsupportedSchemaError
-from loraplex.grammar.params import StructuredOutputs
+from loraplex.platform.core.structured_outputs import StructuredOutputs
 
 pytest.importorskip("llguidance", reason="the llguidance backend needs the llguidance package")
 

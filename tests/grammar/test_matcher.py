@@ -10,7 +10,7 @@ import torch
 
 from loraplex.grammar.bitmask import allocate_token_bitmask, apply_token_bitmask_
 from loraplex.grammar.matcher import GrammarMatcher
-from loraplex.grammar.params import StructuredOutputs
+from loraplex.platform.core.structured_outputs import StructuredOutputs
 
 
 @pytest.fixture(scope="module")

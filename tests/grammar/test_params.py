@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from loraplex import grammar
-from loraplex.grammar.params import StructuredOutputs
+from loraplex.platform.core.structured_outputs import StructuredOutputs
 
 
 def test_exactly_one_field_must_be_set() -> None:

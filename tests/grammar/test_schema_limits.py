@@ -12,8 +12,8 @@ from hostile_schemas import nested, wide
 from loraplex.grammar.compiler import GrammarCompiler
 from loraplex.grammar.config import GrammarConfig
 from loraplex.grammar.errors import GrammarError, GrammarTimeoutError, SchemaTooLargeError
-from loraplex.grammar.params import StructuredOutputs
 from loraplex.grammar.schema_limits import check_schema_limits
+from loraplex.platform.core.structured_outputs import StructuredOutputs
 
 
 @pytest.fixture(scope="module")

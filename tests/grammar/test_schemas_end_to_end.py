@@ -9,7 +9,7 @@ import pytest
 from grammar_schemas import SCHEMAS
 from jsonschema import Draft202012Validator
 
-from loraplex.grammar.params import StructuredOutputs
+from loraplex.platform.core.structured_outputs import StructuredOutputs
 
 _WALKS_PER_SCHEMA = 4
 _STRICT_FORMATS = {

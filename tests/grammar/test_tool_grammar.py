@@ -8,8 +8,8 @@ import json
 import jsonschema
 import pytest
 
-from loraplex.grammar.params import StructuredOutputs
 from loraplex.grammar.tool_grammar import ToolFunction, function_schema, required_calls_schema
+from loraplex.platform.core.structured_outputs import StructuredOutputs
 from tests.platform.api.tool_schemas import TOOLS
 
 FUNCTIONS = [

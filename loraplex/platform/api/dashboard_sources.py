@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from loraplex.platform.core.commands import AdapterStatsReport, GetAdapterStats
-from loraplex.platform.engine.async_engine import AsyncEngine, EngineDeadError
+from loraplex.platform.core.errors import EngineDeadError
+from loraplex.platform.engine.async_engine import AsyncEngine
 from loraplex.platform.engine.engine import Engine
 
 

@@ -24,7 +24,7 @@ from loraplex.platform.api.dashboard_sources import (
 )
 from loraplex.platform.api.state import ServerState
 from loraplex.platform.api.tenant_metrics import TenantCounts
-from loraplex.platform.engine.async_engine import EngineSnapshot
+from loraplex.platform.core.stats import EngineSnapshot
 
 SAMPLE_PERIOD_S = 1.0
 HISTORY_S = 600.0  # the page's chart: the last ten minutes

@@ -25,8 +25,7 @@ from loraplex.grammar.errors import (
     GrammarTimeoutError,
     UnsupportedSchemaError,
 )
-from loraplex.platform.engine.async_engine import EngineDeadError, RequestStalledError
-from loraplex.platform.engine.engine import PromptTooLongError
+from loraplex.platform.core.errors import EngineDeadError, PromptTooLongError, RequestStalledError
 
 logger = logging.getLogger(__name__)
 

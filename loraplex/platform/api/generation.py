@@ -24,9 +24,10 @@ from loraplex.platform.api.errors import (
     request_failed,
 )
 from loraplex.platform.api.logprobs import TokenLogprobs
+from loraplex.platform.core.errors import EngineDeadError
 from loraplex.platform.core.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from loraplex.platform.core.sampling_params import SamplingParams
-from loraplex.platform.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from loraplex.platform.engine.async_engine import AsyncEngine, RequestStream
 
 SSE_DONE = "data: [DONE]\n\n"
 

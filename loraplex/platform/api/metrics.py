@@ -12,7 +12,8 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-from loraplex.platform.engine.async_engine import EngineSnapshot, RequestTiming
+from loraplex.platform.core.stats import EngineSnapshot
+from loraplex.platform.core.timing import RequestTiming
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from loraplex.grammar.params import StructuredOutputs
 from loraplex.platform.api.errors import bad_request, from_engine_error
 from loraplex.platform.api.protocol import (
     ChatCompletionRequest,
@@ -13,6 +12,7 @@ from loraplex.platform.api.protocol import (
     SamplingFields,
 )
 from loraplex.platform.core.sampling_params import RequestOutputKind, SamplingParams
+from loraplex.platform.core.structured_outputs import StructuredOutputs
 
 DEFAULT_MAX_N = 16
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 64

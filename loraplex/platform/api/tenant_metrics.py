@@ -11,10 +11,10 @@ import threading
 from collections import Counter
 from dataclasses import dataclass
 
-from loraplex.adapters.manager import LoRAStats
 from loraplex.platform.api.limits import TenantLimiter
 from loraplex.platform.api.metrics import _labels
-from loraplex.platform.engine.async_engine import RequestTiming
+from loraplex.platform.core.stats import LoRAStats
+from loraplex.platform.core.timing import RequestTiming
 
 
 def adapter_label(engine_name: str | None) -> str:

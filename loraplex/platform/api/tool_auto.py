@@ -15,13 +15,13 @@ import itertools
 from dataclasses import replace
 
 from loraplex.adapters.request import LoRARequest
-from loraplex.grammar.params import StructuredOutputs
 from loraplex.platform.api.errors import from_engine_error
 from loraplex.platform.api.generation import Prompt, merge_streams
 from loraplex.platform.api.tool_calls import ToolRequest
 from loraplex.platform.api.tool_parsers import ToolParser
 from loraplex.platform.core.outputs import CompletionOutput, RequestOutput
 from loraplex.platform.core.sampling_params import SamplingParams
+from loraplex.platform.core.structured_outputs import StructuredOutputs
 from loraplex.platform.engine.async_engine import AsyncEngine, RequestStream
 
 MAX_CALLS = 16  # calls one choice may open (parallel calls); then it ends

@@ -17,6 +17,14 @@ class Logprob(NamedTuple):
     decoded_token: str
 
 
+class StopHit(NamedTuple):
+    """A sample that matched a stop string: its core request must stop generating."""
+
+    core_id: str
+    stop: str  # the stop string
+    num_tokens: int  # the tokens it keeps (those after the one completing the string drop)
+
+
 # One dict per generated token: the sampled token and the top-k alternatives.
 SampleLogprobs = list[dict[int, Logprob]]
 # One entry per prompt token: None for the first (nothing precedes it), then the prompt token's

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from loraplex.grammar.params import StructuredOutputs
+    from loraplex.platform.core.structured_outputs import StructuredOutputs
 
 _GREEDY_EPS = 1e-5
 

@@ -30,50 +30,15 @@ from loraplex.platform.core.commands import (
     RemoveAdapter,
     SetTenantWeight,
 )
+from loraplex.platform.core.errors import EngineDeadError, RequestStalledError
 from loraplex.platform.core.outputs import RequestOutput, merge_deltas
 from loraplex.platform.core.request import RequestStatus
 from loraplex.platform.core.sampling_params import RequestOutputKind, SamplingParams
-from loraplex.platform.engine.engine import Engine, EngineStats
+from loraplex.platform.core.stats import EngineSnapshot
+from loraplex.platform.core.timing import RequestTiming, TimingObserver
+from loraplex.platform.engine.engine import Engine
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread has stopped; no request can be served."""
-
-
-class RequestStalledError(RuntimeError):
-    """The watchdog ended a request that made no progress for `request_stall_timeout_s`; it is
-    the `failure` of the request's final output (finish reason "error")."""
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """What the engine thread last published: gauges and token counters for /metrics."""
-
-    stats: EngineStats
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    watchdog_aborted_total: int = 0  # requests the watchdog ended (no progress)
-    num_steps: int = 0  # engine steps run
-    step_seconds_total: float = 0.0  # wall time inside those steps
-
-
-@dataclass(frozen=True)
-class RequestTiming:
-    """Latencies of one finished request, handed to timing observers (seconds)."""
-
-    ttft_s: float | None  # arrival -> first output token
-    inter_token_s: tuple[float, ...]  # gaps between successive outputs after the first
-    e2e_s: float  # arrival -> finish
-    num_prompt_tokens: int
-    num_generation_tokens: int
-    finish_reason: str | None
-    tenant: str = "default"
-    adapter: str | None = None  # the LoRARequest's name, None for the base model
-
-
-TimingObserver = Callable[[RequestTiming], None]
 
 
 @dataclass

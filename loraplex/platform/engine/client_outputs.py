@@ -15,9 +15,10 @@ from loraplex.platform.core.outputs import (
     Logprob,
     PromptLogprobs,
     RequestOutput,
+    StopHit,
 )
 from loraplex.platform.core.scheduler_output import EngineCoreOutput
-from loraplex.platform.engine.output_processor import OutputProcessor, StopHit
+from loraplex.platform.engine.output_processor import OutputProcessor
 
 
 class ClientOutputs(OutputProcessor):

@@ -24,16 +24,12 @@ import zmq
 import zmq.asyncio
 
 from loraplex.adapters.request import LoRARequest
+from loraplex.platform.core.errors import EngineDeadError
 from loraplex.platform.core.sampling_params import RequestOutputKind, SamplingParams
+from loraplex.platform.core.stats import EngineSnapshot
+from loraplex.platform.core.timing import TimingObserver
 from loraplex.platform.engine.adapter_tokenizers import AdapterTokenizers
-from loraplex.platform.engine.async_engine import (
-    _ACCEPTED,
-    AsyncEngine,
-    EngineDeadError,
-    EngineSnapshot,
-    RequestStream,
-    TimingObserver,
-)
+from loraplex.platform.engine.async_engine import _ACCEPTED, AsyncEngine, RequestStream
 from loraplex.platform.engine.client_outputs import ClientOutputs
 from loraplex.platform.engine.ipc import (
     PROTOCOL_VERSION,

@@ -30,14 +30,10 @@ import msgspec
 import zmq
 
 from loraplex.config import EngineConfig
+from loraplex.platform.core.stats import EngineSnapshot
+from loraplex.platform.core.timing import RequestTiming
 from loraplex.platform.distributed.workers import set_worker_death_handler
-from loraplex.platform.engine.async_engine import (
-    _ACCEPTED,
-    AsyncEngine,
-    EngineSnapshot,
-    RequestTiming,
-    _Add,
-)
+from loraplex.platform.engine.async_engine import _ACCEPTED, AsyncEngine, _Add
 from loraplex.platform.engine.ipc import (
     PROTOCOL_VERSION,
     SNAPSHOT_INTERVAL_S,

@@ -7,12 +7,12 @@ import logging
 import random
 import time
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 
 from loraplex.adapters.errors import AdapterLoadError
-from loraplex.adapters.manager import LoRAManager, LoRAStats
+from loraplex.adapters.manager import LoRAManager
 from loraplex.adapters.peft_format import BaseModelSpec
 from loraplex.adapters.request import LoRARequest
 from loraplex.config import EngineConfig
@@ -25,13 +25,15 @@ from loraplex.platform.core.commands import (
     RemoveAdapter,
     SetTenantWeight,
 )
-from loraplex.platform.core.outputs import RequestOutput
+from loraplex.platform.core.errors import PromptTooLongError
+from loraplex.platform.core.outputs import RequestOutput, StopHit
 from loraplex.platform.core.request import Request, RequestStatus
 from loraplex.platform.core.sampling_params import SamplingParams
 from loraplex.platform.core.scheduler_output import EngineCoreOutput, SchedulerOutput
+from loraplex.platform.core.stats import EngineStats
 from loraplex.platform.engine.adapter_tokenizers import AdapterTokenizers
 from loraplex.platform.engine.gc_tuning import tune_for_serving
-from loraplex.platform.engine.output_processor import OutputProcessor, StopHit, core_request_ids
+from loraplex.platform.engine.output_processor import OutputProcessor, core_request_ids
 from loraplex.platform.engine.structured_output import StepBitmask, StructuredOutputManager
 from loraplex.platform.models.model_loader import generation_eos_ids
 from loraplex.platform.models.model_store import resolve_model_path
@@ -44,37 +46,8 @@ from loraplex.platform.models.tokenizer import (
 from loraplex.platform.runner.model_runner import LaunchedStep, ModelRunner, StepOutput
 from loraplex.platform.scheduler.scheduler import Scheduler
 from loraplex.platform.spec.proposer import can_speculate
-from loraplex.platform.spec.stats import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
-
-
-class PromptTooLongError(ValueError):
-    """The prompt plus the requested tokens do not fit the model's context."""
-
-    def __init__(self, message: str, param: str = "messages") -> None:
-        super().__init__(message)
-        self.param = param
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    kv_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    lora: LoRAStats | None = None
-    spec_decoding: SpecDecodingStats | None = None  # None: speculative decoding is off
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return (
-            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-        )
 
 
 class Engine:

@@ -25,18 +25,13 @@ from loraplex.adapters import errors as adapter_errors
 from loraplex.adapters.request import LoRARequest
 from loraplex.adapters.validator import AdapterValidator
 from loraplex.grammar import errors as grammar_errors
-from loraplex.grammar.params import StructuredOutputs
 from loraplex.platform.core import commands
-from loraplex.platform.core.outputs import RequestOutput
+from loraplex.platform.core.errors import EngineDeadError, PromptTooLongError, RequestStalledError
+from loraplex.platform.core.outputs import RequestOutput, StopHit
 from loraplex.platform.core.sampling_params import RequestOutputKind, SamplingParams
-from loraplex.platform.engine.async_engine import (
-    EngineDeadError,
-    EngineSnapshot,
-    RequestStalledError,
-    RequestTiming,
-)
-from loraplex.platform.engine.engine import PromptTooLongError
-from loraplex.platform.engine.output_processor import StopHit
+from loraplex.platform.core.stats import EngineSnapshot
+from loraplex.platform.core.structured_outputs import StructuredOutputs
+from loraplex.platform.core.timing import RequestTiming
 
 PROTOCOL_VERSION = 2  # 2: outputs carry token ids only; the API processes detokenize
 SNAPSHOT_INTERVAL_S = 0.05  # the most often the core publishes its gauges while busy

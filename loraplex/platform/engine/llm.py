@@ -12,7 +12,8 @@ from loraplex.adapters.request import LoRARequest
 from loraplex.config import EngineConfig
 from loraplex.platform.core.outputs import RequestOutput
 from loraplex.platform.core.sampling_params import RequestOutputKind, SamplingParams
-from loraplex.platform.engine.engine import Engine, EngineStats
+from loraplex.platform.core.stats import EngineStats
+from loraplex.platform.engine.engine import Engine
 
 Prompt = str | list[int]
 Message = dict[str, Any]

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from loraplex.platform.core.outputs import (
     CompletionOutput,
     Logprob,
     PromptLogprobs,
     RequestOutput,
+    StopHit,
 )
 from loraplex.platform.core.sampling_params import RequestOutputKind, SamplingParams
 from loraplex.platform.core.scheduler_output import EngineCoreOutput
@@ -26,14 +26,6 @@ from loraplex.platform.models.tokenizer import Tokenizer
 def core_request_ids(request_id: str, n: int) -> list[str]:
     """The engine-core request ids of a request's n samples."""
     return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
-
-
-class StopHit(NamedTuple):
-    """A sample that matched a stop string: its core request must stop generating."""
-
-    core_id: str
-    stop: str  # the stop string
-    num_tokens: int  # the tokens it keeps (those after the one completing the string drop)
 
 
 class _NoText:

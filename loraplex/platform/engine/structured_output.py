@@ -20,7 +20,7 @@ from loraplex.platform.core.request import Request, RequestStatus
 if TYPE_CHECKING:
     from loraplex.grammar.compiler import Grammar, GrammarCompiler
     from loraplex.grammar.config import GrammarConfig
-    from loraplex.grammar.params import StructuredOutputs
+    from loraplex.platform.core.structured_outputs import StructuredOutputs
     from loraplex.platform.models.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

@@ -34,9 +34,9 @@ from loraplex.platform.core.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from loraplex.platform.core.spec_stats import SpecDecodingStats
 from loraplex.platform.scheduler.kv_cache_manager import KVCacheManager
 from loraplex.platform.scheduler.request_queue import FairRequestQueue
-from loraplex.platform.spec.stats import SpecDecodingStats
 
 
 class AdapterAdmission(Protocol):

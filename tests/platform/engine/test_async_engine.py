@@ -10,9 +10,9 @@ from engine_configs import cpu_engine_config
 
 from loraplex import SamplingParams
 from loraplex.config import CacheConfig, EngineConfig, ModelConfig
+from loraplex.platform.core.errors import EngineDeadError, PromptTooLongError
 from loraplex.platform.core.sampling_params import RequestOutputKind
-from loraplex.platform.engine.async_engine import AsyncEngine, EngineDeadError
-from loraplex.platform.engine.engine import PromptTooLongError
+from loraplex.platform.engine.async_engine import AsyncEngine
 
 DELTA = RequestOutputKind.DELTA
 

@@ -9,12 +9,11 @@ import pytest
 
 from loraplex.adapters.errors import AdapterLoadError
 from loraplex.grammar.errors import GrammarTimeoutError
-from loraplex.grammar.params import StructuredOutputs
 from loraplex.platform.core.commands import AdapterAdded, AddAdapter, SetTenantWeight
+from loraplex.platform.core.errors import PromptTooLongError, RequestStalledError
 from loraplex.platform.core.outputs import CompletionOutput, Logprob, RequestOutput
 from loraplex.platform.core.sampling_params import RequestOutputKind, SamplingParams
-from loraplex.platform.engine.async_engine import RequestStalledError
-from loraplex.platform.engine.engine import PromptTooLongError
+from loraplex.platform.core.structured_outputs import StructuredOutputs
 from loraplex.platform.engine.ipc import (
     AddRequest,
     Codec,

@@ -14,7 +14,8 @@ from loraplex import SamplingParams, StructuredOutputs
 from loraplex.config import SchedulerConfig
 from loraplex.platform.api.errors import request_failed
 from loraplex.platform.api.metrics import ServerMetrics
-from loraplex.platform.engine.async_engine import AsyncEngine, RequestStalledError
+from loraplex.platform.core.errors import RequestStalledError
+from loraplex.platform.engine.async_engine import AsyncEngine
 from loraplex.platform.engine.structured_output import GrammarJob
 
 TIMEOUT_S = 1.0

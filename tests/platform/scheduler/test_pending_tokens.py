@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from loraplex.config import CacheConfig, SchedulerConfig
-from loraplex.grammar.params import StructuredOutputs
 from loraplex.platform.core.request import Request, RequestStatus
 from loraplex.platform.core.sampling_params import SamplingParams
 from loraplex.platform.core.scheduler_output import ModelRunnerOutput
+from loraplex.platform.core.structured_outputs import StructuredOutputs
 from loraplex.platform.scheduler.scheduler import Scheduler
 
 EOS = 0

@@ -4,10 +4,9 @@ the engine core to the API process in the snapshot."""
 from __future__ import annotations
 
 from loraplex.platform.api.metrics import ServerMetrics
-from loraplex.platform.engine.async_engine import EngineSnapshot
-from loraplex.platform.engine.engine import EngineStats
+from loraplex.platform.core.spec_stats import SpecDecodingStats
+from loraplex.platform.core.stats import EngineSnapshot, EngineStats
 from loraplex.platform.engine.ipc import Codec, CoreBatch
-from loraplex.platform.spec.stats import SpecDecodingStats
 
 
 def _snapshot(spec: SpecDecodingStats | None) -> EngineSnapshot:
