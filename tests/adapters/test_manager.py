@@ -97,6 +97,21 @@ def test_replacing_a_name_serves_new_requests_on_the_new_version(manager_and_mod
     assert manager.pool.slot_of(new_key) is not None
 
 
+def test_replacing_a_pinned_name_lets_the_old_version_go(manager_and_model, tmp_path):
+    manager, *_ = manager_and_model
+    old, new = make_peft_adapter(tmp_path / "v1", seed=1), make_peft_adapter(tmp_path / "v2", 2)
+    old_key = manager.register(add_command("a", old, pinned=True)).key
+    finish_reads(manager.admission, manager.loader)
+    assert manager.stats_report().gpu_slots_in_use == 1  # the pin holds its slot
+    new_key = manager.register(add_command("a", new)).key
+    (stat,) = manager.stats_report().adapters
+    assert (stat.key, stat.pinned) == (new_key, False)
+    assert manager.pool.slot_of(old_key) is None and manager.stats_report().gpu_slots_in_use == 0
+    assert manager.pin("a") and manager.pin("a") and not manager.pin("nobody")
+    with pytest.raises(ValueError, match="one must stay for the other adapters"):
+        manager.register(add_command("b", old, pinned=True))  # two slots: one pin at most
+
+
 def test_a_name_removed_by_command_is_refused_one_seen_by_path_comes_back(
     manager_and_model, tmp_path
 ):

@@ -149,7 +149,8 @@ STARVATION_CASES = {
     "the adapter with the fewest running requests drains": (
         [("run", "a1", "a"), ("run", "b1", "b"), ("run", "b2", "b")], "a", ["a1"]),
     "a pinned adapter never drains, however few its requests": (
-        [("pin", "a"), ("run", "b1", "b"), ("run", "b2", "b")], "b", ["b1", "b2"]),
+        [("pin", "a"), ("run", "a1", "a"), ("run", "b1", "b"), ("run", "b2", "b")], "b",
+        ["b1", "b2"]),
     "on a tie, the adapter used least recently drains": (
         [("run", "a1", "a"), ("run", "b1", "b"), ("end", "a1"), ("run", "a2", "a")], "b",
         ["b1"]),
