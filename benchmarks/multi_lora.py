@@ -171,7 +171,7 @@ def warm_host_cache(engine: Engine, commands: list[AddAdapter]) -> None:
     manager = engine.lora_manager
     keys = [engine.handle_command(c).key for c in commands]
     for key in keys:
-        manager.prefetch(key)
+        manager.admission.prefetch(key)
     while any(not manager.pool.has_host(k) and manager.pool.slot_of(k) is None for k in keys):
         manager.wait_for_loads(0.05)
         manager.poll()
@@ -202,7 +202,7 @@ def registration_to_first_token(args, llm: LLM, commands: list[AddAdapter], fres
     rng = random.Random(9)
     long = SamplingParams(max_tokens=engine.max_model_len - 64, **GREEDY)
     # NOTE: the running sequences use all slots but one: with every slot held by a running
-    # request, a new adapter would wait for one to drain (see LoRAManager), a different figure.
+    # request, a new adapter would wait for one to drain (see SlotAdmission), a different figure.
     num_adapters = min(args.slots - 1, len(commands))
     for i in range(args.running):
         name = commands[i % num_adapters].name

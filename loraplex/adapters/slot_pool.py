@@ -148,18 +148,6 @@ class LoRASlotPool:
         if self._slots[slot].pins == 0:
             self._idle[slot] = None
 
-    def prefetch(self, key: Hashable) -> None:
-        """Warm the host cache and, if a slot is empty, start the host-to-device copy.
-
-        Prefetching never evicts another adapter from the GPU."""
-        if key in self._where:
-            return
-        wide = self._host_weights(key).needs_saved_module_slot
-        slot = self._free_slot(wide)
-        if slot is not None:
-            self._load(key, slot)
-            self._idle[slot] = None
-
     def stage(self, key: Hashable) -> bool:
         """Start copying a host-cached adapter into a slot (a free one, else the least recently
         used idle one), without pinning it; True if it is resident afterwards. Never evicts a
@@ -191,11 +179,6 @@ class LoRASlotPool:
         """How many pins hold the adapter's slot (0 when it is not resident)."""
         slot = self._where.get(key)
         return 0 if slot is None else self._slots[slot].pins
-
-    def load_host(self, key: Hashable) -> None:
-        """Make sure the adapter's weights are in the host cache (read through the loader on a
-        miss; the loader's errors propagate). Touches no slot."""
-        self._host_weights(key)
 
     def wait_ready(self) -> None:
         """Order the current stream after the pending loads of pinned slots (no host wait)."""

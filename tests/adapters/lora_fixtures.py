@@ -1,10 +1,16 @@
-"""Tiny random Llama models and PEFT adapters made on the spot (fp32, CPU), for adapter tests."""
+"""Tiny random Llama models and PEFT adapters made on the spot (fp32, CPU), for adapter tests;
+a wait for the adapter loader's reads, and the names a manager has registered."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
+
+from loraplex.adapters.loader import AdapterLoader
+from loraplex.adapters.manager import LoRAManager
+from loraplex.adapters.slot_admission import SlotAdmission
 
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 HF_CONFIG = {
@@ -40,3 +46,17 @@ def make_peft_adapter(
     model = get_peft_model(base, LoraConfig(init_lora_weights=False, **options))
     model.save_pretrained(str(folder))
     return folder
+
+
+def finish_reads(admission: SlotAdmission, loader: AdapterLoader, timeout_s: float = 60) -> None:
+    """Poll, as the engine does between steps, until the loader has no read under way."""
+    deadline = time.monotonic() + timeout_s
+    while loader.num_in_flight:
+        assert time.monotonic() < deadline, "the adapter reads did not finish"
+        loader.wait(deadline - time.monotonic())
+        admission.poll()
+
+
+def registered_adapters(manager: LoRAManager) -> dict[str, str]:
+    """Registered names and their keys, as `GetAdapterStats` reports them."""
+    return {a.name: a.key for a in manager.stats_report().adapters if a.registered}

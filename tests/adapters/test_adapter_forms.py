@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from engine_lora_helpers import PeftReference
+from lora_fixtures import registered_adapters
 from random_adapters import write_tiny_model
 from safetensors.torch import save_file
 
@@ -226,12 +227,12 @@ def test_saved_modules_and_token_rows_mixed_in_one_batch_equal_peft(tiny_dir, tm
 
 def test_saved_modules_are_refused_where_no_slot_holds_copies(llm, tiny_dir, tmp_path):
     refs = SavedReferences(tiny_dir, tmp_path, [5, 9])
-    registered = llm.engine.lora_manager.list_adapters()
+    registered = registered_adapters(llm.engine.lora_manager)
     for name in ("saved-lm-head", "tokens"):
         request = LoRARequest(name, str(refs.paths[name]))
         with pytest.raises(AdapterValidationError, match="--max-saved-module-loras"):
             llm.generate(PROMPTS[0], GREEDY, lora_request=request)
-    assert llm.engine.lora_manager.list_adapters() == registered
+    assert registered_adapters(llm.engine.lora_manager) == registered
 
 
 def _dequantized_copy(llm: LLM, source: Path, folder: Path) -> Path:

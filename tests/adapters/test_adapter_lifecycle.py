@@ -14,6 +14,7 @@ import pytest
 from engine_lora_helpers import SlotRecorder
 from random_adapters import add_command, write_adapter, write_tiny_model
 
+from loraplex.adapters.adapter_names import key_from_digest
 from loraplex.adapters.errors import AdapterNotFoundError
 from loraplex.adapters.request import LoRARequest
 from loraplex.config import (
@@ -162,7 +163,7 @@ def test_a_slow_adapter_read_delays_no_other_request(engine, hf_config, tmp_path
     _run_alone(engine, "fast", PROMPTS[0])  # resident from now on
     pool = engine.lora_manager.pool
     read = pool._loader
-    slow_key = "lora-" + slow.digest[:32]
+    slow_key = key_from_digest(slow.digest)
     release = threading.Event()
 
     def slow_read(key):

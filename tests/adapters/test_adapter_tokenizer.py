@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from engine_lora_helpers import PeftReference
+from lora_fixtures import registered_adapters
 from tokenizer_adapters import (
     NEW_TOKEN,
     PADDING,
@@ -141,10 +142,10 @@ BAD = {"an id past the rows": "embedding rows", "EOS remapped": "eos_token",
 @pytest.mark.parametrize("case", BAD)
 def test_a_tokenizer_that_changes_base_ids_is_refused(llm, peft, tmp_path, case):
     folder = _bad_copy(peft, tmp_path / "bad", case)
-    registered = llm.engine.lora_manager.list_adapters()
+    registered = registered_adapters(llm.engine.lora_manager)
     with pytest.raises(AdapterValidationError, match=BAD[case]):
         llm.generate(PROMPT, GREEDY, lora_request=LoRARequest("bad", str(folder)))
-    assert llm.engine.lora_manager.list_adapters() == registered
+    assert registered_adapters(llm.engine.lora_manager) == registered
 
 
 def test_the_digest_covers_the_tokenizer(llm, peft, tmp_path):

@@ -21,6 +21,7 @@ from engine_lora_helpers import (
     truncated,
     wrong_shape,
 )
+from lora_fixtures import registered_adapters
 
 from loraplex import LLM, LoRARequest, RequestOutputKind, SamplingParams
 from loraplex.adapters.errors import AdapterLoadError
@@ -169,11 +170,11 @@ BAD_ADAPTERS = {
 def test_bad_adapter_is_refused_and_leaves_nothing_behind(llm, peft, tmp_path, kind):
     make, message = BAD_ADAPTERS[kind]
     folder = make(peft.paths["r8-all"], tmp_path / kind)
-    registered = llm.engine.lora_manager.list_adapters()
+    registered = registered_adapters(llm.engine.lora_manager)
     with pytest.raises(AdapterValidationError, match=message) as refused:
         llm.generate(PROMPTS[None], GREEDY, lora_request=LoRARequest(f"bad-{kind}", str(folder)))
     assert isinstance(refused.value, ValueError) and str(folder) in str(refused.value)
-    assert llm.engine.lora_manager.list_adapters() == registered
+    assert registered_adapters(llm.engine.lora_manager) == registered
     assert_idle(llm)
 
 

@@ -83,27 +83,36 @@ def test_resident_adapter_is_not_copied_again():
     assert writer.writes == 1 and pool.counters.gpu_loads == 1
 
 
-def test_prefetch_fills_empty_slots_but_never_evicts():
-    pool, writer, disk_reads = _pool(num_slots=1)
-    pool.prefetch("a")
-    assert pool.slot_of("a") == 0 and pool.is_ready("a")
-    pool.prefetch("b")
-    assert pool.slot_of("b") is None and pool.slot_of("a") == 0
-    assert disk_reads == ["a", "b"]  # "b" is warm in host memory
-    pool.acquire("b")  # "a" was idle, so acquiring evicts it
-    assert disk_reads == ["a", "b"] and writer.slots[0] == "b"
+def _read(pool: LoRASlotPool, key: str) -> None:
+    """What the loader thread and `SlotAdmission.poll` do: read, then into the host cache."""
+    pool.put_host(key, pool.read(key), from_disk=True)
+
+
+def test_stage_copies_from_the_host_cache_into_a_free_then_an_idle_slot_never_a_pinned_one():
+    pool, writer, disk_reads = _pool(num_slots=2)
+    assert not pool.stage("a")  # not in the host cache: stage never reads disk
+    for key in "abc":
+        _read(pool, key)
+    assert pool.stage("a") and pool.stage("b") and pool.is_ready("a")
+    assert pool.acquire("a") == pool.slot_of("a")  # pinned now; "b" stays idle
+    assert pool.stage("c") and pool.slot_of("b") is None  # took the idle slot
+    pool.acquire("c")
+    _read(pool, "b")
+    assert not pool.stage("b") and not pool.can_allocate("b")  # both slots pinned
+    assert disk_reads == ["a", "b", "c", "b"] and writer.writes == 3
+    assert pool.counters.disk_loads == 4 and pool.counters.gpu_evictions == 1
 
 
 def test_host_cache_is_bounded_and_lru():
     pool, _, disk_reads = _pool(num_slots=1, max_cpu=2)
     for key in ("a", "b", "c"):
-        pool.prefetch(key)
+        _read(pool, key)
     assert pool.cpu_resident() == 2 and pool.counters.cpu_evictions == 1
-    pool.prefetch("a")  # resident on the GPU already: no read
-    pool.acquire("b")  # evicts idle "a" from the GPU; "b" comes from host memory
+    assert not pool.has_host("a") and pool.has_host("b") and pool.has_host("c")
+    pool.acquire("b")  # from host memory
     assert disk_reads == ["a", "b", "c"]
     pool.release("b")
-    pool.acquire("a")  # fell out of both caches: read again
+    pool.acquire("a")  # fell out of the host cache: read again
     assert disk_reads == ["a", "b", "c", "a"]
 
 
@@ -130,7 +139,7 @@ def test_adapters_with_module_copies_take_only_the_copy_slots():
     pool = LoRASlotPool(3, 8, writer, loader, "cpu", saved_module_slots=1)
     assert pool.acquire("plain-a") == 1 and pool.acquire("plain-b") == 2
     assert pool.acquire("saved-a") == 0
-    pool.load_host("saved-b")
+    _read(pool, "saved-b")
     assert pool.needs_saved_module_slot("saved-b") and not pool.can_allocate("saved-b")
     pool.release("plain-a")  # an idle slot, but not one that holds copies
     assert not pool.can_allocate("saved-b") and not pool.stage("saved-b")

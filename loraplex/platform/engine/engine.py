@@ -76,7 +76,7 @@ class Engine:
             config.cache,
             self.runner.num_blocks,
             self.max_model_len,
-            adapters=self.lora_manager,
+            adapters=None if self.lora_manager is None else self.lora_manager.admission,
         )
         self.structured = StructuredOutputManager(
             self.tokenizer,
@@ -207,7 +207,7 @@ class Engine:
         spec = BaseModelSpec.from_hf_config(self.runner.arch.raw, name_or_path=str(self.model_dir))
         base_tokenizer = tokenizer_folder(self.model_dir)
         return LoRAManager(
-            self.config.lora, spec, state, self.runner.dtype, background_loads=True,
+            self.config.lora, spec, state, self.runner.dtype,
             base_tokenizer=str(base_tokenizer or ""),
         )  # fmt: skip
 

@@ -3,6 +3,7 @@ on an adapter removed while it was on its way to the engine."""
 
 from __future__ import annotations
 
+from loraplex.adapters.adapter_names import key_from_digest
 from loraplex.platform.api.adapter_metrics import render_adapter_metrics
 from loraplex.platform.core.commands import (
     LOAD_LATENCY_BUCKETS_S,
@@ -14,7 +15,7 @@ from loraplex.platform.core.commands import (
 def _stat(name: str, residency: str, latencies: dict[int, int]) -> AdapterStat:
     buckets = tuple(latencies.get(i, 0) for i in range(len(LOAD_LATENCY_BUCKETS_S)))
     return AdapterStat(
-        name=name, key="lora-" + "0" * 32, tenant=name.split("/")[0], label="x",
+        name=name, key=key_from_digest("0" * 64), tenant=name.split("/")[0], label="x",
         residency=residency, loading=False, pinned=residency == "gpu", registered=True,
         failed="", last_used=1700000000.5, gpu_loads=3, disk_loads=1, evictions=2,
         load_latency_buckets=buckets, load_latency_sum_s=0.75,

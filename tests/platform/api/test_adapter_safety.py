@@ -15,6 +15,7 @@ import pytest
 from api_helpers import wait_until_idle
 from tenant_helpers import create_tenants, start_server
 
+from loraplex.adapters.adapter_names import key_from_digest
 from loraplex.adapters.registry import AdapterRegistry
 from loraplex.platform.core.request import RequestStatus
 
@@ -147,7 +148,7 @@ def _forget(manager, name: str) -> None:
     """Unregister `name` as if this engine had never seen it (a restarted server's engine):
     not a RemoveAdapter, after which requests on the name are refused with a 404."""
     manager.remove_adapter(name)
-    manager._removed.discard(name)
+    manager.names._removed.discard(name)
 
 
 def test_an_adapter_registered_before_is_validated_again_when_loaded(world):
@@ -218,7 +219,7 @@ def test_an_adapter_failing_at_load_time_fails_only_its_own_requests(world):
     def break_loads(engine):
         """Evict the adapter; its next read from disk fails (as if the disk went bad)."""
         manager = engine.lora_manager
-        (key,) = {k for n, k in manager.list_adapters().items() if n.endswith(digest[:12])}
+        key = key_from_digest(digest)
         while manager.wait_for_loads(30):  # the read its registration started lands first
             manager.poll()
         manager.pool.forget(key)

@@ -15,6 +15,7 @@ import httpx
 import pytest
 from tenant_helpers import start_server, upload
 
+from loraplex.adapters.adapter_names import key_from_digest
 from loraplex.config import LoRAConfig
 from loraplex.platform.api.gie_metrics import LORA_INFO, LoRAInfoGauge
 from loraplex.platform.core.commands import LOAD_LATENCY_BUCKETS_S, AdapterStat, AdapterStatsReport
@@ -38,7 +39,7 @@ def _series(text: str, name: str) -> list[tuple[dict[str, str], float]]:
 
 def _stat(label: str, residency: str, running: int = 0, waiting: int = 0) -> AdapterStat:
     return AdapterStat(
-        name=f"acme/{label}@abc", key="lora-" + "0" * 32, tenant="acme", label=label,
+        name=f"acme/{label}@abc", key=key_from_digest("0" * 64), tenant="acme", label=label,
         residency=residency, loading=False, pinned=False, registered=True, failed="",
         last_used=0.0, gpu_loads=0, disk_loads=0, evictions=0,
         load_latency_buckets=(0,) * len(LOAD_LATENCY_BUCKETS_S), load_latency_sum_s=0.0,

@@ -7,6 +7,7 @@ import pickle
 import msgspec
 import pytest
 
+from loraplex.adapters.adapter_names import key_from_digest
 from loraplex.adapters.errors import AdapterLoadError
 from loraplex.grammar.errors import GrammarTimeoutError
 from loraplex.platform.core.commands import AdapterAdded, AddAdapter, SetTenantWeight
@@ -79,7 +80,7 @@ def test_an_unknown_error_class_comes_back_as_runtime_error():
 def test_commands_and_their_results_travel_by_class_name(codec):
     request = codec.decode_client(codec.encode(codec.command(7, SetTenantWeight("acme", 2.0))))
     assert codec.command_of(request) == SetTenantWeight("acme", 2.0)
-    added = AdapterAdded("a", "lora-" + "0" * 32, False)
+    added = AdapterAdded("a", key_from_digest("0" * 64), False)
     for value in (added, True, None):
         batch = codec.decode_core(codec.encode(CoreBatch(results=[codec.result(7, value)])))
         assert codec.result_of(batch.results[0]) == value
