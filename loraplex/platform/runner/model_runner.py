@@ -34,6 +34,7 @@ from loraplex.platform.parallel.sharding import attention_shard
 from loraplex.platform.runner.batch import Batch, build_batch, fill_pending
 from loraplex.platform.runner.cpu_threads import configure_cpu_threads
 from loraplex.platform.runner.cuda_graph import CudaGraphRunner
+from loraplex.platform.runner.draft_sampler import MetadataDraftSampler
 from loraplex.platform.runner.input_batch import InputBatch, to_device
 from loraplex.platform.runner.kv_sizing import kv_block_bytes, num_kv_blocks
 from loraplex.platform.runner.lora_slots import LoRASlotWriter
@@ -42,9 +43,9 @@ from loraplex.platform.runner.step_output import StepOutput
 from loraplex.platform.runner.tp.lora_state import TensorParallelLoRAState
 from loraplex.platform.runner.tp.messages import ExecuteStep
 from loraplex.platform.runner.tp.workers import TensorParallelWorkers
+from loraplex.platform.runner.verifier import verify
 from loraplex.platform.spec.factory import build_proposer
 from loraplex.platform.spec.proposer import ProposalRequest
-from loraplex.platform.spec.verifier import verify
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +178,10 @@ class ModelRunner:
             max_seqs, self.max_model_len, self.max_blocks_per_seq, self.arch.vocab_size, self.device
         )
         self.eos_token_ids = eos_token_ids
-        self.proposer = build_proposer(config, self.arch.vocab_size, self.device)
+        self.proposer = build_proposer(
+            config, self.arch.vocab_size, self.device,
+            MetadataDraftSampler(self.arch.vocab_size, self.device),
+        )  # fmt: skip
         self._draft_probs: dict[str, torch.Tensor] | None = None
         self.graphs: CudaGraphRunner | None = None
         if self.device.type == "cuda" and not config.runner.enforce_eager:
@@ -401,7 +405,7 @@ class ModelRunner:
         bitmask: torch.Tensor | None,
         bitmask_rows: torch.Tensor | None,
     ) -> StepOutput:
-        """Sample a speculative step: accept each row's drafts exactly (`spec.rejection`)."""
+        """Sample a speculative step: accept each row's drafts exactly (`rejection_sampler`)."""
         batch, logits = launched.batch, launched.logits
         assert batch is not None and logits is not None and batch.spec_lens is not None
         ib = self.input_batch
