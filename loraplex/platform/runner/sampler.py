@@ -31,7 +31,7 @@ def apply_penalties(
     metadata: SamplingMetadata,
 ) -> torch.Tensor:
     """Repetition, then frequency and presence penalties, as OpenAI and vLLM define them
-    (`kernels.sampling.apply_penalties_ref`). -> a new [n, vocab] tensor"""
+    (`kernels.sampling.reference.apply_penalties_ref`). -> a new [n, vocab] tensor"""
     if metadata.output_counts is None:
         raise ValueError("penalties need SamplingMetadata.output_counts")
     return penalties_kernel(
