@@ -18,8 +18,8 @@ import torch
 
 from loraplex.adapters.lora_layer import LoRAModelState, attach_lora_layers
 from loraplex.config import EngineConfig
-from loraplex.grammar.bitmask import warm_up_bitmask
 from loraplex.kernels.attention import decode_plan
+from loraplex.kernels.bitmask import warm_up as warm_up_bitmask
 from loraplex.kernels.sampling import warm_up as warm_up_sampler
 from loraplex.platform.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from loraplex.platform.models.attention_metadata import AttentionMetadata

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from loraplex.grammar.bitmask import apply_token_bitmask_
+from loraplex.kernels.bitmask import apply_token_bitmask_
 from loraplex.kernels.sampling import apply_penalties as penalties_kernel
 from loraplex.kernels.sampling import compute_logprobs, draw, truncation_thresholds
 from loraplex.platform.runner.sampling_metadata import (

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from loraplex.grammar.bitmask import apply_token_bitmask_
+from loraplex.kernels.bitmask import apply_token_bitmask_
 from loraplex.kernels.sampling import compute_logprobs
 from loraplex.platform.runner.rejection_sampler import (
     sampling_probs,
