@@ -47,8 +47,9 @@ FUZZ_EXAMPLES ?= 300
 fuzz: $(STAMP)
 	LORAPLEX_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q tests/platform/api/test_fuzz.py $(PYTEST_ARGS)
 
+# ruff, then the import contracts of pyproject.toml (which way the parts import).
 lint: $(STAMP)
-	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/lint-imports
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .

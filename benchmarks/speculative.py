@@ -23,7 +23,7 @@ from benchmarks.record import write_result
 from loraplex import LLM, SamplingParams
 from loraplex.platform.models.attention_metadata import AttentionMetadata
 from loraplex.platform.runner.sampling_metadata import build_sampling_metadata
-from loraplex.platform.spec.verifier import verify
+from loraplex.platform.runner.verifier import verify
 
 _TEXT = (
     "The comittee met on tuesday to discus the budjet for the next fiscal year. Members "

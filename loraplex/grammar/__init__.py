@@ -1,8 +1,9 @@
 """Structured output: JSON schemas, regexes and choice lists compiled into token automata
 (outlines-core) over the model's vocabulary, a per-request matcher, and packed token bitmasks.
 
-Knows tokenizers and token masks, not engines. `bitmask` needs only torch, so the sampler can
-import it where outlines-core is absent; everything else imports outlines-core on first use.
+Knows tokenizers and token masks, not engines. `bitmask` needs only torch (applying a mask is
+the kernel family `loraplex.kernels.bitmask`); everything else imports outlines-core on first
+use.
 
 How an engine uses it:
 

@@ -9,9 +9,9 @@ import shutil
 import pytest
 import torch
 
-from loraplex.kernels import cpu_native, cpu_philox
-from loraplex.kernels.philox import philox_uniform_ref
-from loraplex.kernels.sampling import draw, draw_ref
+from loraplex.kernels import cpu_native
+from loraplex.kernels.sampling import cpu_philox, draw
+from loraplex.kernels.sampling.reference import draw_ref, philox_uniform_ref
 
 EXTREME_SEEDS = [0, 1, -1, 2**63 - 1, -(2**63), 0x1234_5678_9ABC_DEF0, 42]
 EXTREME_STEPS = [0, 1, 2**32 - 1, 2**32, 2**40 + 3, 7, 2**63 - 1]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.kernels.philox import philox4x32_ref, philox_uniform_ref
+from loraplex.kernels.sampling.reference import philox4x32_ref, philox_uniform_ref
 
 # Random123's known-answer vectors for philox4x32_10: (counter, key) -> output.
 KNOWN_ANSWERS = [
@@ -37,7 +37,7 @@ def test_reference_matches_random123_known_answers(counter, key, expected) -> No
 
 @pytest.mark.parametrize("n,vocab", [(1, 1), (3, 1025), (6, 77), (2, 2049)])
 def test_triton_uniforms_equal_reference_bit_for_bit(n: int, vocab: int) -> None:
-    from loraplex.kernels.triton_philox import philox_uniform_triton
+    from loraplex.kernels.sampling.triton_philox import philox_uniform_triton
 
     seeds = torch.tensor(EXTREME_SEEDS[:n], dtype=torch.int64, device=DEVICE)
     steps = torch.tensor(EXTREME_STEPS[:n], dtype=torch.int64, device=DEVICE)
@@ -55,7 +55,7 @@ def test_uniforms_are_inside_the_open_interval_and_uniform() -> None:
 
 
 def test_noise_depends_on_seed_step_and_token_only() -> None:
-    from loraplex.kernels.triton_philox import philox_uniform_triton
+    from loraplex.kernels.sampling.triton_philox import philox_uniform_triton
 
     seed, step, vocab = 987654321, 5, 300
     alone = philox_uniform_triton(

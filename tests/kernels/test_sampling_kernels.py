@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from loraplex.kernels.sampling import (
+from loraplex.kernels.sampling.reference import (
     apply_penalties_ref,
     draw_ref,
     logprobs_ref,
@@ -37,7 +37,7 @@ def _rows(n: int, vocab: int, seed: int):
 
 @pytest.mark.parametrize("n,vocab,chunks", [(1, 1, 1), (5, 1000, 1), (4, 3001, 2), (3, 4099, 4)])
 def test_triton_draw_matches_reference(n: int, vocab: int, chunks: int) -> None:
-    from loraplex.kernels.triton_sampling import draw_triton
+    from loraplex.kernels.sampling.triton_sampling import draw_triton
 
     logits, temperature, seeds, steps, top_k, top_p, min_p = _rows(n, vocab, vocab)
     thresholds = truncation_thresholds_ref(logits, temperature, top_k, top_p, min_p)
@@ -52,7 +52,7 @@ def test_triton_draw_matches_reference(n: int, vocab: int, chunks: int) -> None:
 
 @pytest.mark.parametrize("n,vocab,chunks", [(1, 5, 1), (6, 1000, 1), (5, 3001, 3), (4, 77, 2)])
 def test_triton_thresholds_match_reference(n: int, vocab: int, chunks: int) -> None:
-    from loraplex.kernels.triton_truncation import truncation_thresholds_triton
+    from loraplex.kernels.sampling.triton_truncation import truncation_thresholds_triton
 
     logits, temperature, _, _, top_k, top_p, min_p = _rows(n, vocab, vocab + 1)
     top_k[2 % n] = 0  # top-p alone
@@ -78,7 +78,7 @@ def test_triton_thresholds_match_reference(n: int, vocab: int, chunks: int) -> N
 
 @pytest.mark.parametrize("n,vocab,with_prompt", [(1, 7, True), (3, 2049, True), (4, 300, False)])
 def test_triton_penalties_match_reference(n: int, vocab: int, with_prompt: bool) -> None:
-    from loraplex.kernels.triton_sampling import apply_penalties_triton
+    from loraplex.kernels.sampling.triton_sampling import apply_penalties_triton
 
     gen = torch.Generator().manual_seed(vocab)
     logits = torch.randn(n, vocab, generator=gen) * 3
@@ -94,7 +94,7 @@ def test_triton_penalties_match_reference(n: int, vocab: int, with_prompt: bool)
 
 @pytest.mark.parametrize("n,vocab,k", [(3, 5000, 5), (2, 77, 0), (1, 3000, 20), (4, 2500, 3)])
 def test_triton_logprobs_match_reference(n: int, vocab: int, k: int) -> None:
-    from loraplex.kernels.triton_logprobs import logprobs_triton
+    from loraplex.kernels.sampling.triton_logprobs import logprobs_triton
 
     gen = torch.Generator().manual_seed(vocab + k)
     logits = torch.randn(n, vocab, generator=gen) * 3
@@ -109,7 +109,7 @@ def test_triton_logprobs_match_reference(n: int, vocab: int, k: int) -> None:
 
 
 def test_greedy_draw_breaks_ties_like_argmax() -> None:
-    from loraplex.kernels.triton_sampling import draw_triton
+    from loraplex.kernels.sampling.triton_sampling import draw_triton
 
     logits = torch.zeros(3, 2500)
     logits[0, [7, 1500, 2400]] = 5.0
@@ -132,7 +132,7 @@ def test_thresholds_of_known_rows() -> None:
     min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.2])
     tau = truncation_thresholds_ref(logits, temperature, top_k, top_p, min_p)
     kept = (logits >= tau[:, None]).sum(dim=-1).tolist()
-    from loraplex.kernels.triton_truncation import truncation_thresholds_triton
+    from loraplex.kernels.sampling.triton_truncation import truncation_thresholds_triton
 
     args = (logits.to(DEVICE), temperature.to(DEVICE), top_k.to(DEVICE), top_p.to(DEVICE))
     assert torch.equal(truncation_thresholds_triton(*args, min_p.to(DEVICE)).cpu(), tau)

@@ -32,7 +32,6 @@ import zmq
 from loraplex.config import EngineConfig
 from loraplex.platform.core.stats import EngineSnapshot
 from loraplex.platform.core.timing import RequestTiming
-from loraplex.platform.distributed.workers import set_worker_death_handler
 from loraplex.platform.engine.async_engine import _ACCEPTED, AsyncEngine, _Add
 from loraplex.platform.engine.ipc import (
     PROTOCOL_VERSION,
@@ -54,6 +53,7 @@ from loraplex.platform.engine.ipc import (
 )
 from loraplex.platform.runner.cpu_threads import configure_cpu_threads
 from loraplex.platform.runner.model_runner import resolve_device
+from loraplex.platform.runner.tp.workers import set_worker_death_handler
 
 logger = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from loraplex.platform.distributed.parallel_state import SINGLE, TensorParallel
-from loraplex.platform.distributed.sharding import LinearShard, Range
 from loraplex.platform.models.checkpoint_tensor import CheckpointTensor, narrow
+from loraplex.platform.parallel.parallel_state import SINGLE, TensorParallel
+from loraplex.platform.parallel.sharding import LinearShard, Range
 from loraplex.quant.base import QuantizationConfig, set_weight_attrs
 from loraplex.quant.registry import linear_method_for
 

@@ -3,7 +3,7 @@ SmolLM2; tied or separate embeddings. Attention runs over the paged KV cache. Wh
 ask for (RoPE variants, biases, sliding window) is decided by `ArchConfig`.
 
 Under tensor parallelism (`tp`) each rank holds its attention heads (and their KV cache), a
-slice of the MLP, and a slice of the vocabulary (`loraplex.platform.distributed.sharding`)."""
+slice of the MLP, and a slice of the vocabulary (`loraplex.platform.parallel.sharding`)."""
 
 from __future__ import annotations
 
@@ -17,19 +17,19 @@ from loraplex.kernels.attention import paged_attention
 from loraplex.kernels.gemv import linear
 from loraplex.kernels.layernorm import fused_add_rms_norm, rms_norm
 from loraplex.kernels.rotary import cos_sin_cache, rotary_write_kv
-from loraplex.platform.distributed.parallel_state import SINGLE, TensorParallel
-from loraplex.platform.distributed.sharding import (
+from loraplex.platform.models.arch_config import ArchConfig
+from loraplex.platform.models.attention_metadata import AttentionMetadata
+from loraplex.platform.models.linear import Linear
+from loraplex.platform.models.registry import register_model
+from loraplex.platform.models.weight_loader import load_named_weights
+from loraplex.platform.parallel.parallel_state import SINGLE, TensorParallel
+from loraplex.platform.parallel.sharding import (
     LinearShard,
     attention_shard,
     column_shard,
     row_shard,
     vocab_range,
 )
-from loraplex.platform.models.arch_config import ArchConfig
-from loraplex.platform.models.attention_metadata import AttentionMetadata
-from loraplex.platform.models.linear import Linear
-from loraplex.platform.models.registry import register_model
-from loraplex.platform.models.weight_loader import load_named_weights
 from loraplex.quant.base import QuantizationConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]

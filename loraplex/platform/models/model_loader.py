@@ -9,7 +9,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from loraplex.platform.distributed.parallel_state import SINGLE, TensorParallel
 from loraplex.platform.models.arch_config import ArchConfig
 from loraplex.platform.models.dummy_weights import (
     init_random_weights,
@@ -18,6 +17,7 @@ from loraplex.platform.models.dummy_weights import (
 from loraplex.platform.models.linear import Linear
 from loraplex.platform.models.registry import get_model_class
 from loraplex.platform.models.weight_loader import iterate_checkpoint
+from loraplex.platform.parallel.parallel_state import SINGLE, TensorParallel
 from loraplex.quant.base import QuantizationConfig
 from loraplex.quant.registry import find_quantization_config, get_quantization_config
 

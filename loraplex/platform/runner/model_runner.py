@@ -18,33 +18,34 @@ import torch
 
 from loraplex.adapters.lora_layer import LoRAModelState, attach_lora_layers
 from loraplex.config import EngineConfig
-from loraplex.grammar.bitmask import warm_up_bitmask
 from loraplex.kernels.attention import decode_plan
+from loraplex.kernels.bitmask import warm_up as warm_up_bitmask
 from loraplex.kernels.sampling import warm_up as warm_up_sampler
 from loraplex.platform.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from loraplex.platform.distributed.lora_state import TensorParallelLoRAState
-from loraplex.platform.distributed.messages import ExecuteStep
-from loraplex.platform.distributed.parallel_state import (
+from loraplex.platform.models.attention_metadata import AttentionMetadata
+from loraplex.platform.models.model_loader import load_model
+from loraplex.platform.parallel.parallel_state import (
     SINGLE,
     TensorParallel,
     destroy_tensor_parallel,
     init_tensor_parallel,
 )
-from loraplex.platform.distributed.sharding import attention_shard
-from loraplex.platform.distributed.workers import TensorParallelWorkers
-from loraplex.platform.models.attention_metadata import AttentionMetadata
-from loraplex.platform.models.model_loader import load_model
+from loraplex.platform.parallel.sharding import attention_shard
 from loraplex.platform.runner.batch import Batch, build_batch, fill_pending
 from loraplex.platform.runner.cpu_threads import configure_cpu_threads
 from loraplex.platform.runner.cuda_graph import CudaGraphRunner
+from loraplex.platform.runner.draft_sampler import MetadataDraftSampler
 from loraplex.platform.runner.input_batch import InputBatch, to_device
 from loraplex.platform.runner.kv_sizing import kv_block_bytes, num_kv_blocks
 from loraplex.platform.runner.lora_slots import LoRASlotWriter
 from loraplex.platform.runner.sampler import Sampler, score_tokens
 from loraplex.platform.runner.step_output import StepOutput
+from loraplex.platform.runner.tp.lora_state import TensorParallelLoRAState
+from loraplex.platform.runner.tp.messages import ExecuteStep
+from loraplex.platform.runner.tp.workers import TensorParallelWorkers
+from loraplex.platform.runner.verifier import verify
 from loraplex.platform.spec.factory import build_proposer
 from loraplex.platform.spec.proposer import ProposalRequest
-from loraplex.platform.spec.verifier import verify
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ class ModelRunner:
         if tp is None and config.parallel.tensor_parallel_size > 1:
             if self.device.type == "cuda":
                 self.device = torch.device("cuda:0")
-            self.workers = TensorParallelWorkers(config, model_dir)
+            self.workers = TensorParallelWorkers(config, model_dir, rank_runner)
         try:
             self._init(config, model_dir, eos_token_ids, tp, on_loaded)
         except BaseException:
@@ -177,7 +178,10 @@ class ModelRunner:
             max_seqs, self.max_model_len, self.max_blocks_per_seq, self.arch.vocab_size, self.device
         )
         self.eos_token_ids = eos_token_ids
-        self.proposer = build_proposer(config, self.arch.vocab_size, self.device)
+        self.proposer = build_proposer(
+            config, self.arch.vocab_size, self.device,
+            MetadataDraftSampler(self.arch.vocab_size, self.device),
+        )  # fmt: skip
         self._draft_probs: dict[str, torch.Tensor] | None = None
         self.graphs: CudaGraphRunner | None = None
         if self.device.type == "cuda" and not config.runner.enforce_eager:
@@ -401,7 +405,7 @@ class ModelRunner:
         bitmask: torch.Tensor | None,
         bitmask_rows: torch.Tensor | None,
     ) -> StepOutput:
-        """Sample a speculative step: accept each row's drafts exactly (`spec.rejection`)."""
+        """Sample a speculative step: accept each row's drafts exactly (`rejection_sampler`)."""
         batch, logits = launched.batch, launched.logits
         assert batch is not None and logits is not None and batch.spec_lens is not None
         ib = self.input_batch
@@ -484,3 +488,11 @@ class ModelRunner:
             return self.model.compute_logits(hidden), prompt_logprobs
         indices = to_device(batch.logits_indices, dev)
         return self.model.compute_logits(hidden[indices], indices), prompt_logprobs
+
+
+def rank_runner(
+    config: EngineConfig, model_dir: Path, tp: TensorParallel, on_loaded: Callable[[], None]
+) -> ModelRunner:
+    """The runner of a rank beyond rank 0 (`TensorParallelWorkers` builds it in the rank's
+    process): no EOS ids, it follows rank 0's steps."""
+    return ModelRunner(config, model_dir, (), tp=tp, on_loaded=on_loaded)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from loraplex.grammar.bitmask import apply_token_bitmask_
+from loraplex.kernels.bitmask import apply_token_bitmask_
 from loraplex.kernels.sampling import apply_penalties as penalties_kernel
 from loraplex.kernels.sampling import compute_logprobs, draw, truncation_thresholds
 from loraplex.platform.runner.sampling_metadata import (
@@ -31,7 +31,7 @@ def apply_penalties(
     metadata: SamplingMetadata,
 ) -> torch.Tensor:
     """Repetition, then frequency and presence penalties, as OpenAI and vLLM define them
-    (`kernels.sampling.apply_penalties_ref`). -> a new [n, vocab] tensor"""
+    (`kernels.sampling.reference.apply_penalties_ref`). -> a new [n, vocab] tensor"""
     if metadata.output_counts is None:
         raise ValueError("penalties need SamplingMetadata.output_counts")
     return penalties_kernel(

@@ -5,7 +5,7 @@ request's own sampling distribution (temperature, top-k, top-p, min-p) and repor
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -14,11 +14,9 @@ from loraplex.config import EngineConfig
 from loraplex.platform.models.attention_metadata import AttentionMetadata
 from loraplex.platform.models.model_loader import load_model
 from loraplex.platform.models.model_store import resolve_model_path
-from loraplex.platform.runner.sampler import Sampler
-from loraplex.platform.runner.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from loraplex.platform.spec.config import SpeculativeConfig
+from loraplex.platform.spec.draft_sampler import DraftSampler
 from loraplex.platform.spec.proposer import ProposalRequest, Proposals, Proposer
-from loraplex.platform.spec.rejection import sampling_probs
 
 logger = logging.getLogger(__name__)
 
@@ -38,14 +36,21 @@ class _DraftState:
 class DraftModelProposer(Proposer):
     """Proposes k tokens per request by running the draft model k steps (batched over the
     requests); rejected drafts' K/V is dropped by trimming each request's cached tokens to
-    the prefix it shares with the request's tokens at the next call."""
+    the prefix it shares with the request's tokens at the next call. Each draft is sampled by
+    `sampler` (the runner's), as the target samples its row."""
 
     def __init__(
-        self, spec: SpeculativeConfig, config: EngineConfig, vocab_size: int, device: torch.device
+        self,
+        spec: SpeculativeConfig,
+        config: EngineConfig,
+        vocab_size: int,
+        device: torch.device,
+        sampler: DraftSampler,
     ) -> None:
         assert spec.model is not None
         self.k = spec.num_speculative_tokens
         self.device = device
+        self.sampler = sampler
         self.model, self.arch, dtype = load_model(
             resolve_model_path(spec.model), config.model.dtype, device, None,
             random_seed=config.model.seed + 1,
@@ -105,13 +110,9 @@ class DraftModelProposer(Proposer):
         n, k_max, dev = len(rows), max(r[3] for r in rows), self.device
         params = [r[0].sampling_params for r in rows]
         vocab = self.arch.vocab_size
-        meta = build_sampling_metadata(
-            n, vocab, dev,
-            temperature=[p.temperature for p in params], top_k=[p.top_k for p in params],
-            top_p=[p.top_p for p in params], min_p=[p.min_p for p in params],
-            seeds=[(p.seed or 0) ^ _DRAFT_SEED_SALT for p in params],
-            steps=[r[0].step for r in rows],
-        )  # fmt: skip
+        sampling = self.sampler.rows(
+            params, [(p.seed or 0) ^ _DRAFT_SEED_SALT for p in params], [r[0].step for r in rows]
+        )
         # Step 0 catches each request's cache up to its tokens; steps 1.. feed the last draft.
         inputs = [r[0].token_ids[r[2] :] for r in rows]
         starts = [r[2] for r in rows]
@@ -119,9 +120,7 @@ class DraftModelProposer(Proposer):
         probs = torch.zeros((n, k_max, vocab), dtype=torch.float32, device=dev)  # [n, K, V]
         for j in range(k_max):
             logits = self._forward(rows, inputs, starts).float()  # [n, vocab]
-            step_meta = meta if j == 0 else _advance(meta, j)
-            drafts[:, j] = Sampler.sample(logits, step_meta)
-            probs[:, j] = sampling_probs(logits, step_meta)
+            drafts[:, j], probs[:, j] = sampling.sample(logits, j)
             starts = [s + len(x) for s, x in zip(starts, inputs)]
             inputs = drafts[:, j : j + 1]  # [n, 1] on the device
         host = drafts.tolist()
@@ -171,8 +170,3 @@ class DraftModelProposer(Proposer):
         hidden = self.model(ids, torch.from_numpy(positions).to(dev), self.kv_caches, meta)
         last = torch.from_numpy(query_start[1:].astype(np.int64) - 1).to(dev)
         return self.model.compute_logits(hidden[last])
-
-
-def _advance(meta: SamplingMetadata, j: int) -> SamplingMetadata:
-    """The metadata of draft position j: the noise counter moved on by j."""
-    return replace(meta, steps=meta.steps + j)

@@ -1,6 +1,6 @@
 """Verification of one speculative step on the device: the target's logits at each draft
-position go through the row's full sampling pipeline, then `rejection` decides what each row
-emits."""
+position go through the row's full sampling pipeline, then `rejection_sampler` decides what
+each row emits."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from loraplex.grammar.bitmask import apply_token_bitmask_
+from loraplex.kernels.bitmask import apply_token_bitmask_
 from loraplex.kernels.sampling import compute_logprobs
-from loraplex.platform.runner.sampler import Sampler
-from loraplex.platform.runner.sampling_metadata import LogprobsTensors, SamplingMetadata
-from loraplex.platform.spec.rejection import (
+from loraplex.platform.runner.rejection_sampler import (
     sampling_probs,
     verify_point_drafts,
     verify_sampled_drafts,
 )
+from loraplex.platform.runner.sampler import Sampler
+from loraplex.platform.runner.sampling_metadata import LogprobsTensors, SamplingMetadata
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Triton Philox noise: the uniforms `philox.philox_uniform_ref` computes, bit for bit, as a jit
+"""Triton Philox noise: the uniforms `reference.philox_uniform_ref` computes, bit for bit, as a jit
 helper the sampling kernels call in registers, and as a kernel that writes them out (tests)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.kernels.philox import UNIFORM_OFFSET, UNIFORM_SCALE, UNIFORM_SHIFT
+from loraplex.kernels.sampling.types import UNIFORM_OFFSET, UNIFORM_SCALE, UNIFORM_SHIFT
 
 _SHIFT = tl.constexpr(UNIFORM_SHIFT)
 _SCALE = tl.constexpr(UNIFORM_SCALE)

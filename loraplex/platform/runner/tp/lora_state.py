@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from loraplex.adapters.lora_layer import LoRAModelState
 from loraplex.adapters.slot_memory import SlotImage
-from loraplex.platform.distributed.messages import LoadLoRASlot
+from loraplex.platform.runner.tp.messages import LoadLoRASlot
 
 
 @dataclass(frozen=True)

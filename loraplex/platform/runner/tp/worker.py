@@ -1,8 +1,9 @@
 """The loop of a tensor-parallel rank beyond rank 0 (a spawned process).
 
-It joins the group, loads its shard of the model, reports `WorkerReady`, then runs what rank 0
-sends, in order: each step's forward pass (`ModelRunner.follow`) and LoRA slot writes. It ends
-on `Shutdown`, when rank 0's end of the pipe closes, or with rank 0's process (PDEATHSIG).
+It joins the group, builds its runner over its shard of the model (with the factory rank 0
+gave, `RankRunnerFactory`), reports `WorkerReady`, then runs what rank 0 sends, in order: each
+step's forward pass (`RankRunner.follow`) and LoRA slot writes. It ends on `Shutdown`, when
+rank 0's end of the pipe closes, or with rank 0's process (PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -14,14 +15,41 @@ import pickle
 import signal
 import sys
 from collections import OrderedDict
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 from loraplex.config import EngineConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from loraplex.adapters.lora_layer import LoRAModelState
+    from loraplex.platform.models.arch_config import ArchConfig
+    from loraplex.platform.parallel.parallel_state import TensorParallel
+    from loraplex.platform.runner.tp.messages import ExecuteStep
 
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+
+
+class RankRunner(Protocol):
+    """What a rank beyond rank 0 drives: a model runner over the rank's shard (`ModelRunner`)."""
+
+    arch: ArchConfig
+    dtype: torch.dtype
+    lora_state: LoRAModelState | None
+
+    def follow(self, step: ExecuteStep) -> None:
+        """Run the step rank 0 launched (the same forward pass; rank 0's sampled tokens)."""
+
+
+#: Builds a rank's runner from (config, model folder, the rank's group, `on_loaded`), calling
+#: `on_loaded` once its model is loaded. NOTE: sent to the rank's process, so a module-level
+#: function (pickled by name).
+RankRunnerFactory = Callable[[EngineConfig, Path, "TensorParallel", Callable[[], None]], RankRunner]
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -38,13 +66,13 @@ def _die_with_parent(parent_pid: int) -> None:
 class _AdapterReader:
     """Reads adapters for LoRA slot writes, keeping the last few in host memory."""
 
-    def __init__(self, runner: object, config: EngineConfig, model_dir: str) -> None:
+    def __init__(self, runner: RankRunner, config: EngineConfig, model_dir: str) -> None:
         from loraplex.adapters.peft_format import BaseModelSpec
         from loraplex.adapters.validator import AdapterValidator
         from loraplex.platform.models.tokenizer import tokenizer_folder
 
-        spec = BaseModelSpec.from_hf_config(runner.arch.raw, name_or_path=model_dir)  # type: ignore[attr-defined]
-        dtype = runner.dtype  # type: ignore[attr-defined]
+        spec = BaseModelSpec.from_hf_config(runner.arch.raw, name_or_path=model_dir)
+        dtype = runner.dtype
         self._validator = AdapterValidator(
             spec,
             config.lora.max_lora_rank,
@@ -77,14 +105,15 @@ def run_worker(
     init_file: str,
     pipe: Connection,
     parent_pid: int,
+    make_runner: RankRunnerFactory,
     forked: bool = False,
 ) -> None:
     """The entry point of rank `rank` (a multiprocessing target)."""
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if forked:
-        import torch
+    import torch
 
+    if forked:
         # NOTE: a forked child must not enter the parent's OpenMP thread pool (GNU OpenMP
         # hangs there); one intra-op thread per rank keeps every op out of it.
         torch.set_num_threads(1)
@@ -92,23 +121,21 @@ def run_worker(
         level=logging.WARNING,
         format=f"%(asctime)s tp-rank{rank} %(name)s %(levelname)s %(message)s",
     )
-    from loraplex.platform.distributed.messages import (
+    from loraplex.platform.parallel.parallel_state import (
+        destroy_tensor_parallel,
+        init_tensor_parallel,
+    )
+    from loraplex.platform.runner.tp.messages import (
         ExecuteStep,
         LoadLoRASlot,
         Shutdown,
         WorkerReady,
     )
-    from loraplex.platform.distributed.parallel_state import (
-        destroy_tensor_parallel,
-        init_tensor_parallel,
-    )
-    from loraplex.platform.runner.model_runner import ModelRunner, resolve_device
 
     try:
-        tp = init_tensor_parallel(rank, size, init_file, resolve_device(config.model.device))
-        runner = ModelRunner(
-            config, Path(model_dir), (), tp=tp, on_loaded=lambda: pipe.send(WorkerReady(rank))
-        )
+        # NOTE: rank 0 resolved the rank's device (`rank_device`: "cpu" or "cuda:<rank>").
+        tp = init_tensor_parallel(rank, size, init_file, torch.device(config.model.device))
+        runner = make_runner(config, Path(model_dir), tp, lambda: pipe.send(WorkerReady(rank)))
     except (ValueError, FileNotFoundError) as exc:
         pipe.send(WorkerReady(rank, error=str(exc)))
         # NOTE: stay until rank 0 has read the refusal and closes the pipe, so the exit is

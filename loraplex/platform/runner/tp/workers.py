@@ -23,7 +23,8 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from loraplex.config import EngineConfig
-from loraplex.platform.distributed.messages import Shutdown, WorkerReady
+from loraplex.platform.runner.tp.messages import Shutdown, WorkerReady
+from loraplex.platform.runner.tp.worker import RankRunnerFactory, run_worker
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +59,12 @@ def rank_device(device_name: str, rank: int) -> str:
 
 
 class TensorParallelWorkers:
-    """The processes of ranks 1..size-1, started with `start` and driven by `send`."""
+    """The processes of ranks 1..size-1, started with `start` and driven by `send`; each
+    builds its runner with `make_runner`."""
 
-    def __init__(self, config: EngineConfig, model_dir: Path) -> None:
+    def __init__(
+        self, config: EngineConfig, model_dir: Path, make_runner: RankRunnerFactory
+    ) -> None:
         size = config.parallel.tensor_parallel_size
         self.size = size
         self._dir = tempfile.mkdtemp(prefix="loraplex-tp-")
@@ -73,8 +77,6 @@ class TensorParallelWorkers:
         ctx = mp.get_context("fork" if on_cpu else "spawn")
         self._pipes: list[Connection] = []
         self._procs: list[mp.process.BaseProcess] = []
-        from loraplex.platform.distributed.worker import run_worker
-
         for rank in range(1, size):
             parent, child = ctx.Pipe()
             rank_config = replace(
@@ -90,6 +92,7 @@ class TensorParallelWorkers:
                     self.init_file,
                     child,
                     os.getpid(),
+                    make_runner,
                     on_cpu,
                 ),  # fmt: skip
                 name=f"loraplex-tp-rank{rank}",

@@ -1,4 +1,4 @@
-"""Triton truncation thresholds: `sampling.truncation_thresholds_ref` (top-k, then top-p
+"""Triton truncation thresholds: `reference.truncation_thresholds_ref` (top-k, then top-p
 within it, then min-p, as one logit threshold per row) without sorting."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.kernels.sampling import GREEDY_TEMPERATURE
-from loraplex.kernels.triton_sampling import MAX_CHUNKS, jit, num_chunks_for
+from loraplex.kernels.sampling.triton_sampling import jit, num_chunks_for
+from loraplex.kernels.sampling.types import GREEDY_TEMPERATURE, MAX_CHUNKS, NUM_PIVOTS_BY_SIZE
 
 # Each row's top-k / top-p threshold is found by a search over the 2**32 ordered keys of fp32
 # values (`_key`: monotone in the value), NP - 1 pivots per pass: a pass counts (top-k) or sums
@@ -185,12 +185,6 @@ def _search_kernel(
             tl.store(out + tl.arange(0, NP), f)
 
 
-# Pivots per pass by the batch's logits size (n * vocab), the largest first fitting bucket; 8
-# above. NOTE: measured on the H200 (benchmarks/results/h200_sampler.json): a full batch is
-# compute-bound (8 pivots: 11 passes a phase); a small one is bound by launches.
-NUM_PIVOTS_BY_SIZE = ((2**20, 64), (2**23, 16))
-
-
 def search_passes(num_pivots: int) -> int:
     """Passes after which (NP - 1) pivots a pass have narrowed 2**32 keys to one, per phase."""
     passes, width = 0, 2**32
@@ -211,7 +205,7 @@ def truncation_thresholds_triton(
     num_chunks: int | None = None,
     num_pivots: int | None = None,
 ) -> torch.Tensor:
-    """`sampling.truncation_thresholds_ref` in Triton, without sorting. `search=False` (no
+    """`reference.truncation_thresholds_ref` in Triton, without sorting. `search=False` (no
     row has top-k or top-p) computes min-p alone; `both=False` (no row has top-k and top-p)
     launches one phase of passes instead of two. -> [n] fp32"""
     n, vocab = logits.shape

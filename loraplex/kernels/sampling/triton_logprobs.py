@@ -1,4 +1,4 @@
-"""Triton logprobs: `sampling.logprobs_ref` (the sampled token's logprob and rank, the top-k)
+"""Triton logprobs: `reference.logprobs_ref` (the sampled token's logprob and rank, the top-k)
 in one pass over the raw logits and a small combining launch, with no log_softmax tensor."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.kernels.triton_sampling import MAX_CHUNKS, jit, num_chunks_for
+from loraplex.kernels.sampling.triton_sampling import jit, num_chunks_for
+from loraplex.kernels.sampling.types import MAX_CHUNKS
 
 _BLOCK = 1024
 _BIG_INDEX = tl.constexpr(2**31 - 1)
@@ -104,7 +105,7 @@ def logprobs_triton(
     token_ids: torch.Tensor,  # [n] int64
     k: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`sampling.logprobs_ref` in two launches. -> token logprobs [n], ranks [n] int64, top-k
+    """`reference.logprobs_ref` in two launches. -> token logprobs [n], ranks [n] int64, top-k
     ids [n, k] int64 and logprobs [n, k]"""
     n, vocab = logits.shape
     if logits.stride(1) != 1:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from loraplex.kernels.sampling import draw
-from loraplex.platform.spec.rejection import (
+from loraplex.platform.runner.rejection_sampler import (
     acceptance_uniforms,
     emit_tokens,
     verify_point_drafts,

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from loraplex.kernels.philox import UNIFORM_OFFSET, UNIFORM_SCALE, UNIFORM_SHIFT, philox4x32_ref
 from loraplex.kernels.sampling import draw, truncation_thresholds
+from loraplex.kernels.sampling.reference import philox4x32_ref, uniform_from_word
 from loraplex.platform.runner.sampling_metadata import SamplingMetadata
 
 _M32 = 0xFFFFFFFF
@@ -42,7 +42,7 @@ def acceptance_uniforms(
     word, _, _, _ = philox4x32_ref(
         zero, s & _M32, (s >> 32) & _M32, zero + _ACCEPT_STREAM, key & _M32, (key >> 32) & _M32
     )
-    return (word >> UNIFORM_SHIFT).to(torch.float32) * UNIFORM_SCALE + UNIFORM_OFFSET
+    return uniform_from_word(word)
 
 
 def emit_tokens(

@@ -1,16 +1,15 @@
-"""Packed bitmasks: allowed tokens keep their logits, every other one becomes -inf."""
+"""The bitmask kernel family: allowed tokens keep their logits, every other one becomes -inf
+(the torch reference, the Triton kernel, the checking entry and its warm-up)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from loraplex.grammar.bitmask import (
-    allocate_token_bitmask,
-    apply_token_bitmask_,
-    apply_token_bitmask_ref,
-    bitmask_words,
-)
+from loraplex.grammar.bitmask import allocate_token_bitmask
+from loraplex.kernels.bitmask import apply_token_bitmask_
+from loraplex.kernels.bitmask.reference import apply_token_bitmask_ref
+from loraplex.kernels.bitmask.types import bitmask_words
 
 
 def _random_case(rows: int, vocab: int, seed: int, mask_vocab: int | None = None):
@@ -76,7 +75,7 @@ def test_shape_mismatches_raise() -> None:
     ("rows", "vocab", "use_rows"), [(1, 5, False), (3, 70, True), (2, 1030, False)]
 )
 def test_triton_kernel_matches_reference(rows, vocab, use_rows) -> None:
-    from loraplex.grammar.bitmask_kernel import apply_token_bitmask_triton
+    from loraplex.kernels.bitmask.triton_bitmask import apply_token_bitmask_triton
 
     logits, bitmask, _ = _random_case(rows, vocab, seed=vocab)
     rows_index = torch.arange(rows - 1, -1, -1) if use_rows else None
@@ -104,11 +103,11 @@ def test_cuda_path_matches_reference(dtype) -> None:
 def test_warm_up_compiles_the_kernel_the_sampler_launches() -> None:
     """After the warm-up, a sampler-shaped call (rows index, fp32, a 49k vocabulary) finds
     its kernel compiled: the first grammar request of a server compiled it (1-2 s)."""
-    from loraplex.grammar.bitmask import warm_up_bitmask
-    from loraplex.grammar.bitmask_kernel import _apply_bitmask_kernel
+    from loraplex.kernels.bitmask import warm_up
+    from loraplex.kernels.bitmask.triton_bitmask import _apply_bitmask_kernel
 
     device = torch.device("cuda")
-    assert warm_up_bitmask(49152, device) == 1
+    assert warm_up(49152, device) == 1
     compiled = sum(len(c[0]) for c in _apply_bitmask_kernel.device_caches.values())
     logits, bitmask, rows = _random_case(8, 49152, seed=5, mask_vocab=49152)
     logits, bitmask = logits.float().cuda(), bitmask[:3].cuda()
@@ -117,6 +116,6 @@ def test_warm_up_compiles_the_kernel_the_sampler_launches() -> None:
 
 
 def test_warm_up_is_a_no_op_off_cuda() -> None:
-    from loraplex.grammar.bitmask import warm_up_bitmask
+    from loraplex.kernels.bitmask import warm_up
 
-    assert warm_up_bitmask(49152, torch.device("cpu")) == 0
+    assert warm_up(49152, torch.device("cpu")) == 0

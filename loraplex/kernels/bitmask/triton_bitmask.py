@@ -1,12 +1,11 @@
-"""Triton kernel applying a packed token bitmask to logits in place (reference: `bitmask.py`)."""
+"""Triton kernel applying a packed token bitmask to logits in place (`reference` says what it
+computes; the entry checks the arguments)."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-
-from loraplex.grammar.bitmask import check_bitmask_args
 
 _BLOCK = 1024
 
@@ -49,7 +48,6 @@ def apply_token_bitmask_triton(
     logits: torch.Tensor, bitmask: torch.Tensor, rows_index: torch.Tensor | None = None
 ) -> None:
     """Same contract as `apply_token_bitmask_ref`; logits rows must be contiguous."""
-    check_bitmask_args(logits, bitmask, rows_index)
     if logits.stride(1) != 1 or bitmask.stride(1) != 1:
         raise ValueError("logits and bitmask rows must be contiguous")
     num_masked = bitmask.shape[0]

@@ -1,6 +1,6 @@
-"""Triton sampling kernels: the seeded Gumbel-max draw of `sampling.draw_ref`, with the noise
+"""Triton sampling kernels: the seeded Gumbel-max draw of `reference.draw_ref`, with the noise
 generated in registers (no [n, vocab] noise tensor), a row split over several programs when
-the batch is small; and the fused penalties of `sampling.apply_penalties_ref`. Thresholds are
+the batch is small; and the fused penalties of `reference.apply_penalties_ref`. Thresholds are
 in `triton_truncation`, logprobs in `triton_logprobs`."""
 
 from __future__ import annotations
@@ -9,17 +9,12 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.kernels.sampling import GREEDY_TEMPERATURE
-from loraplex.kernels.triton_philox import philox_uniform
+from loraplex.kernels.sampling.triton_philox import philox_uniform
+from loraplex.kernels.sampling.types import GREEDY_TEMPERATURE, MAX_CHUNKS
 
 _GREEDY = tl.constexpr(GREEDY_TEMPERATURE)
 _BLOCK = 1024
 _MIN_CHUNK = 2048  # tokens per program at least, when a row is split
-# NOTE: the most programs a row is split over. Kernels that combine a row's chunks read a
-# fixed MAX_CHUNKS-wide block (masked), so no constexpr depends on the batch size: a batch of
-# a size not seen before launches the kernels already compiled (a compile stalls the engine
-# for ~0.1 s; `warm_up` compiles every variant at start-up).
-MAX_CHUNKS = 64
 # Integer arguments that change with the batch (row count, chunks a row is split over, a
 # parity bit, k): Triton would otherwise compile one variant for 1 and one for multiples of 16.
 VARYING = ("n", "num_chunks", "parity", "k")
@@ -116,7 +111,7 @@ def draw_triton(
     steps: torch.Tensor,  # [n] int64
     num_chunks: int | None = None,
 ) -> torch.Tensor:
-    """`sampling.draw_ref` in Triton. -> [n] int64"""
+    """`reference.draw_ref` in Triton. -> [n] int64"""
     n, vocab = logits.shape
     if logits.stride(1) != 1:
         raise ValueError("logits must have unit stride along the vocabulary")
@@ -179,7 +174,7 @@ def apply_penalties_triton(
     presence_penalty: torch.Tensor,  # [n] fp32
     frequency_penalty: torch.Tensor,  # [n] fp32
 ) -> torch.Tensor:
-    """`sampling.apply_penalties_ref` in one pass. -> a new [n, vocab] fp32 tensor"""
+    """`reference.apply_penalties_ref` in one pass. -> a new [n, vocab] fp32 tensor"""
     n, vocab = logits.shape
     for t in (logits, output_counts, prompt_mask):
         if t is not None and t.stride(1) != 1:

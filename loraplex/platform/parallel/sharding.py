@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loraplex.platform.distributed.parallel_state import TensorParallel
+from loraplex.platform.parallel.parallel_state import TensorParallel
 
 Range = tuple[int, int]  # (start, size) along one dimension of the full tensor
 

@@ -91,7 +91,7 @@ def test_killing_one_rank_ends_the_engine_with_an_error_and_leaves_no_process(mo
 
 def test_offline_llm_raises_once_a_rank_dies_and_reaps_the_others(tmp_path):
     from loraplex import LLM, SamplingParams
-    from loraplex.platform.distributed.workers import WorkerDiedError
+    from loraplex.platform.runner.tp.workers import WorkerDiedError
 
     path = tmp_path / "tiny.json"
     path.write_text(json.dumps(dict(TINY, vocab_size=256)))

@@ -1,4 +1,4 @@
-"""Philox uniforms on CPU in C: the same function as `philox.philox_uniform_ref`, bit for bit.
+"""Philox uniforms on CPU in C: the same function as `reference.philox_uniform_ref`, bit for bit.
 
 The torch reference runs each of Philox's 10 rounds as a dozen int64 tensor ops over
 [rows, vocab / 4] counters, every op a pass through memory: ~100 ms per step for 32 sampled
@@ -17,7 +17,7 @@ import ctypes
 import torch
 
 from loraplex.kernels.cpu_native import load_library
-from loraplex.kernels.philox import (
+from loraplex.kernels.sampling.types import (
     PHILOX_KEY_A,
     PHILOX_KEY_B,
     PHILOX_ROUND_A,
