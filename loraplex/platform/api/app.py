@@ -29,7 +29,8 @@ from loraplex.platform.api.metrics import ServerMetrics
 from loraplex.platform.api.protocol import ChatCompletionRequest, CompletionRequest
 from loraplex.platform.api.request_body import body_schemas
 from loraplex.platform.api.response_store import ResponseStore
-from loraplex.platform.api.state import ModelResolver, ServerSettings, ServerState
+from loraplex.platform.api.settings import ServerSettings
+from loraplex.platform.api.state import ModelResolver, ServerState
 from loraplex.platform.api.tenancy import Tenancy
 from loraplex.platform.api.tenant_models import TenantModelResolver
 from loraplex.platform.engine.async_engine import AsyncEngine

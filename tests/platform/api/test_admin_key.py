@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from loraplex.platform.api.app import build_app
-from loraplex.platform.api.state import ServerSettings
+from loraplex.platform.api.settings import ServerSettings
 from loraplex.platform.api.tenancy import Tenancy
 from loraplex.platform.api.tenants import Tenant, TenantStore
 

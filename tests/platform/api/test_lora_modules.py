@@ -19,7 +19,8 @@ from tenant_helpers import (
     upload,
 )
 
-from loraplex.platform.api.lora_modules import LoRAModule, parse_lora_modules
+from loraplex.entrypoints.lora_modules import parse_lora_modules
+from loraplex.platform.api.settings import LoRAModule
 
 pytestmark = pytest.mark.slow
 

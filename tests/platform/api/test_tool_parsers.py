@@ -120,8 +120,8 @@ def test_named_stream_sends_the_name_first_then_the_arguments():
 
 def test_tool_call_parser_option_is_checked_when_the_server_is_configured():
     from loraplex.cli import build_parser
-    from loraplex.platform.api.serve_cli import resolve_options
-    from loraplex.platform.api.state import ServerSettings
+    from loraplex.entrypoints.serve_cli import resolve_options
+    from loraplex.platform.api.settings import ServerSettings
 
     args = build_parser().parse_args(["serve", "--tool-call-parser", "llama3_json"])
     assert resolve_options(args)["tool_call_parser"] == "llama3_json"

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from loraplex.config import EngineConfig
 
 if TYPE_CHECKING:
-    from loraplex.platform.api.state import ServerSettings
+    from loraplex.platform.api.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -219,8 +219,8 @@ def engine_config(values: dict[str, Any]) -> EngineConfig:
 
 def server_settings(values: dict[str, Any]) -> ServerSettings:
     """The HTTP side's settings among the resolved serve options."""
-    from loraplex.platform.api.lora_modules import parse_lora_modules
-    from loraplex.platform.api.state import ServerSettings
+    from loraplex.entrypoints.lora_modules import parse_lora_modules
+    from loraplex.platform.api.settings import ServerSettings
 
     return ServerSettings(
         host=values["host"],
@@ -241,7 +241,7 @@ def server_settings(values: dict[str, Any]) -> ServerSettings:
 def run_serve(args: argparse.Namespace) -> int:
     """Start the engine-core process and the API processes; serve until SIGTERM / Ctrl-C
     (exit status 0) or a process death (1). See `launcher`."""
-    from loraplex.platform.api.launcher import DEFAULT_API_SERVER_COUNT, Launcher
+    from loraplex.entrypoints.launcher import DEFAULT_API_SERVER_COUNT, Launcher
 
     values = resolve_options(args)
     count = values["api_server_count"]

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from loraplex.config import EngineConfig
-    from loraplex.platform.api.state import ServerSettings
+    from loraplex.platform.api.settings import ServerSettings
 
 REPLICA_HEADER = "x-loraplex-replica"  # which replica answered (for tracing and tests)
 MULTIPLEX_HEADER = "serve_multiplexed_model_id"  # Ray Serve's own routing header
@@ -198,7 +198,7 @@ def build_ray_app(
 
 def add_serve_ray_parser(subparsers) -> None:
     """Add `serve-ray` to the `loraplex` command: the `serve` options plus the replica counts."""
-    from loraplex.platform.api.serve_cli import add_serve_parser
+    from loraplex.entrypoints.serve_cli import add_serve_parser
 
     parser = add_serve_parser(subparsers, name="serve-ray")
     parser.add_argument("--replicas", type=int, default=2, help="engine replicas (default 2)")
@@ -214,7 +214,7 @@ def run_serve_ray(args) -> int:
     """Start (or join) Ray, run the application on --host/--port, serve until Ctrl-C."""
     import time
 
-    from loraplex.platform.api.serve_cli import engine_config, resolve_options, server_settings
+    from loraplex.entrypoints.serve_cli import engine_config, resolve_options, server_settings
 
     try:
         import ray

@@ -27,8 +27,8 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from loraplex.config import EngineConfig
-from loraplex.platform.api.api_server import run_api_server
-from loraplex.platform.api.state import ServerSettings
+from loraplex.entrypoints.api_server import run_api_server
+from loraplex.platform.api.settings import ServerSettings
 from loraplex.platform.engine.core_client import EngineCoreClient, default_address
 from loraplex.platform.engine.core_process import STARTUP_REFUSED_EXIT, run_engine_core
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tenant_helpers import upload
 
-from loraplex.platform.api.ray_serve import MULTIPLEX_HEADER, REPLICA_HEADER, multiplexed_model_id
+from loraplex.entrypoints.ray_serve import MULTIPLEX_HEADER, REPLICA_HEADER, multiplexed_model_id
+from tests.platform.api.tenant_helpers import upload
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "adapters"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "adapters"))
 from random_adapters import write_adapter, write_tiny_model  # noqa: E402
 
 PROMPT = [1, 17, 42, 99, 7]
@@ -37,8 +37,8 @@ def ray_app(model_dir, tmp_path_factory):
     from ray import serve
 
     from loraplex.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig
-    from loraplex.platform.api.ray_serve import build_ray_app
-    from loraplex.platform.api.state import ServerSettings
+    from loraplex.entrypoints.ray_serve import build_ray_app
+    from loraplex.platform.api.settings import ServerSettings
 
     root = tmp_path_factory.mktemp("ray")
     tiny = write_tiny_model(root / "tiny", Path(model_dir))
@@ -52,7 +52,7 @@ def ray_app(model_dir, tmp_path_factory):
         port = sock.getsockname()[1]
     settings = ServerSettings(port=port, data_dir=str(root / "local"),
                               adapter_registry=f"file://{root / 'shared'}")  # fmt: skip
-    repo = str(Path(__file__).parents[3])
+    repo = str(Path(__file__).parents[2])
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": repo}})  # fmt: skip
     try:

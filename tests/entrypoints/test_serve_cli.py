@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from loraplex.cli import build_parser
-from loraplex.platform.api.serve_cli import engine_config, resolve_options
+from loraplex.entrypoints.serve_cli import engine_config, resolve_options
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -92,7 +92,7 @@ def test_a_bad_speculative_config_exits_2_with_the_reason(capsys):
 
 
 def test_lora_modules_from_the_command_line_and_yaml(tmp_path):
-    from loraplex.platform.api.serve_cli import server_settings
+    from loraplex.entrypoints.serve_cli import server_settings
 
     for name in ("a", "b"):
         (tmp_path / name).mkdir()

@@ -1,5 +1,5 @@
-"""`--lora-modules`, as vLLM names it: adapters the server serves from start-up, to every
-tenant, under names of their own.
+"""Parsing `--lora-modules`, as vLLM names it: adapters the server serves from start-up, to
+every tenant, under names of their own (each a `LoRAModule` of the `ServerSettings`).
 
 Each entry is `name=path` or a JSON object `{"name": ..., "path": ..., "base_model_name": ...}`
 (in YAML a string or a mapping). The folder is validated as an upload is, once per API
@@ -10,17 +10,9 @@ into the tenants' registry, so dropping the flag drops the adapter on the next s
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
-
-@dataclass(frozen=True)
-class LoRAModule:
-    """One `--lora-modules` entry: serve the PEFT folder `path` as the model `name`."""
-
-    name: str
-    path: str
-    base_model_name: str | None = None  # if given, must be the served base model's name
+from loraplex.platform.api.settings import LoRAModule
 
 
 def parse_lora_modules(entries: list[object] | tuple[object, ...] | None) -> tuple[LoRAModule, ...]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from loraplex.cli import build_parser
-from loraplex.platform.api.launcher import DEFAULT_API_SERVER_COUNT, Launcher
-from loraplex.platform.api.serve_cli import engine_config, resolve_options, server_settings
+from loraplex.entrypoints.launcher import DEFAULT_API_SERVER_COUNT, Launcher
+from loraplex.entrypoints.serve_cli import engine_config, resolve_options, server_settings
 
 
 def test_one_api_process_by_default():

@@ -10,7 +10,8 @@ import signal
 import time
 
 import httpx
-from process_server import alive, launch
+
+from tests.platform.api.process_server import alive, launch
 
 # SIGTERM's grace period, and streams that fit in it and that do not (1500 steps take longer
 # than 30 s even on a fast CPU)

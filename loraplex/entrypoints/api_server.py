@@ -21,7 +21,7 @@ from typing import Any
 import uvicorn
 
 from loraplex.platform.api.app import build_app
-from loraplex.platform.api.state import ServerSettings
+from loraplex.platform.api.settings import ServerSettings
 from loraplex.platform.engine.core_client import EngineCoreClient
 
 logger = logging.getLogger(__name__)
