@@ -14,19 +14,21 @@ from loraplex import __version__, envs
 from loraplex.platform.api import (
     serving_adapters,
     serving_admin,
-    serving_chat,
-    serving_completion,
     serving_dashboard,
     serving_health,
-    serving_models,
     serving_responses,
-    serving_tokenize,
 )
 from loraplex.platform.api.adapter_service import AdapterService
 from loraplex.platform.api.auth import AuthMiddleware
 from loraplex.platform.api.errors import install_error_handlers
 from loraplex.platform.api.metrics import ServerMetrics
-from loraplex.platform.api.protocol import ChatCompletionRequest, CompletionRequest
+from loraplex.platform.api.openai import (
+    serving_chat,
+    serving_completion,
+    serving_models,
+    serving_tokenize,
+)
+from loraplex.platform.api.openai.protocol import ChatCompletionRequest, CompletionRequest
 from loraplex.platform.api.request_body import body_schemas
 from loraplex.platform.api.response_store import ResponseStore
 from loraplex.platform.api.settings import ServerSettings

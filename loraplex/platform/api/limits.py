@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from loraplex.platform.api.tenants import Tenant
+from loraplex.platform.core.sampling_params import SamplingParams
 
 WINDOW_S = 60.0
 
@@ -28,6 +29,18 @@ class Reservation:
     tenant: str
     num_seqs: int
     num_tokens: int
+
+
+def reservation(
+    max_model_len: int, params: SamplingParams, prompt_lengths: list[int]
+) -> tuple[int, int]:
+    """(sequences, tokens) a request may use: n samples of each prompt, each up to its prompt
+    plus max_tokens (the rest of the context when max_tokens is not set)."""
+    tokens = 0
+    for length in prompt_lengths:
+        budget = params.max_tokens if params.max_tokens is not None else max_model_len - length
+        tokens += length + max(0, budget)
+    return params.n * len(prompt_lengths), params.n * tokens
 
 
 @dataclass(frozen=True)

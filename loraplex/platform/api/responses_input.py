@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from loraplex.platform.api.errors import bad_request, from_validation_error
-from loraplex.platform.api.protocol import ChatCompletionRequest, ResponsesRequest
+from loraplex.platform.api.openai.protocol import ChatCompletionRequest, ResponsesRequest
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 

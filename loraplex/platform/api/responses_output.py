@@ -8,7 +8,7 @@ import json
 import uuid
 from typing import Any
 
-from loraplex.platform.api.generation import UsageCounter
+from loraplex.platform.api.openai.choices import UsageCounter
 
 
 def _id(prefix: str) -> str:

@@ -18,18 +18,24 @@ from starlette.background import BackgroundTask
 
 from loraplex.platform.api.auth import admit, tenant_of
 from loraplex.platform.api.errors import APIError
-from loraplex.platform.api.generation import (
-    UsageCounter,
+from loraplex.platform.api.limits import reservation
+from loraplex.platform.api.openai.choices import UsageCounter, collect
+from loraplex.platform.api.openai.ids import new_id, now_s
+from loraplex.platform.api.openai.protocol import ResponsesRequest
+from loraplex.platform.api.openai.request_streams import (
     abort_all,
     abort_on_disconnect,
-    collect,
-    error_event,
     first_output_then_rest,
-    new_id,
-    now_s,
-    reservation,
 )
-from loraplex.platform.api.protocol import ResponsesRequest
+from loraplex.platform.api.openai.sampling import chat_sampling_params
+from loraplex.platform.api.openai.serving_chat import (
+    assistant_message,
+    render_chat_prompt,
+    submit_chat,
+    tool_parser,
+    with_tool_grammar,
+)
+from loraplex.platform.api.openai.sse import error_event
 from loraplex.platform.api.request_body import json_body, read_json_model
 from loraplex.platform.api.response_store import ResponseStore, StoredResponse
 from loraplex.platform.api.responses_input import chat_request, input_messages, refuse_unsupported
@@ -38,14 +44,6 @@ from loraplex.platform.api.responses_output import (
     output_items,
     response_json,
     usage_json,
-)
-from loraplex.platform.api.sampling import chat_sampling_params
-from loraplex.platform.api.serving_chat import (
-    assistant_message,
-    render_chat_prompt,
-    submit_chat,
-    tool_parser,
-    with_tool_grammar,
 )
 from loraplex.platform.api.state import ServerState, server_state
 from loraplex.platform.api.tool_call_stream import ToolCallStream

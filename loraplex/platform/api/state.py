@@ -10,7 +10,7 @@ from fastapi import Request
 from loraplex.adapters.request import LoRARequest
 from loraplex.platform.api.errors import model_not_found
 from loraplex.platform.api.metrics import ServerMetrics
-from loraplex.platform.api.sampling import RequestLimits
+from loraplex.platform.api.openai.sampling import RequestLimits
 from loraplex.platform.api.settings import ServerSettings
 from loraplex.platform.api.tenancy import Tenancy
 from loraplex.platform.api.tenants import OPEN_TENANT

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from loraplex.adapters.request import LoRARequest
 from loraplex.platform.api.errors import from_engine_error
-from loraplex.platform.api.generation import Prompt, merge_streams
+from loraplex.platform.api.openai.request_streams import Prompt, merge_streams
 from loraplex.platform.api.tool_calls import ToolRequest
 from loraplex.platform.api.tool_parsers import ToolParser
 from loraplex.platform.core.outputs import CompletionOutput, RequestOutput

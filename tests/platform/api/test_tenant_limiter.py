@@ -3,8 +3,7 @@ ends; a request that alone exceeds a cap is refused for good (no Retry-After).""
 
 from __future__ import annotations
 
-from loraplex.platform.api.generation import reservation
-from loraplex.platform.api.limits import LimitExceeded, Reservation, TenantLimiter
+from loraplex.platform.api.limits import LimitExceeded, Reservation, TenantLimiter, reservation
 from loraplex.platform.api.tenants import Tenant
 from loraplex.platform.core.sampling_params import SamplingParams
 

@@ -15,14 +15,14 @@ from fastapi.responses import JSONResponse
 
 from loraplex.platform.api.auth import tenant_of
 from loraplex.platform.api.errors import bad_request
-from loraplex.platform.api.protocol import (
+from loraplex.platform.api.openai.protocol import (
     ChatCompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
+from loraplex.platform.api.openai.sampling import check_token_ids
+from loraplex.platform.api.openai.serving_chat import render_chat_prompt, tool_parser
 from loraplex.platform.api.request_body import json_body, read_json_model
-from loraplex.platform.api.sampling import check_token_ids
-from loraplex.platform.api.serving_chat import render_chat_prompt, tool_parser
 from loraplex.platform.api.state import server_state
 from loraplex.platform.api.tool_calls import tool_request_for
 from loraplex.platform.models.tokenizer import TokenIdsOnlyTokenizer, Tokenizer

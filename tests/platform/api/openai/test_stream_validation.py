@@ -82,7 +82,7 @@ def test_a_spec_too_deep_to_analyse_at_admission_is_a_400_not_a_500():
     """Whatever the engine's add_request raises for a spec (a GrammarError, a ValueError, or a
     RecursionError from a too-deep analysis) answers 400."""
     from loraplex.platform.api.errors import APIError
-    from loraplex.platform.api.generation import Prompt, submit
+    from loraplex.platform.api.openai.request_streams import Prompt, submit
     from loraplex.platform.core.sampling_params import SamplingParams
 
     class _Refusing:

@@ -12,31 +12,26 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from loraplex.platform.api.auth import admit, tenant_of
-from loraplex.platform.api.generation import (
-    SSE_DONE,
-    Choice,
-    Prompt,
-    UsageCounter,
-    abort_all,
-    abort_on_disconnect,
-    collect,
-    error_event,
-    first_output_then_rest,
-    new_id,
-    now_s,
-    reservation,
-    sse,
-    submit,
-)
-from loraplex.platform.api.logprobs import (
+from loraplex.platform.api.limits import reservation
+from loraplex.platform.api.openai.choices import Choice, UsageCounter, collect
+from loraplex.platform.api.openai.ids import new_id, now_s
+from loraplex.platform.api.openai.logprobs import (
     completion_logprobs,
     echo_logprobs,
     join_completion_logprobs,
     vllm_prompt_logprobs,
 )
-from loraplex.platform.api.protocol import CompletionRequest
+from loraplex.platform.api.openai.protocol import CompletionRequest
+from loraplex.platform.api.openai.request_streams import (
+    Prompt,
+    abort_all,
+    abort_on_disconnect,
+    first_output_then_rest,
+    submit,
+)
+from loraplex.platform.api.openai.sampling import completion_sampling_params
+from loraplex.platform.api.openai.sse import SSE_DONE, error_event, sse
 from loraplex.platform.api.request_body import json_body, read_json_model
-from loraplex.platform.api.sampling import completion_sampling_params
 from loraplex.platform.api.state import ServerState, server_state
 from loraplex.platform.core.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from loraplex.platform.engine.async_engine import RequestStream

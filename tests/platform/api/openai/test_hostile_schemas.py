@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "grammar"))
+sys.path.insert(0, str(Path(__file__).parents[3] / "grammar"))
 from hostile_schemas import nested, wide  # noqa: E402
 
 # The 100,000-property body is 2.9 MB: parsing it alone takes about half a second on a busy

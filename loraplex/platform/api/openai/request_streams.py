@@ -1,60 +1,21 @@
-"""What chat and completions share: submitting prompts, merging their output streams, aborting
-on client disconnect, accumulating deltas into choices, usage, and server-sent events."""
+"""The engine requests of one API request: submitting its prompts (one engine request each),
+merging their output streams, and aborting them all when the client disconnects or the
+response ends early."""
 
 from __future__ import annotations
 
 import asyncio
-import json
-import logging
-import time
-import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from fastapi import Request
 
 from loraplex.adapters.request import LoRARequest
-from loraplex.platform.api.errors import (
-    APIError,
-    bad_request,
-    engine_unavailable,
-    from_engine_error,
-    request_failed,
-)
-from loraplex.platform.api.logprobs import TokenLogprobs
-from loraplex.platform.core.errors import EngineDeadError
-from loraplex.platform.core.outputs import CompletionOutput, PromptLogprobs, RequestOutput
+from loraplex.platform.api.errors import bad_request, from_engine_error, request_failed
+from loraplex.platform.core.outputs import RequestOutput
 from loraplex.platform.core.sampling_params import SamplingParams
 from loraplex.platform.engine.async_engine import AsyncEngine, RequestStream
-
-SSE_DONE = "data: [DONE]\n\n"
-
-logger = logging.getLogger(__name__)
-
-
-def sse(payload: dict[str, Any]) -> str:
-    """One server-sent event carrying `payload` as JSON."""
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-def error_event(error: Exception) -> str:
-    """The SSE event that ends a stream which failed after its 200 was sent."""
-    if isinstance(error, APIError):
-        return sse(error.body())
-    if isinstance(error, EngineDeadError):
-        return sse(engine_unavailable(error).body())
-    logger.error("a stream failed", exc_info=error)
-    return sse(APIError(500, "internal server error", type="internal_server_error").body())
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now_s() -> int:
-    return int(time.time())
 
 
 @dataclass(frozen=True)
@@ -101,18 +62,6 @@ async def submit(
         abort_all(streams)
         raise
     return streams
-
-
-def reservation(
-    max_model_len: int, params: SamplingParams, prompt_lengths: list[int]
-) -> tuple[int, int]:
-    """(sequences, tokens) a request may use: n samples of each prompt, each up to its prompt
-    plus max_tokens (the rest of the context when max_tokens is not set)."""
-    tokens = 0
-    for length in prompt_lengths:
-        budget = params.max_tokens if params.max_tokens is not None else max_model_len - length
-        tokens += length + max(0, budget)
-    return params.n * len(prompt_lengths), params.n * tokens
 
 
 def abort_all(streams: list[RequestStream]) -> None:
@@ -202,73 +151,3 @@ def abort_on_disconnect(
         yield
     finally:
         watcher.cancel()
-
-
-@dataclass
-class Choice:
-    """One choice's output so far, gathered from DELTA outputs."""
-
-    index: int
-    text: list[str] = field(default_factory=list)
-    num_tokens: int = 0
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    prompt_logprobs: PromptLogprobs | None = None  # its prompt's, with `prompt_logprobs` set
-
-    def add(self, delta: CompletionOutput) -> None:
-        self.text.append(delta.text)
-        self.num_tokens += len(delta.token_ids)
-        if delta.logprobs:
-            self.logprobs.extend(delta.logprobs)
-        if delta.finish_reason is not None:
-            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
-
-    @property
-    def full_text(self) -> str:
-        return "".join(self.text)
-
-
-@dataclass
-class UsageCounter:
-    """Prompt, completion and cached prompt tokens over every prompt of one API request."""
-
-    prompt_tokens: dict[int, int] = field(default_factory=dict)
-    cached_tokens: dict[int, int] = field(default_factory=dict)
-    completion_tokens: int = 0
-
-    def add(self, prompt_index: int, output: RequestOutput) -> None:
-        self.prompt_tokens[prompt_index] = len(output.prompt_token_ids)
-        self.cached_tokens[prompt_index] = output.num_cached_tokens
-        self.completion_tokens += sum(len(c.token_ids) for c in output.outputs)
-
-    def as_dict(self) -> dict[str, Any]:
-        prompt = sum(self.prompt_tokens.values())
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": prompt + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())},
-        }
-
-
-async def collect(
-    streams: list[RequestStream],
-    n: int,
-    view: Callable[[RequestOutput], RequestOutput] | None = None,
-) -> tuple[list[Choice], UsageCounter]:
-    """Run every stream to its end; choices are numbered prompt_index * n + sample index.
-
-    `view`, if given, rewrites each output before it counts (e.g. to drop generated tokens)."""
-    choices = [Choice(i) for i in range(len(streams) * n)]
-    usage = UsageCounter()
-    async for prompt_index, output in merge_streams(streams):
-        if view is not None:
-            output = view(output)
-        usage.add(prompt_index, output)
-        if output.prompt_logprobs is not None:
-            for choice in choices[prompt_index * n : (prompt_index + 1) * n]:
-                choice.prompt_logprobs = output.prompt_logprobs
-        for delta in output.outputs:
-            choices[prompt_index * n + delta.index].add(delta)
-    return choices, usage

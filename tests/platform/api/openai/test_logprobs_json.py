@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from loraplex.platform.api.logprobs import chat_logprobs, completion_logprobs
+from loraplex.platform.api.openai.logprobs import chat_logprobs, completion_logprobs
 from loraplex.platform.core.outputs import Logprob
 
 

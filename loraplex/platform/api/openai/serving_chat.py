@@ -14,25 +14,21 @@ from starlette.background import BackgroundTask
 
 from loraplex.platform.api.auth import admit, tenant_of
 from loraplex.platform.api.errors import bad_request
-from loraplex.platform.api.generation import (
-    SSE_DONE,
+from loraplex.platform.api.limits import reservation
+from loraplex.platform.api.openai.choices import UsageCounter, collect
+from loraplex.platform.api.openai.ids import new_id, now_s
+from loraplex.platform.api.openai.logprobs import chat_logprobs, vllm_prompt_logprobs
+from loraplex.platform.api.openai.protocol import ChatCompletionRequest
+from loraplex.platform.api.openai.request_streams import (
     Prompt,
-    UsageCounter,
     abort_all,
     abort_on_disconnect,
-    collect,
-    error_event,
     first_output_then_rest,
-    new_id,
-    now_s,
-    reservation,
-    sse,
     submit,
 )
-from loraplex.platform.api.logprobs import chat_logprobs, vllm_prompt_logprobs
-from loraplex.platform.api.protocol import ChatCompletionRequest
+from loraplex.platform.api.openai.sampling import chat_sampling_params
+from loraplex.platform.api.openai.sse import SSE_DONE, error_event, sse
 from loraplex.platform.api.request_body import json_body, read_json_model
-from loraplex.platform.api.sampling import chat_sampling_params
 from loraplex.platform.api.state import ServedModel, ServerState, server_state
 from loraplex.platform.api.tool_auto import submit_auto
 from loraplex.platform.api.tool_call_stream import ToolCallStream

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loraplex.platform.api.errors import bad_request, from_engine_error
-from loraplex.platform.api.protocol import (
+from loraplex.platform.api.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
