@@ -16,7 +16,6 @@ from loraplex.platform.api import (
     serving_admin,
     serving_dashboard,
     serving_health,
-    serving_responses,
 )
 from loraplex.platform.api.adapter_service import AdapterService
 from loraplex.platform.api.auth import AuthMiddleware
@@ -29,8 +28,9 @@ from loraplex.platform.api.openai import (
     serving_tokenize,
 )
 from loraplex.platform.api.openai.protocol import ChatCompletionRequest, CompletionRequest
+from loraplex.platform.api.openai.responses import serving_responses
+from loraplex.platform.api.openai.responses.store import ResponseStore
 from loraplex.platform.api.request_body import body_schemas
-from loraplex.platform.api.response_store import ResponseStore
 from loraplex.platform.api.settings import ServerSettings
 from loraplex.platform.api.state import ModelResolver, ServerState
 from loraplex.platform.api.tenancy import Tenancy

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from loraplex.adapters.registry import check_registry_url
 from loraplex.platform.api.openai.sampling import DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST
-from loraplex.platform.api.tool_parsers import TOOL_PARSERS
+from loraplex.platform.api.openai.tools.tool_parsers import TOOL_PARSERS
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_ADAPTER_BYTES = 512 * 1024 * 1024

@@ -28,11 +28,9 @@ from loraplex.platform.api.openai.request_streams import (
 )
 from loraplex.platform.api.openai.sampling import chat_sampling_params
 from loraplex.platform.api.openai.sse import SSE_DONE, error_event, sse
-from loraplex.platform.api.request_body import json_body, read_json_model
-from loraplex.platform.api.state import ServedModel, ServerState, server_state
-from loraplex.platform.api.tool_auto import submit_auto
-from loraplex.platform.api.tool_call_stream import ToolCallStream
-from loraplex.platform.api.tool_calls import (
+from loraplex.platform.api.openai.tools.tool_auto import submit_auto
+from loraplex.platform.api.openai.tools.tool_call_stream import ToolCallStream
+from loraplex.platform.api.openai.tools.tool_calls import (
     ToolRequest,
     new_call_id,
     parse_output,
@@ -41,7 +39,13 @@ from loraplex.platform.api.tool_calls import (
     tool_calls_json,
     tool_request_for,
 )
-from loraplex.platform.api.tool_parsers import ToolParser, get_tool_parser, parser_for_template
+from loraplex.platform.api.openai.tools.tool_parsers import (
+    ToolParser,
+    get_tool_parser,
+    parser_for_template,
+)
+from loraplex.platform.api.request_body import json_body, read_json_model
+from loraplex.platform.api.state import ServedModel, ServerState, server_state
 from loraplex.platform.core.outputs import RequestOutput
 from loraplex.platform.core.sampling_params import SamplingParams
 from loraplex.platform.engine.async_engine import RequestStream

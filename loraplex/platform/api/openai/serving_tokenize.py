@@ -22,9 +22,9 @@ from loraplex.platform.api.openai.protocol import (
 )
 from loraplex.platform.api.openai.sampling import check_token_ids
 from loraplex.platform.api.openai.serving_chat import render_chat_prompt, tool_parser
+from loraplex.platform.api.openai.tools.tool_calls import tool_request_for
 from loraplex.platform.api.request_body import json_body, read_json_model
 from loraplex.platform.api.state import server_state
-from loraplex.platform.api.tool_calls import tool_request_for
 from loraplex.platform.models.tokenizer import TokenIdsOnlyTokenizer, Tokenizer
 
 router = APIRouter()

@@ -1,8 +1,8 @@
 """POST /v1/responses and GET /v1/responses/{id}: OpenAI's Responses API over the chat path.
 
-A request becomes the chat completion that answers it (`responses_input`): the stored
+A request becomes the chat completion that answers it (`input`): the stored
 conversation of `previous_response_id`, then `instructions` and `input`. The answer is written
-as Responses output items (`responses_output`), streamed with the Responses event types when
+as Responses output items (`output`), streamed with the Responses event types when
 `stream` is set. Responses are stored per tenant (`ResponseStore`) unless `store` is false.
 """
 
@@ -27,6 +27,18 @@ from loraplex.platform.api.openai.request_streams import (
     abort_on_disconnect,
     first_output_then_rest,
 )
+from loraplex.platform.api.openai.responses.input import (
+    chat_request,
+    input_messages,
+    refuse_unsupported,
+)
+from loraplex.platform.api.openai.responses.output import (
+    ResponseEventStream,
+    output_items,
+    response_json,
+    usage_json,
+)
+from loraplex.platform.api.openai.responses.store import ResponseStore, StoredResponse
 from loraplex.platform.api.openai.sampling import chat_sampling_params
 from loraplex.platform.api.openai.serving_chat import (
     assistant_message,
@@ -36,18 +48,10 @@ from loraplex.platform.api.openai.serving_chat import (
     with_tool_grammar,
 )
 from loraplex.platform.api.openai.sse import error_event
+from loraplex.platform.api.openai.tools.tool_call_stream import ToolCallStream
+from loraplex.platform.api.openai.tools.tool_calls import new_call_id, tool_request_for
 from loraplex.platform.api.request_body import json_body, read_json_model
-from loraplex.platform.api.response_store import ResponseStore, StoredResponse
-from loraplex.platform.api.responses_input import chat_request, input_messages, refuse_unsupported
-from loraplex.platform.api.responses_output import (
-    ResponseEventStream,
-    output_items,
-    response_json,
-    usage_json,
-)
 from loraplex.platform.api.state import ServerState, server_state
-from loraplex.platform.api.tool_call_stream import ToolCallStream
-from loraplex.platform.api.tool_calls import new_call_id, tool_request_for
 from loraplex.platform.core.outputs import RequestOutput
 from loraplex.platform.engine.async_engine import RequestStream
 

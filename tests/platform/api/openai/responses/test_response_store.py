@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from loraplex.platform.api.response_store import ResponseStore, StoredResponse
+from loraplex.platform.api.openai.responses.store import ResponseStore, StoredResponse
 
 
 def _stored(i: int) -> StoredResponse:

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from loraplex.platform.api.tool_parsers import ParsedToolCall, ToolParser
+from loraplex.platform.api.openai.tools.tool_parsers import ParsedToolCall, ToolParser
 
 _DECODER = json.JSONDecoder()
 _WHITESPACE = " \t\r\n"

@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from loraplex.grammar.tool_grammar import ToolFunction, required_calls_schema
-from loraplex.platform.api.tool_parsers.base import (
+from loraplex.platform.api.openai.tools.tool_parsers.base import (
     ParsedOutput,
     ParsedToolCall,
     ToolParser,

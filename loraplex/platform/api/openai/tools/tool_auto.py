@@ -17,8 +17,8 @@ from dataclasses import replace
 from loraplex.adapters.request import LoRARequest
 from loraplex.platform.api.errors import from_engine_error
 from loraplex.platform.api.openai.request_streams import Prompt, merge_streams
-from loraplex.platform.api.tool_calls import ToolRequest
-from loraplex.platform.api.tool_parsers import ToolParser
+from loraplex.platform.api.openai.tools.tool_calls import ToolRequest
+from loraplex.platform.api.openai.tools.tool_parsers import ToolParser
 from loraplex.platform.core.outputs import CompletionOutput, RequestOutput
 from loraplex.platform.core.sampling_params import SamplingParams
 from loraplex.platform.core.structured_outputs import StructuredOutputs
@@ -192,7 +192,7 @@ async def submit_auto(
     lora_request: LoRARequest | None,
 ) -> list[AutoToolChoices]:
     """Start every choice of an `auto` tool request; if any is refused, abort the others and
-    raise 4xx (as `generation.submit`)."""
+    raise 4xx (as `request_streams.submit`)."""
     children: list[AutoToolStream] = []
     try:
         for i in range(params.n):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 
-from loraplex.platform.api.tool_parsers.base import (
+from loraplex.platform.api.openai.tools.tool_parsers.base import (
     ParsedOutput,
     ParsedToolCall,
     ToolParser,

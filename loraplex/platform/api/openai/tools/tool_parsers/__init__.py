@@ -6,14 +6,14 @@ A template that shows no tool format gets `hermes`, the documented default.
 
 from __future__ import annotations
 
-from loraplex.platform.api.tool_parsers.base import (
+from loraplex.platform.api.openai.tools.tool_parsers.base import (
     ParsedOutput,
     ParsedToolCall,
     ToolParser,
 )
-from loraplex.platform.api.tool_parsers.hermes import HermesToolParser
-from loraplex.platform.api.tool_parsers.llama3_json import Llama3JsonToolParser
-from loraplex.platform.api.tool_parsers.mistral import MistralToolParser
+from loraplex.platform.api.openai.tools.tool_parsers.hermes import HermesToolParser
+from loraplex.platform.api.openai.tools.tool_parsers.llama3_json import Llama3JsonToolParser
+from loraplex.platform.api.openai.tools.tool_parsers.mistral import MistralToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,

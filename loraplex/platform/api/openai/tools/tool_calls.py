@@ -20,8 +20,8 @@ from typing import Any
 from loraplex.grammar.tool_grammar import ToolFunction, function_schema, required_calls_schema
 from loraplex.platform.api.errors import bad_request
 from loraplex.platform.api.openai.protocol import ChatCompletionRequest, ChatMessage
-from loraplex.platform.api.tool_call_stream import scan_required
-from loraplex.platform.api.tool_parsers import ParsedOutput, ParsedToolCall, ToolParser
+from loraplex.platform.api.openai.tools.tool_call_stream import scan_required
+from loraplex.platform.api.openai.tools.tool_parsers import ParsedOutput, ParsedToolCall, ToolParser
 from loraplex.platform.core.structured_outputs import StructuredOutputs
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from loraplex.platform.api.tool_call_stream import ToolCallStream, scan_required
-from loraplex.platform.api.tool_calls import required_calls
-from loraplex.platform.api.tool_parsers import (
+from loraplex.platform.api.openai.tools.tool_call_stream import ToolCallStream, scan_required
+from loraplex.platform.api.openai.tools.tool_calls import required_calls
+from loraplex.platform.api.openai.tools.tool_parsers import (
     ParsedToolCall,
     get_tool_parser,
     parser_for_template,
