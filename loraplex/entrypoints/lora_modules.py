@@ -28,7 +28,7 @@ def parse_lora_modules(entries: list[object] | tuple[object, ...] | None) -> tup
 
 
 def _parse_one(entry: object) -> LoRAModule:
-    from loraplex.platform.api.adapter_service import valid_adapter_name
+    from loraplex.platform.api.tenancy.adapter_service import valid_adapter_name
 
     fields: object = entry
     if isinstance(entry, str):

@@ -16,11 +16,11 @@ from urllib.parse import parse_qs
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
 
-from loraplex.platform.api.auth import ADMIN_DISABLED
 from loraplex.platform.api.dashboard_auth import COOKIE, DashboardSessions, cookie_value
 from loraplex.platform.api.dashboard_stats import StatsCollector
 from loraplex.platform.api.errors import APIError
 from loraplex.platform.api.state import ServerState, server_state
+from loraplex.platform.api.tenancy.auth import ADMIN_DISABLED
 
 router = APIRouter()
 

@@ -12,9 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from loraplex.platform.api.auth import admit, tenant_of
 from loraplex.platform.api.errors import bad_request
-from loraplex.platform.api.limits import reservation
 from loraplex.platform.api.openai.choices import UsageCounter, collect
 from loraplex.platform.api.openai.ids import new_id, now_s
 from loraplex.platform.api.openai.logprobs import chat_logprobs, vllm_prompt_logprobs
@@ -45,7 +43,10 @@ from loraplex.platform.api.openai.tools.tool_parsers import (
     parser_for_template,
 )
 from loraplex.platform.api.request_body import json_body, read_json_model
-from loraplex.platform.api.state import ServedModel, ServerState, server_state
+from loraplex.platform.api.state import ServerState, server_state
+from loraplex.platform.api.tenancy.auth import admit, tenant_of
+from loraplex.platform.api.tenancy.limits import reservation
+from loraplex.platform.api.tenancy.model_resolver import ServedModel
 from loraplex.platform.core.outputs import RequestOutput
 from loraplex.platform.core.sampling_params import SamplingParams
 from loraplex.platform.engine.async_engine import RequestStream

@@ -11,8 +11,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from loraplex.platform.api.auth import admit, tenant_of
-from loraplex.platform.api.limits import reservation
 from loraplex.platform.api.openai.choices import Choice, UsageCounter, collect
 from loraplex.platform.api.openai.ids import new_id, now_s
 from loraplex.platform.api.openai.logprobs import (
@@ -33,6 +31,8 @@ from loraplex.platform.api.openai.sampling import completion_sampling_params
 from loraplex.platform.api.openai.sse import SSE_DONE, error_event, sse
 from loraplex.platform.api.request_body import json_body, read_json_model
 from loraplex.platform.api.state import ServerState, server_state
+from loraplex.platform.api.tenancy.auth import admit, tenant_of
+from loraplex.platform.api.tenancy.limits import reservation
 from loraplex.platform.core.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from loraplex.platform.engine.async_engine import RequestStream
 from loraplex.platform.models.tokenizer import Tokenizer

@@ -7,8 +7,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from loraplex.platform.api.auth import tenant_of
-from loraplex.platform.api.state import ServedModel, ServerState, server_state
+from loraplex.platform.api.state import ServerState, server_state
+from loraplex.platform.api.tenancy.auth import tenant_of
+from loraplex.platform.api.tenancy.model_resolver import ServedModel
 
 router = APIRouter()
 

@@ -13,7 +13,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from loraplex.platform.api.auth import tenant_of
 from loraplex.platform.api.errors import bad_request
 from loraplex.platform.api.openai.protocol import (
     ChatCompletionRequest,
@@ -25,6 +24,7 @@ from loraplex.platform.api.openai.serving_chat import render_chat_prompt, tool_p
 from loraplex.platform.api.openai.tools.tool_calls import tool_request_for
 from loraplex.platform.api.request_body import json_body, read_json_model
 from loraplex.platform.api.state import server_state
+from loraplex.platform.api.tenancy.auth import tenant_of
 from loraplex.platform.models.tokenizer import TokenIdsOnlyTokenizer, Tokenizer
 
 router = APIRouter()

@@ -16,9 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from loraplex.platform.api.auth import admit, tenant_of
 from loraplex.platform.api.errors import APIError
-from loraplex.platform.api.limits import reservation
 from loraplex.platform.api.openai.choices import UsageCounter, collect
 from loraplex.platform.api.openai.ids import new_id, now_s
 from loraplex.platform.api.openai.protocol import ResponsesRequest
@@ -52,6 +50,8 @@ from loraplex.platform.api.openai.tools.tool_call_stream import ToolCallStream
 from loraplex.platform.api.openai.tools.tool_calls import new_call_id, tool_request_for
 from loraplex.platform.api.request_body import json_body, read_json_model
 from loraplex.platform.api.state import ServerState, server_state
+from loraplex.platform.api.tenancy.auth import admit, tenant_of
+from loraplex.platform.api.tenancy.limits import reservation
 from loraplex.platform.core.outputs import RequestOutput
 from loraplex.platform.engine.async_engine import RequestStream
 

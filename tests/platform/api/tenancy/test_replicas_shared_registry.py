@@ -13,7 +13,7 @@ import httpx
 import pytest
 from tenant_helpers import start_server, upload
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "adapters"))
+sys.path.insert(0, str(Path(__file__).parents[3] / "adapters"))
 from random_adapters import write_adapter, write_tiny_model  # noqa: E402
 
 PROMPT = [1, 17, 42, 99, 7]

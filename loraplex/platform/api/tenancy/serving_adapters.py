@@ -11,17 +11,17 @@ from pydantic import BaseModel
 from starlette.datastructures import UploadFile
 
 from loraplex.adapters.upload import UploadedFile
-from loraplex.platform.api.adapter_service import (
+from loraplex.platform.api.errors import APIError, bad_request
+from loraplex.platform.api.request_body import json_body, parse_json
+from loraplex.platform.api.state import server_state
+from loraplex.platform.api.tenancy.adapter_service import (
     AdapterService,
     card,
     check_adapter_name,
     files_from_path,
     files_from_upload,
 )
-from loraplex.platform.api.auth import caller_of, require_admin, tenant_of
-from loraplex.platform.api.errors import APIError, bad_request
-from loraplex.platform.api.request_body import json_body, parse_json
-from loraplex.platform.api.state import server_state
+from loraplex.platform.api.tenancy.auth import caller_of, require_admin, tenant_of
 
 router = APIRouter()
 _MAX_FILES = 8

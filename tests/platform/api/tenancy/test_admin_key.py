@@ -11,8 +11,8 @@ from fastapi.testclient import TestClient
 
 from loraplex.platform.api.app import build_app
 from loraplex.platform.api.settings import ServerSettings
-from loraplex.platform.api.tenancy import Tenancy
-from loraplex.platform.api.tenants import Tenant, TenantStore
+from loraplex.platform.api.tenancy.tenancy import Tenancy
+from loraplex.platform.api.tenancy.tenant_store import Tenant, TenantStore
 
 
 class _IdleEngine:

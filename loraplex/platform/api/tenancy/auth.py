@@ -15,9 +15,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loraplex.platform.api.dashboard_auth import DashboardSessions
 from loraplex.platform.api.errors import APIError
-from loraplex.platform.api.limits import Reservation
-from loraplex.platform.api.tenancy import Caller, Tenancy
-from loraplex.platform.api.tenants import Tenant
+from loraplex.platform.api.tenancy.limits import Reservation
+from loraplex.platform.api.tenancy.tenancy import Caller, Tenancy
+from loraplex.platform.api.tenancy.tenant_store import Tenant
 
 PUBLIC_PATHS = frozenset({"/health", "/metrics", "/adapters/resident", "/openapi.json", "/docs"})
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})

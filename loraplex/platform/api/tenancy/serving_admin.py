@@ -10,7 +10,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from loraplex.platform.api.errors import APIError, bad_request
 from loraplex.platform.api.request_body import json_body, read_json_model
 from loraplex.platform.api.state import ServerState, server_state
-from loraplex.platform.api.tenants import MAX_CAP, MAX_WEIGHT, TENANT_NAME_PATTERN, Tenant
+from loraplex.platform.api.tenancy.tenant_store import (
+    MAX_CAP,
+    MAX_WEIGHT,
+    TENANT_NAME_PATTERN,
+    Tenant,
+)
 
 router = APIRouter()
 

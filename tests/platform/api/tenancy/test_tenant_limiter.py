@@ -3,8 +3,13 @@ ends; a request that alone exceeds a cap is refused for good (no Retry-After).""
 
 from __future__ import annotations
 
-from loraplex.platform.api.limits import LimitExceeded, Reservation, TenantLimiter, reservation
-from loraplex.platform.api.tenants import Tenant
+from loraplex.platform.api.tenancy.limits import (
+    LimitExceeded,
+    Reservation,
+    TenantLimiter,
+    reservation,
+)
+from loraplex.platform.api.tenancy.tenant_store import Tenant
 from loraplex.platform.core.sampling_params import SamplingParams
 
 

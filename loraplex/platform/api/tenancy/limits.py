@@ -16,7 +16,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from loraplex.platform.api.tenants import Tenant
+from loraplex.platform.api.tenancy.tenant_store import Tenant
 from loraplex.platform.core.sampling_params import SamplingParams
 
 WINDOW_S = 60.0

@@ -20,7 +20,7 @@ from tenant_helpers import ADMIN_KEY, load_hf_model, peft_greedy, start_server
 from loraplex.config import LoRAConfig
 from loraplex.platform.models.tokenizer import Tokenizer
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "adapters"))
+sys.path.insert(0, str(Path(__file__).parents[3] / "adapters"))
 from tokenizer_adapters import NEW_TOKEN, padded_tiny_model, trained_token_adapter  # noqa: E402
 
 pytestmark = pytest.mark.slow
