@@ -22,8 +22,8 @@ from loraplex.platform.api.dashboard_sources import (
     split_engine_name,
     tenant_queues,
 )
+from loraplex.platform.api.metrics.tenant_metrics import TenantCounts
 from loraplex.platform.api.state import ServerState
-from loraplex.platform.api.tenant_metrics import TenantCounts
 from loraplex.platform.core.stats import EngineSnapshot
 
 SAMPLE_PERIOD_S = 1.0

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from loraplex.platform.api.metrics import ServerMetrics
+from loraplex.platform.api.metrics.server_metrics import ServerMetrics
 from loraplex.platform.api.openai.sampling import RequestLimits
 from loraplex.platform.api.settings import ServerSettings
 from loraplex.platform.api.tenancy.model_resolver import ModelResolver, ServedModel

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loraplex.adapters.registry import open_registry
+from loraplex.platform.api.metrics.tenant_metrics import TenantMetrics
 from loraplex.platform.api.tenancy.limits import TenantLimiter
 from loraplex.platform.api.tenancy.tenant_store import OPEN_TENANT, TENANTS_DB, Tenant, TenantStore
-from loraplex.platform.api.tenant_metrics import TenantMetrics
 
 BEARER = "bearer "
 

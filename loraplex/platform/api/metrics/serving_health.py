@@ -6,9 +6,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from loraplex.platform.api.adapter_metrics import render_adapter_metrics
-from loraplex.platform.api.gie_metrics import LoRAInfoGauge, served_name
-from loraplex.platform.api.metrics import CONTENT_TYPE
+from loraplex.platform.api.metrics.adapter_metrics import render_adapter_metrics
+from loraplex.platform.api.metrics.gie_metrics import LoRAInfoGauge, served_name
+from loraplex.platform.api.metrics.server_metrics import CONTENT_TYPE
 from loraplex.platform.api.state import server_state
 from loraplex.platform.core.commands import GetAdapterStats
 

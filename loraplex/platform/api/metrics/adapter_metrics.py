@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import math
 
-from loraplex.platform.api.metrics import _labels
-from loraplex.platform.api.tenant_metrics import adapter_label
+from loraplex.platform.api.metrics.server_metrics import _labels
+from loraplex.platform.api.metrics.tenant_metrics import adapter_label
 from loraplex.platform.core.commands import (
     LOAD_LATENCY_BUCKETS_S,
     RESIDENCIES,

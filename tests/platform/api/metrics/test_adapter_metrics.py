@@ -3,7 +3,7 @@ on an adapter removed while it was on its way to the engine."""
 
 from __future__ import annotations
 
-from loraplex.platform.api.adapter_metrics import render_adapter_metrics
+from loraplex.platform.api.metrics.adapter_metrics import render_adapter_metrics
 from loraplex.platform.core.commands import (
     LOAD_LATENCY_BUCKETS_S,
     AdapterStat,

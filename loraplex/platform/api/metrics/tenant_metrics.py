@@ -11,7 +11,7 @@ import threading
 from collections import Counter
 from dataclasses import dataclass
 
-from loraplex.platform.api.metrics import _labels
+from loraplex.platform.api.metrics.server_metrics import _labels
 from loraplex.platform.api.tenancy.limits import TenantLimiter
 from loraplex.platform.core.stats import LoRAStats
 from loraplex.platform.core.timing import RequestTiming

@@ -16,10 +16,10 @@ import pytest
 from tenant_helpers import start_server, upload
 
 from loraplex.config import LoRAConfig
-from loraplex.platform.api.gie_metrics import LORA_INFO, LoRAInfoGauge
+from loraplex.platform.api.metrics.gie_metrics import LORA_INFO, LoRAInfoGauge
 from loraplex.platform.core.commands import LOAD_LATENCY_BUCKETS_S, AdapterStat, AdapterStatsReport
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "adapters"))
+sys.path.insert(0, str(Path(__file__).parents[3] / "adapters"))
 from random_adapters import write_adapter  # noqa: E402
 
 _SERIES = re.compile(r"^(?P<name>[^{\s]+)(?:\{(?P<labels>.*)\})? (?P<value>\S+)$")

@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 import time
 
-from loraplex.platform.api.metrics import _labels
+from loraplex.platform.api.metrics.server_metrics import _labels
 from loraplex.platform.core.commands import AdapterStat, AdapterStatsReport
 
 LORA_INFO = "loraplex:lora_requests_info"
