@@ -11,7 +11,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from loraplex import __version__, envs
-from loraplex.platform.api import serving_dashboard
+from loraplex.platform.api.dashboard import serving_dashboard
 from loraplex.platform.api.errors import install_error_handlers
 from loraplex.platform.api.metrics import serving_health
 from loraplex.platform.api.metrics.server_metrics import ServerMetrics

@@ -13,7 +13,7 @@ from __future__ import annotations
 from fastapi import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from loraplex.platform.api.dashboard_auth import DashboardSessions
+from loraplex.platform.api.dashboard.sessions import DashboardSessions
 from loraplex.platform.api.errors import APIError
 from loraplex.platform.api.tenancy.limits import Reservation
 from loraplex.platform.api.tenancy.tenancy import Caller, Tenancy

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from loraplex.platform.api.dashboard_stats import histogram_quantile
+from loraplex.platform.api.dashboard.stats import histogram_quantile
 
 BOUNDS = (0.1, 0.2, 0.4, 0.8)
 

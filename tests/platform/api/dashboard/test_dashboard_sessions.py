@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from loraplex.platform.api.dashboard_auth import COOKIE, DashboardSessions, cookie_value
+from loraplex.platform.api.dashboard.sessions import COOKIE, DashboardSessions, cookie_value
 
 NOW = 1_800_000_000.0
 

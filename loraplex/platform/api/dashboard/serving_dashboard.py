@@ -16,15 +16,15 @@ from urllib.parse import parse_qs
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
 
-from loraplex.platform.api.dashboard_auth import COOKIE, DashboardSessions, cookie_value
-from loraplex.platform.api.dashboard_stats import StatsCollector
+from loraplex.platform.api.dashboard.sessions import COOKIE, DashboardSessions, cookie_value
+from loraplex.platform.api.dashboard.stats import StatsCollector
 from loraplex.platform.api.errors import APIError
 from loraplex.platform.api.state import ServerState, server_state
 from loraplex.platform.api.tenancy.auth import ADMIN_DISABLED
 
 router = APIRouter()
 
-STATIC_DIR = Path(__file__).parent / "static" / "dashboard"
+STATIC_DIR = Path(__file__).parent / "static"
 #: the page's assets, by URL name -> media type (nothing else under STATIC_DIR is served)
 ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 MAX_LOGIN_BODY_BYTES = 4096

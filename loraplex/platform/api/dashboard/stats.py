@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from loraplex.platform.api.dashboard_sources import (
+from loraplex.platform.api.dashboard.sources import (
     adapter_report,
     split_engine_name,
     tenant_queues,

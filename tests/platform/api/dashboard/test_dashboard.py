@@ -15,11 +15,11 @@ import httpx
 import pytest
 from tenant_helpers import ADMIN_KEY, complete, load_hf_model, make_adapter, start_server, upload
 
-from loraplex.platform.api.dashboard_auth import COOKIE
+from loraplex.platform.api.dashboard.sessions import COOKIE
 
 PROMPT = [1, 504, 3458, 314, 260, 1345, 28, 4038, 314]
 MAX_TOKENS = 8
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 # NOTE: the README's screenshots are refreshed only on request (LORAPLEX_DASHBOARD_SCREENSHOTS=
 # benchmarks/results); otherwise they go to a temporary folder, so `make test` leaves the
 # tracked images alone.
