@@ -160,7 +160,7 @@ def start_server(engine: AsyncEngine, data_dir: Path) -> tuple[Any, threading.Th
     import uvicorn
 
     from loraplex.platform.api.app import build_app
-    from loraplex.platform.api.state import ServerSettings
+    from loraplex.platform.api.settings import ServerSettings
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -129,8 +129,8 @@ def _run_quantize(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loraplex", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    from loraplex.platform.api.ray_serve import add_serve_ray_parser
-    from loraplex.platform.api.serve_cli import add_serve_parser
+    from loraplex.entrypoints.ray_serve import add_serve_ray_parser
+    from loraplex.entrypoints.serve_cli import add_serve_parser
 
     add_serve_parser(sub)
     add_serve_ray_parser(sub)
@@ -147,11 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "serve":
-            from loraplex.platform.api.serve_cli import run_serve
+            from loraplex.entrypoints.serve_cli import run_serve
 
             return run_serve(args)
         if args.command == "serve-ray":
-            from loraplex.platform.api.ray_serve import run_serve_ray
+            from loraplex.entrypoints.ray_serve import run_serve_ray
 
             return run_serve_ray(args)
         runners = {

@@ -30,3 +30,9 @@ def test_the_public_names_still_import_from_the_root():
     assert loraplex.SamplingParams(temperature=0.0).greedy
     assert loraplex.LLM.__name__ == "LLM"
     assert set(loraplex.__all__) <= set(dir(loraplex))
+
+
+def test_the_api_imports_no_entrypoint():
+    # NOTE: entrypoints (the serve CLI, the launcher, Ray Serve) sit on top of the API
+    loaded = _loaded_after("import loraplex.platform.api.app")
+    assert not {m for m in loaded if m.startswith("loraplex.entrypoints")}

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from loraplex.platform.api.gie_metrics import LORA_INFO
-from loraplex.platform.api.metrics import _ENGINE_SERIES
+from loraplex.platform.api.metrics.gie_metrics import LORA_INFO
+from loraplex.platform.api.metrics.server_metrics import _ENGINE_SERIES
 
 DEPLOY = Path(__file__).parents[2] / "deploy" / "kubernetes"
 KUBERNETES_VERSION = "1.33.0"  # the oldest release the manifests are checked against

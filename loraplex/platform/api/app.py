@@ -11,27 +11,27 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from loraplex import __version__, envs
-from loraplex.platform.api import (
-    serving_adapters,
-    serving_admin,
+from loraplex.platform.api.dashboard import serving_dashboard
+from loraplex.platform.api.errors import install_error_handlers
+from loraplex.platform.api.metrics import serving_health
+from loraplex.platform.api.metrics.server_metrics import ServerMetrics
+from loraplex.platform.api.openai import (
     serving_chat,
     serving_completion,
-    serving_dashboard,
-    serving_health,
     serving_models,
-    serving_responses,
     serving_tokenize,
 )
-from loraplex.platform.api.adapter_service import AdapterService
-from loraplex.platform.api.auth import AuthMiddleware
-from loraplex.platform.api.errors import install_error_handlers
-from loraplex.platform.api.metrics import ServerMetrics
-from loraplex.platform.api.protocol import ChatCompletionRequest, CompletionRequest
+from loraplex.platform.api.openai.protocol import ChatCompletionRequest, CompletionRequest
+from loraplex.platform.api.openai.responses import serving_responses
+from loraplex.platform.api.openai.responses.store import ResponseStore
 from loraplex.platform.api.request_body import body_schemas
-from loraplex.platform.api.response_store import ResponseStore
-from loraplex.platform.api.state import ModelResolver, ServerSettings, ServerState
-from loraplex.platform.api.tenancy import Tenancy
-from loraplex.platform.api.tenant_models import TenantModelResolver
+from loraplex.platform.api.settings import ServerSettings
+from loraplex.platform.api.state import ServerState
+from loraplex.platform.api.tenancy import serving_adapters, serving_admin
+from loraplex.platform.api.tenancy.adapter_service import AdapterService
+from loraplex.platform.api.tenancy.auth import AuthMiddleware
+from loraplex.platform.api.tenancy.model_resolver import ModelResolver, TenantModelResolver
+from loraplex.platform.api.tenancy.tenancy import Tenancy
 from loraplex.platform.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)

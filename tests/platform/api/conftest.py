@@ -60,7 +60,7 @@ def server(model_dir, tmp_path_factory) -> Iterator[LiveServer]:
     import uvicorn
 
     from loraplex.platform.api.app import build_app
-    from loraplex.platform.api.state import ServerSettings
+    from loraplex.platform.api.settings import ServerSettings
     from loraplex.platform.engine.async_engine import AsyncEngine
 
     port = _free_port()

@@ -47,7 +47,7 @@ def start_server(
     import uvicorn
 
     from loraplex.platform.api.app import build_app
-    from loraplex.platform.api.state import ServerSettings
+    from loraplex.platform.api.settings import ServerSettings
     from loraplex.platform.engine.async_engine import AsyncEngine
 
     with socket.socket() as sock:

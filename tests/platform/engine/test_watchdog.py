@@ -13,7 +13,7 @@ from engine_configs import cpu_engine_config
 from loraplex import SamplingParams, StructuredOutputs
 from loraplex.config import SchedulerConfig
 from loraplex.platform.api.errors import request_failed
-from loraplex.platform.api.metrics import ServerMetrics
+from loraplex.platform.api.metrics.server_metrics import ServerMetrics
 from loraplex.platform.core.errors import RequestStalledError
 from loraplex.platform.engine.async_engine import AsyncEngine
 from loraplex.platform.engine.structured_output import GrammarJob

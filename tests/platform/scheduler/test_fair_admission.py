@@ -93,7 +93,7 @@ def test_a_bad_threshold_is_a_value_error():
 
 def test_serve_options_reach_the_scheduler_config():
     from loraplex.cli import build_parser
-    from loraplex.platform.api.serve_cli import engine_config, resolve_options
+    from loraplex.entrypoints.serve_cli import engine_config, resolve_options
 
     argv = ["serve", "--long-prefill-token-threshold", "100", "--request-stall-timeout-s", "5"]
     config = engine_config(resolve_options(build_parser().parse_args(argv))).scheduler

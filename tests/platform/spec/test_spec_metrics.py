@@ -3,7 +3,7 @@ the engine core to the API process in the snapshot."""
 
 from __future__ import annotations
 
-from loraplex.platform.api.metrics import ServerMetrics
+from loraplex.platform.api.metrics.server_metrics import ServerMetrics
 from loraplex.platform.core.spec_stats import SpecDecodingStats
 from loraplex.platform.core.stats import EngineSnapshot, EngineStats
 from loraplex.platform.engine.ipc import Codec, CoreBatch

@@ -1,0 +1,195 @@
+"""The serving launcher: one EngineCore process, then `--api-server-count` API processes on one
+listening socket, supervised until a signal or a death.
+
+Order: bind the port (so a taken port fails at once), start the engine core, wait for its
+handshake (the model is loaded), then start the API processes: no API process answers /health
+before the engine runs. Then:
+
+- SIGTERM / SIGINT: the API processes drain (up to `shutdown_timeout_s`, then a 503 error
+  event ends what still runs), exit; then the engine core stops. Exit status 0.
+- The engine core dies: every API process fails its requests in flight with 503s and answers
+  /health with 503 for `ENGINE_DEATH_GRACE_S`, then everything exits with status 1. The server
+  does not restart the engine: a supervisor (systemd, Kubernetes) restarts the server.
+- An API process dies: the others and the engine are stopped; exit status 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import socket
+import time
+from collections.abc import Sequence
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from loraplex.config import EngineConfig
+from loraplex.entrypoints.api_server import run_api_server
+from loraplex.platform.api.settings import ServerSettings
+from loraplex.platform.engine.core_client import EngineCoreClient, default_address
+from loraplex.platform.engine.core_process import STARTUP_REFUSED_EXIT, run_engine_core
+
+logger = logging.getLogger(__name__)
+
+ENGINE_DEATH_GRACE_S = 2.0  # /health answers 503 this long after the engine died
+ENGINE_STOP_TIMEOUT_S = 30.0  # the engine core's time to stop after SIGTERM
+ENGINE_START_TIMEOUT_S = 3600.0  # the longest model load waited for
+
+
+# NOTE: one, as vLLM. Each API process admits requests against a tenant's concurrency and
+# reserved-token caps on its own counts, so N processes let a tenant run up to N times its
+# cap; raise it where throughput matters more than those caps (README, "The serving processes").
+DEFAULT_API_SERVER_COUNT = 1
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A listening TCP socket every API process accepts on."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, port))
+    listener.listen(2048)
+    listener.set_inheritable(True)
+    return listener
+
+
+class Launcher:
+    """Starts and supervises the processes of one server."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        settings: ServerSettings,
+        api_server_count: int,
+        shutdown_timeout_s: float,
+        uvicorn_options: dict[str, Any],
+    ) -> None:
+        if api_server_count < 1:
+            raise ValueError(f"api_server_count must be >= 1, got {api_server_count}")
+        if shutdown_timeout_s < 0:
+            raise ValueError(f"shutdown_timeout_s must be >= 0, got {shutdown_timeout_s}")
+        self.config = config
+        self.settings = settings
+        self.api_server_count = api_server_count
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self.uvicorn_options = uvicorn_options
+        self._context = multiprocessing.get_context("spawn")
+        self._stopping = False
+        self.engine: BaseProcess | None = None
+        self.api_servers: list[BaseProcess] = []
+
+    def run(self) -> int:
+        """Serve until a signal (0) or a process death (1)."""
+        listener = bind_listener(self.settings.host, self.settings.port)
+        address = default_address()
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM,
+                                                                          signal.SIGINT)}  # fmt: skip
+        try:
+            refusals, refusals_writer = self._context.Pipe(duplex=False)
+            self.engine = self._context.Process(
+                target=run_engine_core,
+                args=(self.config, address, refusals_writer),
+                name="loraplex-engine-core",
+            )
+            self.engine.start()
+            refusals_writer.close()
+            if not self._wait_for_engine(address):
+                if self.engine.exitcode == STARTUP_REFUSED_EXIT and refusals.poll():
+                    # NOTE: a refused model or option: `loraplex serve` prints it, exit 2
+                    raise ValueError(refusals.recv())
+                return 1
+            for index in range(self.api_server_count):
+                process = self._context.Process(
+                    target=run_api_server,
+                    args=(self.settings, listener, address, self.uvicorn_options,
+                          self.shutdown_timeout_s, os.getpid()),
+                    name=f"loraplex-api-{index}",
+                )  # fmt: skip
+                process.start()
+                self.api_servers.append(process)
+            listener.close()
+            logger.info(
+                "serving on http://%s:%d: engine core %d, API processes %s",
+                self.settings.host,
+                self.settings.port,
+                self.engine.pid,
+                [p.pid for p in self.api_servers],
+            )
+            return self._supervise()
+        finally:
+            listener.close()
+            self._stop_all()
+            self._remove_socket_file(address)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, sig: int, frame: object) -> None:
+        self._stopping = True
+
+    def _wait_for_engine(self, address: str) -> bool:
+        """Wait for the engine core's handshake; False if it died or a signal came first."""
+        assert self.engine is not None
+        deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
+        while time.monotonic() < deadline and not self._stopping:
+            if not self.engine.is_alive():
+                logger.error("the engine core exited with %s while starting", self.engine.exitcode)
+                return False
+            try:
+                EngineCoreClient.probe(address, timeout_s=1.0)
+                return True
+            except TimeoutError:
+                continue
+        return False
+
+    def _supervise(self) -> int:
+        assert self.engine is not None
+        processes = [self.engine, *self.api_servers]
+        while not self._stopping:
+            multiprocessing.connection.wait([p.sentinel for p in processes], timeout=0.2)
+            if self._stopping:
+                break
+            if not self.engine.is_alive():
+                logger.error("the engine core died (exit code %s)", self.engine.exitcode)
+                self._signal(self.api_servers, signal.SIGUSR1)
+                time.sleep(ENGINE_DEATH_GRACE_S)
+                return 1
+            dead = [p for p in self.api_servers if not p.is_alive()]
+            if dead:
+                logger.error("API process %s died (exit code %s)", dead[0].pid, dead[0].exitcode)
+                return 1
+        return 0
+
+    def _stop_all(self) -> None:
+        """API processes first (they drain), then the engine core; no process outlives this."""
+        self._signal(self.api_servers, signal.SIGTERM)
+        drain_deadline = time.monotonic() + self.shutdown_timeout_s + 10.0
+        for process in self.api_servers:
+            process.join(max(0.0, drain_deadline - time.monotonic()))
+        if self.engine is not None:
+            self._signal([self.engine], signal.SIGTERM)
+            self.engine.join(ENGINE_STOP_TIMEOUT_S)
+        for process in [*self.api_servers, *([self.engine] if self.engine else [])]:
+            if process.is_alive():
+                logger.error("%s did not stop; killing it", process.name)
+                process.kill()
+                process.join(5)
+
+    @staticmethod
+    def _signal(processes: Sequence[BaseProcess], sig: int) -> None:
+        for process in processes:
+            if process.pid is not None and process.is_alive():
+                try:
+                    os.kill(process.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    @staticmethod
+    def _remove_socket_file(address: str) -> None:
+        if address.startswith("ipc://"):
+            try:
+                os.unlink(address.removeprefix("ipc://"))
+            except OSError:
+                pass

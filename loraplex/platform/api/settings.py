@@ -1,0 +1,68 @@
+"""`ServerSettings`: the HTTP side's settings, as the operator gave them (the engine has its own
+`EngineConfig`), and `LoRAModule`, one `--lora-modules` entry among them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loraplex.adapters.registry import check_registry_url
+from loraplex.platform.api.openai.sampling import DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST
+from loraplex.platform.api.openai.tools.tool_parsers import TOOL_PARSERS
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_MAX_ADAPTER_BYTES = 512 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class LoRAModule:
+    """One `--lora-modules` entry: serve the PEFT folder `path` as the model `name`."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None  # if given, must be the served base model's name
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """HTTP-side settings (the engine has its own EngineConfig)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    disconnect_poll_s: float = 0.25
+    data_dir: str | None = None  # the adapter registry and tenants (None: envs.data_dir())
+    tenants_file: str | None = None  # a YAML file of static tenants
+    admin_key: str | None = None  # None: LORAPLEX_ADMIN_KEY, if set
+    max_adapter_bytes: int = DEFAULT_MAX_ADAPTER_BYTES  # per adapter upload
+    max_n: int = DEFAULT_MAX_N  # samples per prompt (`n`) of one request
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST  # prompts of one completion
+    tool_call_parser: str | None = None  # vLLM's name; None: the one the chat template implies
+    # where adapters and their catalogue live: "local" (data_dir), file:///shared/folder or
+    # s3://bucket/prefix (one registry for every replica); see `open_registry`
+    adapter_registry: str = "local"
+    registry_sync_s: float = 2.0  # how often a shared registry's changes reach this engine
+    # adapters served to every tenant from start-up (`--lora-modules`, as vLLM's)
+    lora_modules: tuple[LoRAModule, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in [1, 65535], got {self.port}")
+        if self.max_request_body_bytes < 1024:
+            raise ValueError(
+                f"max_request_body_bytes must be >= 1024, got {self.max_request_body_bytes}"
+            )
+        if self.disconnect_poll_s <= 0:
+            raise ValueError(f"disconnect_poll_s must be positive, got {self.disconnect_poll_s}")
+        if self.max_adapter_bytes < 1024:
+            raise ValueError(f"max_adapter_bytes must be >= 1024, got {self.max_adapter_bytes}")
+        for name in ("max_n", "max_prompts_per_request"):
+            if not 1 <= getattr(self, name) <= 2**31 - 1:
+                raise ValueError(f"{name} must be in [1, 2**31 - 1], got {getattr(self, name)}")
+        check_registry_url(self.adapter_registry)
+        if self.registry_sync_s <= 0:
+            raise ValueError(f"registry_sync_s must be positive, got {self.registry_sync_s}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}, "
+                f"got {self.tool_call_parser!r}"
+            )

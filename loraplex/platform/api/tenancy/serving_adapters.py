@@ -1,0 +1,179 @@
+"""Adapter routes, scoped to the caller's tenant: upload, register (admin), list, get, delete,
+and vLLM's `load_lora_adapter` / `unload_lora_adapter`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from starlette.datastructures import UploadFile
+
+from loraplex.adapters.upload import UploadedFile
+from loraplex.platform.api.errors import APIError, bad_request
+from loraplex.platform.api.request_body import json_body, parse_json
+from loraplex.platform.api.state import server_state
+from loraplex.platform.api.tenancy.adapter_service import (
+    AdapterService,
+    card,
+    check_adapter_name,
+    files_from_path,
+    files_from_upload,
+)
+from loraplex.platform.api.tenancy.auth import caller_of, require_admin, tenant_of
+
+router = APIRouter()
+_MAX_FILES = 8
+
+
+# NOTE: the JSON bodies below are read and checked by the routes themselves (field by field,
+# with OpenAI-shaped 400s naming the field); these models document them in /openapi.json.
+class RegisterAdapterRequest(BaseModel):
+    """POST /v1/adapters/register (admin): a PEFT folder on the server, for a tenant."""
+
+    name: str
+    path: str
+    tenant: str | None = None
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter (admin, vLLM's route)."""
+
+    lora_name: str
+    lora_path: str
+    tenant: str | None = None
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter (vLLM's route): one of the caller's adapters."""
+
+    lora_name: str
+
+
+BODY_MODELS = (RegisterAdapterRequest, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest)
+_UPLOAD_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["name", "files"],
+                    "properties": {
+                        "name": {"type": "string"},
+                        "files": {"type": "array", "items": {"type": "string", "format": "binary"}},
+                    },
+                }
+            }
+        },
+    }
+}
+
+
+def _service(request: Request) -> AdapterService:
+    return request.app.state.adapters
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the upload is over the limit of {limit} bytes", code="adapter_too_large")
+
+
+@router.post("/v1/adapters", openapi_extra=_UPLOAD_BODY)
+async def upload_adapter(request: Request) -> JSONResponse:
+    """multipart/form-data: `name`, and `files` (the two PEFT files, or one .zip / .tar.gz)."""
+    tenant = tenant_of(request).name
+    service = _service(request)
+    limit = server_state(request).settings.max_adapter_bytes
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit + 64 * 1024:
+        raise _too_large(limit)
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise bad_request("send the adapter as multipart/form-data: `name` and `files`")
+    try:
+        form = await request.form(max_files=_MAX_FILES, max_fields=_MAX_FILES)
+    except Exception as error:  # starlette raises its own MultiPartException / HTTPException
+        raise bad_request(f"unreadable multipart body: {error}") from None
+    name = check_adapter_name(form.get("name"), service.base_name)
+    uploads = [f for f in form.getlist("files") if isinstance(f, UploadFile)]
+    files = []
+    total = 0
+    for upload in uploads:
+        data = await upload.read(limit + 1 - total)
+        total += len(data)
+        if total > limit:
+            raise _too_large(limit)
+        files.append(UploadedFile(upload.filename or "", data))
+    record, replaced = await service.install(tenant, name, files_from_upload(files))
+    return JSONResponse({**card(record, service.base_name), "replaced": replaced}, status_code=201)
+
+
+def _target_tenant(request: Request, body: dict[str, Any]) -> str:
+    """The tenant an admin acts for: the body's `tenant` (the open server's one by default)."""
+    own = caller_of(request).tenant  # set on an open server only
+    tenant = body.get("tenant", own.name if own is not None else None)
+    if tenant is None:
+        raise bad_request("name the tenant to register the adapter for", param="tenant")
+    known = own is not None and tenant == own.name
+    if not known and (
+        not isinstance(tenant, str) or server_state(request).tenancy.tenants.get(tenant) is None
+    ):
+        raise bad_request(f"no tenant {tenant!r}", param="tenant")
+    return tenant
+
+
+async def _register(request: Request, name_field: str, path_field: str) -> JSONResponse:
+    require_admin(request)
+    body = parse_json(await request.body())
+    service = _service(request)
+    name = check_adapter_name(body.get(name_field), service.base_name)
+    path = body.get(path_field)
+    if not isinstance(path, str) or not path:
+        raise bad_request(f"`{path_field}` must be a server-local folder", param=path_field)
+    tenant = _target_tenant(request, body)
+    record, replaced = await service.install(tenant, name, files_from_path(path))
+    return JSONResponse({**card(record, service.base_name), "replaced": replaced}, status_code=201)
+
+
+@router.post("/v1/adapters/register", openapi_extra=json_body(RegisterAdapterRequest))
+async def register_adapter(request: Request) -> JSONResponse:
+    """Admin only: `{"name", "path", "tenant"}`, a PEFT folder on the server."""
+    return await _register(request, "name", "path")
+
+
+@router.post("/v1/load_lora_adapter", openapi_extra=json_body(LoadLoRAAdapterRequest))
+async def load_lora_adapter(request: Request) -> JSONResponse:
+    """vLLM-compatible: `{"lora_name", "lora_path"}` (admin only; `tenant` names the tenant)."""
+    return await _register(request, "lora_name", "lora_path")
+
+
+@router.post("/v1/unload_lora_adapter", openapi_extra=json_body(UnloadLoRAAdapterRequest))
+async def unload_lora_adapter(request: Request) -> JSONResponse:
+    """vLLM-compatible: `{"lora_name"}`, one of the caller's adapters."""
+    body = parse_json(await request.body())
+    name = body.get("lora_name")
+    if not isinstance(name, str):
+        raise bad_request("`lora_name` must be a string", param="lora_name")
+    tenant = tenant_of(request).name
+    record = await _service(request).remove(tenant, name)
+    return JSONResponse({"id": record.name, "object": "adapter", "deleted": True})
+
+
+@router.get("/v1/adapters")
+async def list_adapters(request: Request) -> JSONResponse:
+    tenant = tenant_of(request).name
+    service = _service(request)
+    records = server_state(request).tenancy.registry.list(tenant)
+    return JSONResponse({"object": "list", "data": [card(r, service.base_name) for r in records]})
+
+
+@router.get("/v1/adapters/{name:path}")
+async def get_adapter(name: str, request: Request) -> JSONResponse:
+    service = _service(request)
+    return JSONResponse(card(service.get(tenant_of(request).name, name), service.base_name))
+
+
+@router.delete("/v1/adapters/{name:path}")
+async def delete_adapter(name: str, request: Request) -> JSONResponse:
+    record = await _service(request).remove(tenant_of(request).name, name)
+    return JSONResponse({"id": record.name, "object": "adapter", "deleted": True})
