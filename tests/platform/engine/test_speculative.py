@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from benchmarks.random_adapter import write_random_adapter
+from benchmarks.common.random_adapter import write_random_adapter
 from loraplex import LLM, LoRARequest, SamplingParams
 from loraplex.platform.models.arch_config import ArchConfig
 

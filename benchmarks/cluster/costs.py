@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
+from benchmarks.record import RESULTS
 
 
 @dataclass(frozen=True)
