@@ -91,7 +91,8 @@ def test_kill_9_mid_upload_leaves_old_or_complete_new(tmp_path, make_adapter, sp
     marker = tmp_path / "marker"
     tests_dir = str(Path(__file__).parent)
     child = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, str(data), str(new_folder), phase, str(marker), tests_dir]
+        [sys.executable, "-c", _CHILD, str(data), str(new_folder), phase, str(marker), tests_dir],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
     )
     wait_until(lambda: marker.exists() or child.poll() is not None, 60, "the child to pause")
     assert child.poll() is None, "the child exited instead of pausing"

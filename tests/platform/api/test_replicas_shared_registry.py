@@ -15,15 +15,15 @@ from tenant_helpers import start_server, upload
 from tests.waiting import wait_until
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "adapters"))
-from random_adapters import write_adapter, write_tiny_model  # noqa: E402
+from random_adapters import write_adapter  # noqa: E402
 
 PROMPT = [1, 17, 42, 99, 7]
 
 
 @pytest.fixture(scope="module")
-def replicas(model_dir, tmp_path_factory):
+def replicas(tiny_llama_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("replicas")
-    tiny = write_tiny_model(root / "tiny", Path(model_dir))
+    tiny = tiny_llama_dir
     url = f"file://{root / 'shared'}"
     servers = [
         start_server(

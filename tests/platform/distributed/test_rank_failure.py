@@ -14,15 +14,10 @@ from pathlib import Path
 import httpx
 
 from tests.platform.api.process_server import alive, launch
+from tests.tiny_models import tiny_llama_config
 from tests.waiting import wait_until
 
-TINY = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "vocab_size": 49152, "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "torch_dtype": "float32",
-    "eos_token_id": 2,
-}  # fmt: skip
+TINY = tiny_llama_config(vocab_size=49152, max_position_embeddings=2048, eos_token_id=2)
 
 
 def _cmdline(pid: int) -> str:
