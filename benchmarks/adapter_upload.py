@@ -1,4 +1,4 @@
-"""Upload-to-first-token latency of a new rank-16 adapter, through the live server (issue 6).
+"""Upload-to-first-token latency of a new rank-16 adapter, through the live server.
 
 A live server (uvicorn in this process, a fresh data folder, one tenant) over the embedded model
 on CPU, or over random weights of a config file's architecture (e.g. Llama-3.1-8B on an H200).

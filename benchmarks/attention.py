@@ -1,18 +1,21 @@
-"""Benchmark: our Triton paged attention vs torch SDPA (flash backend), plus the small kernels.
+"""Our Triton paged attention against torch SDPA (flash backend) on equivalent contiguous
+inputs, and the small kernels (norms, rotary, activation, KV write, fused rotary + KV write)
+against their torch references, each checked against its reference first.
 
-Usage (on a CUDA machine, from the repository root so that `loraplex` imports from the working
-tree): `python -m benchmarks.attention`. Writes
-`benchmarks/results/h200_attention.json`; speedups are baseline time / our time (> 1 is faster).
-Without CUDA it prints a message and exits 0.
+    python -m benchmarks.attention [--out h200_attention.json]
+
+Speed-ups are baseline time / our time (> 1 is faster). Without CUDA it says so and exits 0.
 """
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.common.timing import triton_seconds
 from benchmarks.record import write_result
 from loraplex.kernels.activation import silu_and_mul, silu_and_mul_ref
 from loraplex.kernels.attention import paged_attention, paged_attention_ref
@@ -77,14 +80,8 @@ def sdpa_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) 
 
 
 def bench(fn: Callable[[], object], graph: bool = False) -> float:
-    """Mean milliseconds per call (CUDA-graph replay when `graph`, else do_bench)."""
-    import triton.testing
-
-    fn()
-    torch.cuda.synchronize()
-    if graph:
-        return float(triton.testing.do_bench_cudagraph(fn, rep=50))
-    return float(triton.testing.do_bench(fn, warmup=10, rep=50))
+    """Milliseconds per call by Triton's `do_bench` (replayed from a CUDA graph when `graph`)."""
+    return triton_seconds(fn, graph) * 1e3
 
 
 def attention_case(name: str, batch: int, seq_len: int, query_len: int, metrics: dict) -> None:
@@ -216,10 +213,13 @@ def small_kernels(metrics: dict) -> None:
     fused_rotary_case("rotary_write_kv_decode", 1, graph=True)  # batch-1 decode, CUDA graph
 
 
-def main() -> None:
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="h200_attention.json", help="in benchmarks/results/")
+    args = parser.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks.attention needs a CUDA GPU; none found, nothing measured.")
-        return
+        return 0
     torch.manual_seed(0)
     metrics: dict[str, float] = {}
     attention_case("attn_prefill", batch=4, seq_len=2048, query_len=2048, metrics=metrics)
@@ -230,7 +230,7 @@ def main() -> None:
     small_kernels(metrics)
     baseline = {k: metrics.pop(k) for k in list(metrics) if k.endswith("_sdpa_ms")}
     write_result(
-        "h200_attention.json",
+        args.out,
         "attention",
         metrics,
         baseline,
@@ -242,7 +242,8 @@ def main() -> None:
         ),
         versions={"torch": torch.__version__, "triton": __import__("triton").__version__},
     )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

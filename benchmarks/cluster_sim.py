@@ -33,14 +33,13 @@ import json
 import math
 import random
 from dataclasses import asdict
-from pathlib import Path
 
-from benchmarks.cluster_costs import RESULTS, CostModel
-from benchmarks.cluster_replica import Replica
-from benchmarks.cluster_routing import Router
-from benchmarks.cluster_workload import POLICIES, Request, SimConfig, make_workload
-
-__all__ = ["CostModel", "SimConfig", "make_workload", "simulate"]
+from benchmarks.cluster.costs import CostModel
+from benchmarks.cluster.replica import Replica
+from benchmarks.cluster.routing import Router
+from benchmarks.cluster.workload import POLICIES, Request, SimConfig, make_workload
+from benchmarks.common.stats import quantile
+from benchmarks.record import write_result
 
 
 def capacity_req_s(cfg: SimConfig, costs: CostModel) -> float:
@@ -103,23 +102,19 @@ def simulate(cfg: SimConfig, costs: CostModel) -> dict[str, float]:
                 order += 1
                 heapq.heappush(events, (now + cfg.scrape_s, order, SCRAPE, 0))
     window = [r for r in requests if cfg.warmup_s <= r.arrival < cfg.duration_s]
-    ttft = sorted((r.first_token if r.first_token >= 0 else horizon) - r.arrival for r in window)
+    ttft = [(r.first_token if r.first_token >= 0 else horizon) - r.arrival for r in window]
     finished = [r for r in done if cfg.warmup_s <= r.arrival < cfg.duration_s]
     tokens = sum(r.window_tokens for r in replicas)
     loads = sum(r.loads for r in replicas)
     return {
         "offered_req_s": rate,
         "throughput_out_tok_s": tokens / (cfg.duration_s - cfg.warmup_s),
-        "ttft_p50_s": _quantile(ttft, 0.5),
-        "ttft_p99_s": _quantile(ttft, 0.99),
+        "ttft_p50_s": quantile(ttft, 0.5),
+        "ttft_p99_s": quantile(ttft, 0.99),
         "adapter_loads_per_s": loads / cfg.duration_s,
         "unfinished": len(window) - len(finished),
         "requests": len(window),
     }
-
-
-def _quantile(values: list[float], q: float) -> float:
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration-s", type=float, default=30.0)
     parser.add_argument("--load", type=float, default=0.7)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=str(RESULTS / "cluster_sim.json"))
+    parser.add_argument("--out", default="cluster_sim.json", help="in benchmarks/results/")
     args = parser.parse_args(argv)
     costs = CostModel.from_records()
     runs = []
@@ -148,43 +143,27 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write(args: argparse.Namespace, costs: CostModel, runs: list[dict]) -> None:
-    import datetime
-    import shlex
-    import subprocess
-    import sys
-
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                check=True, cwd=Path(__file__).parent).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
     metrics = {f"{r['policy']}_n{r['replicas']}_m{r['adapters']}_{key}": r[key]
                for r in runs for key in ("throughput_out_tok_s", "ttft_p50_s", "ttft_p99_s",
                                          "adapter_loads_per_s")}  # fmt: skip
-    record = {
-        "benchmark": "cluster_sim",
-        "device": "simulated NVIDIA H200 replicas (costs from benchmarks/results/h200_*.json)",
-        "command": " ".join(
-            shlex.quote(a) for a in ["python", "-m", "benchmarks.cluster_sim", *sys.argv[1:]]
-        ),  # fmt: skip
-        "commit": commit,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "metrics": metrics,
-        "baseline": {"policy": "round_robin", "note": "every policy on the same arrivals"},
-        "costs": {k: v for k, v in asdict(costs).items() if k != "sources"},
-        "cost_sources": costs.sources,
-        "workload": {
+    write_result(
+        args.out,
+        "cluster_sim",
+        metrics,
+        {"policy": "round_robin", "note": "every policy on the same arrivals"},
+        device="simulated NVIDIA H200 replicas (costs from benchmarks/results/h200_*.json)",
+        costs={k: v for k, v in asdict(costs).items() if k != "sources"},
+        cost_sources=costs.sources,
+        workload={
             k: v
             for k, v in asdict(SimConfig(1, 1, "gie")).items()
             if k not in ("replicas", "adapters", "policy")
-        },  # fmt: skip
-        "sampling": "costs come from runs at temperature 1.0 (multi-LoRA t1 base and ratios) "
+        },
+        sampling="costs come from runs at temperature 1.0 (multi-LoRA t1 base and ratios) "
         "and greedy (sampling record), whose ratio on the H200 is 1.03x: the simulated "
         "replicas stand for sampled and mixed traffic alike",
-        "runs": runs,
-    }
-    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {args.out}")
+        runs=runs,
+    )
 
 
 if __name__ == "__main__":

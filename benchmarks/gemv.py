@@ -14,35 +14,12 @@ import json
 import torch
 import torch.nn.functional as F
 
-from benchmarks.gpu_path import cuda_timed
+from benchmarks.common.engine import LLAMA_8B, projection_shapes
+from benchmarks.common.timing import graph_seconds_per_call
 from benchmarks.record import write_result
 from loraplex.kernels.gemv import GemvConfig
-from loraplex.platform.models.arch_config import ArchConfig
 
-_CALLS = 20
 _MARGIN = 0.97  # a config must be this much faster than cuBLAS to be used
-
-
-def model_shapes(model: str) -> list[tuple[int, int]]:
-    a = ArchConfig.from_dict(json.loads(open(model).read()))
-    return [
-        (a.q_size + 2 * a.kv_size, a.hidden_size),
-        (a.hidden_size, a.q_size),
-        (2 * a.intermediate_size, a.hidden_size),
-        (a.hidden_size, a.intermediate_size),
-        (a.vocab_size, a.hidden_size),
-    ]
-
-
-def graph_time(fn) -> float:
-    """Seconds per call of fn, replayed _CALLS times from one CUDA graph (best of 5)."""
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(_CALLS):
-            fn()
-    graph.replay()
-    return min(cuda_timed(graph.replay) for _ in range(5)) / _CALLS
 
 
 def configs() -> list[GemvConfig]:
@@ -57,7 +34,7 @@ def configs() -> list[GemvConfig]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default="configs/models/llama-3.1-8b.json")
+    parser.add_argument("--model", default=LLAMA_8B)
     parser.add_argument("--configs-out", default="gemv_configs.json")
     parser.add_argument("--out", default="h200_gemv.json")
     args = parser.parse_args()
@@ -69,17 +46,17 @@ def main() -> int:
     metrics: dict[str, float] = {}
     baseline: dict[str, float] = {}
     winners: dict[str, list[int]] = {}
-    for n, k in model_shapes(args.model):
+    for n, k in projection_shapes(args.model):
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         ref = F.linear(x, w).float()
-        cublas = graph_time(lambda x=x, w=w: F.linear(x, w))
+        cublas = graph_seconds_per_call(lambda x=x, w=w: F.linear(x, w))
         best, best_config = float("inf"), None
         for config in configs():
             out = gemv_triton(x, w, None, config)
             if not torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2):
                 raise AssertionError(f"{config} gives wrong results at {n}x{k}")
-            seconds = graph_time(lambda x=x, w=w, c=config: gemv_triton(x, w, None, c))
+            seconds = graph_seconds_per_call(lambda x=x, w=w, c=config: gemv_triton(x, w, None, c))
             if seconds < best:
                 best, best_config = seconds, config
         gb = w.numel() * 2 / 1e9

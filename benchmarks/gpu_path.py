@@ -1,4 +1,4 @@
-"""The GPU path on an H200 (issue 8): latency, decode TPOT and bandwidth use, throughput against
+"""The GPU path on an H200: latency, decode TPOT and bandwidth use, throughput against
 HF transformers on the same random Llama-3.1-8B-shaped weights.
 
     python -m benchmarks.gpu_path [--model configs/models/llama-3.1-8b.json]
@@ -14,79 +14,19 @@ import time
 
 import torch
 
-from benchmarks.hf_baseline import hf_generate_static, hf_model_from_engine
+from benchmarks.common.engine import (
+    DECODE_PROMPT_LEN,
+    DECODE_STEPS,
+    LLAMA_8B,
+    bench_llm,
+    decode_tpot,
+)
+from benchmarks.common.hf_baseline import hf_generate_static, hf_model_from_engine
+from benchmarks.common.prompts import nano_vllm_workload, random_prompts
+from benchmarks.common.sampling_mixes import GREEDY, T1
+from benchmarks.common.timing import best_seconds_per_call, wall_seconds
 from benchmarks.record import RESULTS, write_result
-from loraplex import LLM, SamplingParams
-
-
-def cuda_timed(fn) -> float:
-    """Wall seconds of fn(), the GPU (if any) synchronised before and after."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
-    sync()
-    start = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - start
-
-
-def bench_llm(model: str, **options) -> LLM:
-    """The engine the GPU benchmarks measure: bf16, no LoRA, 4096-token context, seed 0, and
-    room left on the device for a baseline holding the same weights."""
-    settings = dict(
-        dtype="bfloat16",
-        enable_lora=False,
-        max_model_len=4096,
-        gpu_memory_utilization=0.55,
-        seed=0,
-    )
-    return LLM(model, **{**settings, **options})
-
-
-def random_prompts(rng: random.Random, vocab: int, lengths: list[int]) -> list[list[int]]:
-    return [[rng.randrange(100, vocab - 100) for _ in range(n)] for n in lengths]
-
-
-GREEDY = dict(temperature=0.0, ignore_eos=True)
-# What the `openai` SDK sends by default: every benchmark records it beside greedy.
-T1 = dict(temperature=1.0, top_p=1.0, ignore_eos=True)
-DECODE_STEPS, DECODE_PROMPT_LEN = 256, 32
-
-
-def decode_tpot(
-    llm: LLM, rng: random.Random, sampling: dict = GREEDY, steps: int = DECODE_STEPS
-) -> tuple[float, float | None]:
-    """(seconds per output token at batch 1, GPU seconds of one graph-replayed decode step):
-    (time of steps + 1 tokens - time of 1) / steps, median of 3; `sampling` holds the
-    SamplingParams fields of the requests (greedy by default)."""
-    vocab = llm.engine.runner.arch.vocab_size
-
-    def one(n: int) -> float:
-        prompt = random_prompts(rng, vocab, [DECODE_PROMPT_LEN])
-        return cuda_timed(lambda: llm.generate(prompt, SamplingParams(max_tokens=n, **sampling)))
-
-    one(8)
-    tpot = statistics.median((one(steps + 1) - one(1)) / steps for _ in range(3))
-    graphs = llm.engine.runner.graphs
-    if graphs is None:
-        return tpot, None
-    graph = graphs.graphs[1]
-    replay = min(cuda_timed(lambda: [graph.replay() for _ in range(20)]) for _ in range(3)) / 20
-    return tpot, replay
-
-
-def nano_vllm_workload(
-    vocab: int, num_requests: int, sampling: dict = GREEDY
-) -> tuple[list[list[int]], list[SamplingParams], int]:
-    """nano-vllm's workload: input and output lengths uniform in [100, 1024], ignore_eos,
-    greedy unless `sampling` says otherwise; returns (prompts, params, output tokens)."""
-    wl = random.Random(1)
-    lens = [(wl.randint(100, 1024), wl.randint(100, 1024)) for _ in range(num_requests)]
-    prompts = random_prompts(wl, vocab, [i for i, _ in lens])
-    return (
-        prompts,
-        [SamplingParams(max_tokens=o, **sampling) for _, o in lens],
-        sum(o for _, o in lens),
-    )
+from loraplex import SamplingParams
 
 
 def copy_bandwidth() -> float:
@@ -94,8 +34,7 @@ def copy_bandwidth() -> float:
     src = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     dst.copy_(src)
-    seconds = min(cuda_timed(lambda: dst.copy_(src)) for _ in range(5))
-    return 2 * src.numel() / seconds
+    return 2 * src.numel() / best_seconds_per_call(lambda: dst.copy_(src), repeats=5)
 
 
 def hf_single_stream(hf, modes: set[str], rng: random.Random, vocab: int) -> dict[str, float]:
@@ -124,7 +63,7 @@ def hf_single_stream(hf, modes: set[str], rng: random.Random, vocab: int) -> dic
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default="configs/models/llama-3.1-8b.json")
+    parser.add_argument("--model", default=LLAMA_8B)
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--hf-subset", type=int, default=64)
     parser.add_argument("--skip-hf", action="store_true")
@@ -179,7 +118,7 @@ def main() -> int:
         engine.async_scheduling = overlap
         llm.generate(random_prompts(rng, vocab, [32] * 8), SamplingParams(max_tokens=128, **GREEDY))
         runs = [
-            cuda_timed(
+            wall_seconds(
                 lambda: llm.generate(
                     random_prompts(rng, vocab, [32] * 8), SamplingParams(max_tokens=128, **GREEDY)
                 )
@@ -222,18 +161,18 @@ def main() -> int:
     prompts, params, out_tokens = nano_vllm_workload(vocab, args.num_requests)
     llm.generate(prompts[:8], [SamplingParams(max_tokens=16, **GREEDY)] * 8)
     llm.engine.scheduler.kv.reset_prefix_cache()
-    seconds = cuda_timed(lambda: llm.generate(prompts, params))
+    seconds = wall_seconds(lambda: llm.generate(prompts, params))
     metrics["throughput_out_tok_s"] = out_tokens / seconds
     print(f"throughput {args.num_requests} reqs: {out_tokens} tokens in {seconds:.1f} s")
     _, t1_params, _ = nano_vllm_workload(vocab, args.num_requests, T1)
     llm.engine.scheduler.kv.reset_prefix_cache()
-    t1_seconds = cuda_timed(lambda: llm.generate(prompts, t1_params))
+    t1_seconds = wall_seconds(lambda: llm.generate(prompts, t1_params))
     metrics["t1_throughput_out_tok_s"] = out_tokens / t1_seconds
     metrics["t1_throughput_ratio_vs_greedy"] = seconds / t1_seconds
     print(f"t1 throughput: {out_tokens} tokens in {t1_seconds:.1f} s")
     sub = args.hf_subset
     llm.engine.scheduler.kv.reset_prefix_cache()
-    sub_seconds = cuda_timed(lambda: llm.generate(prompts[:sub], params[:sub]))
+    sub_seconds = wall_seconds(lambda: llm.generate(prompts[:sub], params[:sub]))
     sub_tokens = sum(p.max_tokens for p in params[:sub])
     metrics[f"throughput_subset{sub}_out_tok_s"] = sub_tokens / sub_seconds
     print(f"throughput subset {sub}: {sub_tokens / sub_seconds:.0f} tok/s")

@@ -1,4 +1,4 @@
-"""Time to first token of requests whose JSON schema the server has never seen (issue 16).
+"""Time to first token of requests whose JSON schema the server has never seen.
 
 Over the coverage corpus (`benchmarks.grammar_coverage`: public real-world schemas; the test
 suite's schemas where its `check-jsonschema` package is absent), one request at a time, each
@@ -35,9 +35,13 @@ from typing import Any
 
 import torch
 
-from benchmarks.grammar_throughput import VOCAB_SIZE, model_folder
+from benchmarks.common.engine import LLAMA_8B
+from benchmarks.common.grammar_inputs import coverage_corpus, test_suite_schemas
+from benchmarks.common.model_folders import SMOLLM2_VOCAB_SIZE, with_smollm2_tokenizer
+from benchmarks.common.prompts import random_prompts
+from benchmarks.common.sampling_mixes import MIXED, mix_fields
+from benchmarks.common.stats import quantile
 from benchmarks.record import write_result
-from benchmarks.sampling_mixes import MIXED, mix_fields
 from loraplex import LLM, SamplingParams, StructuredOutputs
 from loraplex.grammar.config import GrammarConfig
 from loraplex.grammar.errors import GrammarError
@@ -58,15 +62,9 @@ TINY_LLAMA = {
 def schemas(components: int) -> tuple[str, list[tuple[str, dict[str, Any]]]]:
     """(corpus name, [(schema name, schema)]): the coverage corpus, or the test suite's."""
     if importlib.util.find_spec("check_jsonschema") is not None:
-        from benchmarks.grammar_coverage import corpus
-
-        return "grammar_coverage", [(name, schema) for name, _, schema in corpus(components)]
-    spec = importlib.util.spec_from_file_location(
-        "grammar_schemas", ROOT / "tests/grammar/grammar_schemas.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return "tests/grammar/grammar_schemas.py", sorted(module.SCHEMAS.items())
+        entries = coverage_corpus(components)
+        return "grammar_coverage", [(name, schema) for name, _, schema in entries]
+    return "tests/grammar/grammar_schemas.py", sorted(test_suite_schemas().items())
 
 
 def first_token(
@@ -112,12 +110,6 @@ def _validates(schema: dict[str, Any], text: str) -> bool:
         return False
 
 
-def _quantile(values: list[float], q: float) -> float:
-    """Nearest-rank quantile (q in [0, 1]) of `values`."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
-
-
 def run_setting(
     llm: LLM, entries: list[tuple[str, dict[str, Any]]], config: GrammarConfig, args
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
@@ -134,7 +126,7 @@ def run_setting(
     rng = random.Random(0)
     rows = []
     for i, (name, schema) in enumerate(entries):
-        prompt = [rng.randrange(100, VOCAB_SIZE - 100) for _ in range(args.prompt_len)]
+        [prompt] = random_prompts(rng, SMOLLM2_VOCAB_SIZE, [args.prompt_len])
         mode = MODES[i % len(MODES)]
         fields = {"seed": i, **mix_fields(mode, i // len(MODES))}
         params = SamplingParams(
@@ -163,8 +155,8 @@ def run_setting(
         "schemas": len(rows),
         "served": len(served),
         "cold_ttft_p50_ms": round(statistics.median(cold_ms), 1) if cold_ms else 0.0,
-        "cold_ttft_p90_ms": round(_quantile(cold_ms, 0.9), 1) if cold_ms else 0.0,
-        "cold_ttft_p99_ms": round(_quantile(cold_ms, 0.99), 1) if cold_ms else 0.0,
+        "cold_ttft_p90_ms": round(quantile(cold_ms, 0.9), 1) if cold_ms else 0.0,
+        "cold_ttft_p99_ms": round(quantile(cold_ms, 0.99), 1) if cold_ms else 0.0,
         "cold_ttft_max_ms": round(max(cold_ms), 1) if cold_ms else 0.0,
         "warm_ttft_p50_ms": round(statistics.median(warm_ms), 1) if warm_ms else 0.0,
         "finished_outputs": len(finished),
@@ -229,8 +221,8 @@ def main() -> int:
         elif cpu:
             config_path.write_text(json.dumps(TINY_LLAMA))
         else:
-            config_path.write_text((ROOT / "configs/models/llama-3.1-8b.json").read_text())
-        model = model_folder(config_path, args.tokenizer_dir, Path(tmp))
+            config_path.write_text((ROOT / LLAMA_8B).read_text())
+        model = with_smollm2_tokenizer(config_path, args.tokenizer_dir, Path(tmp))
         llm = LLM(
             str(model), dtype="float32" if cpu else "bfloat16", device=args.device,
             max_model_len=args.prompt_len + args.max_tokens + 64, max_num_seqs=8,

@@ -4,19 +4,14 @@ Over the test suite's JSON schemas (tests/grammar/grammar_schemas.py) with the e
 vocabulary, on the CPU. Cold compiles run in the child process as served; the baseline is
 outlines-core compiling the same regex in-process and filling masks through its own `Guide`.
 
-    python -m benchmarks.grammar_compile [--out benchmarks/results/cpu_grammar.json]
+    python -m benchmarks.grammar_compile [--out cpu_grammar.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.util
 import json
-import platform
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,37 +19,20 @@ from pathlib import Path
 import numpy as np
 import torch
 from outlines_core import Guide, Index
-from tokenizers import Tokenizer
 
+from benchmarks.common.grammar_inputs import grammar_vocabulary, test_suite_schemas
+from benchmarks.common.stats import quantile
+from benchmarks.common.timing import wall_seconds
+from benchmarks.record import write_result
 from loraplex.grammar.bitmask import allocate_token_bitmask, apply_token_bitmask_
 from loraplex.grammar.compiler import GrammarCompiler
 from loraplex.grammar.config import GrammarConfig
 from loraplex.grammar.matcher import GrammarMatcher
 from loraplex.grammar.schema_analysis import schema_regex
-from loraplex.grammar.vocabulary import build_vocabulary
 from loraplex.platform.core.structured_outputs import StructuredOutputs
 from loraplex.platform.models.model_store import ensure_default_model
 
-ROOT = Path(__file__).resolve().parents[1]
 WALK_STEPS = 64
-
-
-def _schemas() -> dict[str, dict]:
-    spec = importlib.util.spec_from_file_location(
-        "grammar_schemas", ROOT / "tests/grammar/grammar_schemas.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.SCHEMAS
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             check=True, cwd=ROOT)  # fmt: skip
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _walk(grammar, rng: np.random.Generator) -> list[int]:
@@ -111,24 +89,16 @@ def _apply_us(device: torch.device, rows: int, vocab_size: int, iters: int = 50)
     logits = torch.randn(rows, vocab_size, device=device)
     bitmask = allocate_token_bitmask(rows, vocab_size).to(device)
     apply_token_bitmask_(logits, bitmask)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        apply_token_bitmask_(logits, bitmask)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters * 1e6
+    seconds = wall_seconds(lambda: [apply_token_bitmask_(logits, bitmask) for _ in range(iters)])
+    return seconds / iters * 1e6
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/cpu_grammar.json")
+    parser.add_argument("--out", default="cpu_grammar.json", help="in benchmarks/results/")
     args = parser.parse_args()
 
-    tokenizer = Tokenizer.from_file(str(ensure_default_model(progress=False) / "tokenizer.json"))
-    stops = [tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")]
-    vocabulary = build_vocabulary(tokenizer, stops)
+    _, _, vocabulary = grammar_vocabulary(ensure_default_model(progress=False) / "tokenizer.json")
     rng = np.random.default_rng(0)
     bitmask = allocate_token_bitmask(1, vocabulary.vocab_size).numpy()
     per_schema = {}
@@ -136,7 +106,7 @@ def main() -> None:
         config = GrammarConfig(compile_timeout_s=120, num_workers=1, cache_dir=Path(cache_dir))
         compiler = GrammarCompiler(vocabulary, config)
         compiler.compile(StructuredOutputs(regex="warm-up"))
-        for name, schema in _schemas().items():
+        for name, schema in test_suite_schemas().items():
             outputs = StructuredOutputs(json=schema)
             start = time.perf_counter()
             grammar = compiler.compile(outputs)
@@ -183,7 +153,7 @@ def main() -> None:
     summary = {
         key: {
             "median": round(statistics.median(column(key)), 3),
-            "p90": round(float(np.percentile(column(key), 90)), 3),
+            "p90": round(quantile(column(key), 0.9), 3),
             "max": round(max(column(key)), 3),
         }
         for key in (
@@ -194,44 +164,25 @@ def main() -> None:
             "first_visit_mask_fill_us_per_step",
         )
     }
-    result = {
-        "benchmark": "grammar_compile",
-        "device": f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "commit": _commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "metrics": {
-            "num_schemas": len(per_schema),
-            "vocab_size": vocabulary.vocab_size,
-            "summary": summary,
-            "apply_bitmask_cpu_us_8x49152": round(apply_us, 1),
-            "apply_bitmask_cuda": cuda_apply,
-            "per_schema": per_schema,
-        },
-        "baseline": {
-            "what": "outlines-core 0.2.14 in-process Index() on the same regex, and its Guide."
-            "write_mask_into per step",
-            "inprocess_compile_ms_median": statistics.median(
-                column("baseline_inprocess_compile_ms")
-            ),
-            "guide_mask_us_per_step_median": statistics.median(
-                column("baseline_guide_mask_us_per_step")
-            ),
-        },
+    metrics = {
+        "num_schemas": len(per_schema),
+        "vocab_size": vocabulary.vocab_size,
+        "summary": summary,
+        "apply_bitmask_cpu_us_8x49152": round(apply_us, 1),
+        "apply_bitmask_cuda": cuda_apply,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(
-        json.dumps(
-            {
-                "summary": summary,
-                "baseline": result["baseline"],
-                "apply_us": result["metrics"]["apply_bitmask_cpu_us_8x49152"],
-            },
-            indent=2,
-        )
-    )
+    baseline = {
+        "what": "outlines-core 0.2.14 in-process Index() on the same regex, and its Guide."
+        "write_mask_into per step",
+        "inprocess_compile_ms_median": statistics.median(column("baseline_inprocess_compile_ms")),
+        "guide_mask_us_per_step_median": statistics.median(
+            column("baseline_guide_mask_us_per_step")
+        ),
+    }
+    print(json.dumps({"summary": summary, "baseline": baseline, "apply_us": apply_us}, indent=2))
+    write_result(args.out, "grammar_compile", metrics, baseline, per_schema=per_schema)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

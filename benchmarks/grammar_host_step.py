@@ -1,10 +1,10 @@
-"""Host time of the grammar path per engine step at many constrained rows (issue 16).
+"""Host time of the grammar path per engine step at many constrained rows.
 
 What the engine thread does for grammar requests while the device runs a step, without a model:
 `StructuredOutputManager.fill_bitmask` over N rows (the step's masks, in place) and each row's
 matcher advancing by its sampled token with the stop check the scheduler makes
 (`accept_token`, `is_terminated() or must_stop()`). N random walks through the outlines-core
-grammar of `benchmarks.grammar_throughput`'s schema stand in for the sampled tokens. CPU time
+grammar of the schema `benchmarks.grammar_throughput` measures stand in for the sampled tokens. CPU time
 (`time.process_time`), best of `--repeats`, so other processes on the machine count little.
 
     python -m benchmarks.grammar_host_step --tokenizer-dir .bench_tokenizer [--rows 256]
@@ -19,13 +19,11 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Tokenizer
 
-from benchmarks.grammar_throughput import SCHEMA
+from benchmarks.common.grammar_inputs import SCHEMA, grammar_vocabulary
 from benchmarks.record import write_result
 from loraplex.grammar.compiler import GrammarCompiler
 from loraplex.grammar.config import GrammarConfig
-from loraplex.grammar.vocabulary import build_vocabulary
 from loraplex.platform.core.request import Request
 from loraplex.platform.core.sampling_params import SamplingParams
 from loraplex.platform.core.structured_outputs import StructuredOutputs
@@ -55,9 +53,7 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="results file (default: none)")
     args = parser.parse_args()
 
-    tokenizer = Tokenizer.from_file(str(args.tokenizer_dir / "tokenizer.json"))
-    stops = [tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")]
-    vocabulary = build_vocabulary(tokenizer, stops)
+    _, stops, vocabulary = grammar_vocabulary(args.tokenizer_dir / "tokenizer.json")
     with tempfile.TemporaryDirectory() as tmp:
         compiler = GrammarCompiler(vocabulary, GrammarConfig(cache_dir=Path(tmp)))
         grammar = compiler.compile(StructuredOutputs(json=SCHEMA), timeout=300)

@@ -1,4 +1,4 @@
-"""Throughput under a JSON schema against the same workload unconstrained (issues 7 and 16).
+"""Throughput under a JSON schema against the same workload unconstrained.
 
 Random Llama-3.1-8B-shaped weights with a 49,152-token vocabulary and SmolLM2's tokenizer (a
 grammar needs a tokenizer, and random weights have none); prompts of 64 random tokens;
@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import random
-import shutil
 import statistics
 import tempfile
 import time
@@ -35,49 +34,14 @@ from typing import Any
 
 import torch
 
+from benchmarks.common.engine import LLAMA_8B
+from benchmarks.common.grammar_inputs import CATEGORIES, SCHEMA
+from benchmarks.common.model_folders import SMOLLM2_VOCAB_SIZE, with_smollm2_tokenizer
+from benchmarks.common.prompts import random_prompts
+from benchmarks.common.timing import synchronize
 from benchmarks.record import write_result
 from loraplex import LLM, RequestOutput, SamplingParams, StructuredOutputs
 from loraplex.platform.engine.structured_output import MaskFillStats
-
-VOCAB_SIZE = 49152
-CATEGORIES = ["book", "film", "music", "game", "podcast"]
-SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "title": {"type": "string", "maxLength": 32},
-        "category": {"enum": CATEGORIES},
-        "rating": {"type": "integer", "minimum": 1, "maximum": 10},
-        "year": {"type": "integer", "minimum": 1900, "maximum": 2030},
-        "available": {"type": "boolean"},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
-    },
-    "required": ["title", "category", "rating", "year", "available", "tags"],
-    "additionalProperties": False,
-}
-
-
-def model_folder(config_path: Path, tokenizer_dir: Path, into: Path) -> Path:
-    """A config file with the tokenizer's vocabulary and special ids, beside the tokenizer
-    files; returns the config's path (a `.json` model path builds random weights)."""
-    config = json.loads(config_path.read_text())
-    tokenizer_config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
-    vocab = json.loads((tokenizer_dir / "tokenizer.json").read_text())
-    ids = {t["content"]: t["id"] for t in vocab.get("added_tokens", [])}
-
-    def special_id(name: str) -> int:
-        token = tokenizer_config[name]
-        return ids[token["content"] if isinstance(token, dict) else token]
-
-    config.update(
-        vocab_size=VOCAB_SIZE,
-        bos_token_id=special_id("bos_token"),
-        eos_token_id=[special_id("eos_token")],
-    )
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, into / name)
-    path = into / "config.json"
-    path.write_text(json.dumps(config, indent=2))
-    return path
 
 
 def is_valid(value: Any) -> bool:
@@ -136,8 +100,7 @@ class Run:
 def drive(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> Run:
     """Add every request, step the engine until all finish, timing each request's tokens."""
     engine = llm.engine
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    synchronize()
     start = time.perf_counter()
     for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(str(i), prompt, sp)
@@ -151,8 +114,7 @@ def drive(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> R
                 first.setdefault(out.request_id, now)
             if out.finished:
                 done[out.request_id] = (out, now)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    synchronize()
     seconds = time.perf_counter() - start
     ordered = [done[str(i)] for i in range(len(prompts))]
     tpot = []
@@ -185,9 +147,7 @@ def main() -> int:
         required=True,
         help="folder with tokenizer.json and tokenizer_config.json",
     )
-    parser.add_argument(
-        "--model-config", type=Path, default=Path("configs/models/llama-3.1-8b.json")
-    )
+    parser.add_argument("--model-config", type=Path, default=Path(LLAMA_8B))
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--num-seqs", type=int, default=256, help="schema scenario's requests")
     parser.add_argument("--mixed-requests", type=int, default=512)
@@ -212,7 +172,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="loraplex-grammar-bench-") as tmp:
         # NOTE: a fresh cache folder, so the first compile below is a cold one.
         os.environ["LORAPLEX_CACHE_DIR"] = str(Path(tmp) / "cache")
-        config = model_folder(args.model_config, args.tokenizer_dir, Path(tmp))
+        config = with_smollm2_tokenizer(args.model_config, args.tokenizer_dir, Path(tmp))
         metrics = run(args, config)
     print(json.dumps(metrics, indent=2))
     if out:
@@ -250,10 +210,7 @@ def run(args: argparse.Namespace, config: Path) -> dict[str, Any]:
 
     rng = random.Random(0)
     num_prompts = max(args.num_seqs, args.mixed_requests)
-    prompts = [
-        [rng.randrange(100, VOCAB_SIZE - 100) for _ in range(args.prompt_len)]
-        for _ in range(num_prompts)
-    ]
+    prompts = random_prompts(rng, SMOLLM2_VOCAB_SIZE, [args.prompt_len] * num_prompts)
 
     def sampling(i: int, max_tokens: int, schema: bool) -> SamplingParams:
         return SamplingParams(
@@ -349,7 +306,7 @@ def run(args: argparse.Namespace, config: Path) -> dict[str, Any]:
         "constrained_output_len_max": lengths[-1],
         "schema_compile_cold_ms": round(cold_ms, 2),
         "schema_compile_cached_ms": round(cached_ms, 4),
-        "model": f"{args.model_config.name} with vocab_size {VOCAB_SIZE}, random weights",
+        "model": f"{args.model_config.name} with vocab_size {SMOLLM2_VOCAB_SIZE}, random weights",
         "max_tokens": args.max_tokens,
         "mixed_max_tokens": args.mixed_max_tokens,
         "prompt_len": args.prompt_len,

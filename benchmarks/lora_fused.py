@@ -4,9 +4,9 @@ forward), batches of 1, 8 and 64 tokens each on its own adapter.
 
 Paths: `fused` (forced on every projection), `two_kernels` (the pair), `default` (what serving
 runs: `LoRAKernelConfig()`, fused up to `fused_max_tokens` tokens on inputs up to `fused_max_k`;
-since the H200 run at bae7d40 that is never, so `default` is the pair). First a check: every projection, every path, against the fp32 torch reference with mixed ranks
-(1..16, a zero-rank shard) and base-model rows (slot -1); a failure stops the run. Then each
-path's time per layer and per projection, replayed from a CUDA graph. No sampling is involved
+the record says which). First a check: every projection, every path, against the fp32 torch
+reference with mixed ranks (1..16, a zero-rank shard) and base-model rows (slot -1); a failure
+stops the run. Then each path's time per layer and per projection, replayed from a CUDA graph. No sampling is involved
 (kernels only), so there is no greedy / temperature / mixed split here: `benchmarks.multi_lora`
 measures those end to end.
 
@@ -21,7 +21,14 @@ import sys
 
 import torch
 
-from benchmarks.lora_kernels import NUM_LAYERS, PROJECTIONS, RANK, _build, _reference, _time_us
+from benchmarks.common.lora_layers import (
+    NUM_LAYERS,
+    PROJECTIONS,
+    RANK,
+    build_layers,
+    reference_delta,
+)
+from benchmarks.common.timing import event_seconds_per_call
 from benchmarks.record import write_result
 from loraplex.kernels.lora import DEFAULT_KERNEL_CONFIG, LoRAKernelConfig, add_lora
 
@@ -51,7 +58,7 @@ def _check(meta, layers, device) -> dict[str, float]:
             if w.num_slices > 1:
                 w.ranks[-1, 3] = 0  # a shard the adapter does not touch
             x = torch.randn(num_tokens, layer.input_size, device=device, dtype=w.a.dtype)
-            ref = _reference(layer, x, meta)
+            ref = reference_delta(layer, x, meta)
             for name, config in PATHS.items():
                 out = torch.zeros(num_tokens, layer.offsets[-1], device=device, dtype=x.dtype)
                 add_lora(x, out, w, meta.kernel_meta, meta.workspace, config)
@@ -77,6 +84,11 @@ def _step(meta, layers, xs, outs, config: LoRAKernelConfig, only: int | None = N
     return run
 
 
+def _us_per_layer(step) -> float:
+    """Microseconds per layer of one `_step` call, replayed from a CUDA graph."""
+    return event_seconds_per_call(step, iters=20, warmup=2, graph=True) * 1e6 / NUM_LAYERS
+
+
 def _timings(meta, layers, device) -> dict[str, float]:
     """Each path's microseconds per layer and per projection, at each batch size."""
     dtype = layers[0][0].weights.a.dtype
@@ -90,13 +102,10 @@ def _timings(meta, layers, device) -> dict[str, float]:
                 for p in PROJECTIONS.values()]  # fmt: skip
 
         for name, config in PATHS.items():
-            us = _time_us(_step(meta, layers, xs, outs, config), graph=True, iters=20) / NUM_LAYERS
+            us = _us_per_layer(_step(meta, layers, xs, outs, config))
             metrics[f"t{num_tokens}_{name}_us_per_layer"] = round(us, 3)
             for i, proj in enumerate(PROJECTIONS):
-                us = (
-                    _time_us(_step(meta, layers, xs, outs, config, i), graph=True, iters=20)
-                    / NUM_LAYERS
-                )
+                us = _us_per_layer(_step(meta, layers, xs, outs, config, i))
                 metrics[f"t{num_tokens}_{name}_{proj}_us"] = round(us, 3)
         metrics[f"t{num_tokens}_fused_over_two_kernels"] = round(
             metrics[f"t{num_tokens}_fused_us_per_layer"]
@@ -116,7 +125,7 @@ def main() -> int:
         return 0
     device = torch.device("cuda")
     torch.manual_seed(0)
-    meta, layers, _ = _build(device, torch.bfloat16)
+    meta, layers, _ = build_layers(device, torch.bfloat16)
     metrics = _check(meta, layers, device)
     print("check passed:", metrics)
     metrics.update(_timings(meta, layers, device))

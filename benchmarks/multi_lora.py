@@ -1,4 +1,4 @@
-"""Multi-LoRA serving (issue 17): output tokens/s with 8 and 64 adapters on 64 GPU slots and
+"""Multi-LoRA serving: output tokens/s with 8 and 64 adapters on 64 GPU slots and
 256 adapters churning through them, against base-only serving of the same requests; TPOT at
 batch 1 with an adapter against without; and the time from an adapter's registration to its
 first token while 256 other sequences decode, with those sequences' ITL p99 meanwhile.
@@ -8,7 +8,7 @@ first token while 256 other sequences decode, with those sequences' ITL p99 mean
 
 Workload (cuda): 256 requests, input and output lengths uniform in [128, 512] and [64, 256],
 ignore_eos, greedy, again at temperature 1.0 (the openai SDK's default; metrics with a `_t1`
-suffix) and as a mixed-sampling batch (request i takes mix i mod 9 of `benchmarks.sampling`:
+suffix) and as a mixed-sampling batch (request i takes mix i mod 9 of `benchmarks.common.sampling_mixes`:
 penalties, top-k/p, min-p, seeds, logprobs; `_mixed` suffix). With 8 and 64 adapters request i
 runs adapter i mod k; with 256 adapters on 64 slots each request draws its adapter from a Zipf
 (s = 1) popularity over the 256, as tenants' traffic is: hot adapters stay resident while the
@@ -31,7 +31,7 @@ Metrics: ratio_vs_base_8, ratio_vs_base_64, ratio_vs_base_256_on_64_slots (greed
 itl_p99_before_load_ms, the engine thread's time per slot write from the first load on
 (slot_write_host_us_mean / _p99, slot_writes), and the tok/s and TPOT figures behind them.
 
-Adapter forms (issue 21), `--forms dora,lm_head`: one LoRA engine holds 64 plain adapters and 64
+Adapter forms, `--forms dora,lm_head`: one LoRA engine holds 64 plain adapters and 64
 of each form (rank 16 on all seven projections; DoRA adds a magnitude per projection, set near
 the base rows' norms as DoRA's initialisation does; lm_head adds rank-16 LoRA on the output
 head), every adapter resident (one slot each). The same requests run on the plain adapters and
@@ -54,10 +54,13 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu_path import GREEDY, T1, bench_llm, cuda_timed, random_prompts
-from benchmarks.random_adapter import write_random_adapter
+from benchmarks.common.engine import LLAMA_8B, bench_llm
+from benchmarks.common.prompts import mix_params, random_prompts
+from benchmarks.common.random_adapter import write_random_adapter
+from benchmarks.common.sampling_mixes import GREEDY, MIXED, T1
+from benchmarks.common.stats import quantile
+from benchmarks.common.timing import wall_seconds
 from benchmarks.record import write_result
-from benchmarks.sampling_mixes import MIXED, mix_fields
 from loraplex import LLM, LoRARequest, SamplingParams
 from loraplex.adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE, content_digest
 from loraplex.platform.core.commands import AddAdapter, GetAdapterStats
@@ -104,8 +107,7 @@ def workload(args, vocab: int) -> tuple[list[list[int]], list[int]]:
 def sampling_params(suffix: str, outputs: list[int]) -> list[SamplingParams]:
     """Each request's parameters for the sampling mode of metric suffix `suffix`."""
     if suffix == "_mixed":
-        return [SamplingParams(max_tokens=o, ignore_eos=True, **mix_fields(MIXED, i))
-                for i, o in enumerate(outputs)]  # fmt: skip
+        return mix_params(MIXED, outputs)
     fields = T1 if suffix == "_t1" else GREEDY
     return [SamplingParams(max_tokens=o, **fields) for o in outputs]
 
@@ -120,7 +122,7 @@ def serve(llm: LLM, prompts, outputs, loras=None, suffix: str = "") -> float:
     """Output tokens/s of one `generate` over all requests, from an empty prefix cache."""
     params = sampling_params(suffix, outputs)
     llm.engine.scheduler.kv.reset_prefix_cache()
-    seconds = cuda_timed(lambda: llm.generate(prompts, params, lora_request=loras))
+    seconds = wall_seconds(lambda: llm.generate(prompts, params, lora_request=loras))
     return sum(outputs) / seconds
 
 
@@ -133,7 +135,7 @@ def tpot(llm: LLM, steps: int, prompt_len: int, lora: LoRARequest | None) -> flo
     def one(n: int) -> float:
         prompt = random_prompts(rng, vocab, [prompt_len])
         params = SamplingParams(max_tokens=n, **GREEDY)
-        return cuda_timed(lambda: llm.generate(prompt, params, lora_request=lora))
+        return wall_seconds(lambda: llm.generate(prompt, params, lora_request=lora))
 
     one(8)
     return statistics.median((one(steps + 1) - one(1)) / steps for _ in range(3))
@@ -236,12 +238,11 @@ def registration_to_first_token(args, llm: LLM, commands: list[AddAdapter], fres
         engine.abort_request(f"bg-{i}")
     engine.abort_request("fresh")
     engine.generate_blocking(deadline_s=60)
-    return first, _p99(during) * 1e3, _p99(before[-len(during) :] or before) * 1e3
-
-
-def _p99(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    return (
+        first,
+        quantile(during, 0.99) * 1e3,
+        quantile(before[-len(during) :] or before, 0.99) * 1e3,
+    )
 
 
 def base_row_norms(llm: LLM) -> dict[tuple[int, str], torch.Tensor]:
@@ -382,7 +383,7 @@ def main() -> int:
 
             args.model = str(ensure_default_model(progress=False))
         else:
-            args.model = "configs/models/llama-3.1-8b.json"
+            args.model = LLAMA_8B
     folder = Path(args.adapter_dir or tempfile.mkdtemp(prefix="loraplex-multi-lora-"))
     folder.mkdir(parents=True, exist_ok=True)
     if args.forms:
@@ -433,7 +434,7 @@ def main() -> int:
     if timed.seconds:
         metrics["slot_writes"] = len(timed.seconds)
         metrics["slot_write_host_us_mean"] = statistics.mean(timed.seconds) * 1e6
-        metrics["slot_write_host_us_p99"] = _p99(timed.seconds) * 1e6
+        metrics["slot_write_host_us_p99"] = quantile(timed.seconds, 0.99) * 1e6
     metrics["tpot_bs1_lora_s"] = tpot(llm, args.tpot_steps, args.prompt_len, loras[0])
     metrics["tpot_bs1_lora_over_base"] = metrics["tpot_bs1_lora_s"] / baseline["tpot_bs1_base_s"]
     first, during, before = registration_to_first_token(args, llm, commands, fresh)

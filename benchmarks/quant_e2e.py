@@ -12,7 +12,7 @@ optionally FP8 quantized at load), one engine at a time:
   compiles every kernel specialization the timed run meets.
 Both greedy and `t1` (temperature 1.0, top_p 1: the openai SDK's default), the latter's metrics
 named with a `t1_` prefix after the model's name; throughput also under the `mixed` sampling
-batch of `benchmarks.sampling_mixes` (request i takes the (i mod 9)-th mix), prefix `mixed_`.
+batch of `benchmarks.common.sampling_mixes` (request i takes the (i mod 9)-th mix), prefix `mixed_`.
 With LORAPLEX_QUANT_GEMM_TABLE set (a table `benchmarks.quant_gemm --table` wrote), the W4A16
 layers dispatch from that table; the record keeps its path and entries.
 The AWQ weights are random in AutoAWQ's checkpoint format and go through the same load-time
@@ -32,18 +32,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from benchmarks.gpu_path import (
-    DECODE_PROMPT_LEN,
-    DECODE_STEPS,
-    GREEDY,
-    T1,
-    bench_llm,
-    cuda_timed,
-    decode_tpot,
-    nano_vllm_workload,
-)
+from benchmarks.common.engine import DECODE_PROMPT_LEN, DECODE_STEPS, bench_llm, decode_tpot
+from benchmarks.common.prompts import nano_vllm_workload
+from benchmarks.common.sampling_mixes import GREEDY, MIXED, T1, mix_fields
+from benchmarks.common.timing import wall_seconds as cuda_timed
 from benchmarks.record import write_result
-from benchmarks.sampling_mixes import MIXED, mix_fields
 from loraplex import LLM, SamplingParams, envs
 from loraplex.platform.models.linear import Linear
 

@@ -1,11 +1,11 @@
-"""Quality of each quantized format on CPU (issue 5): the embedded SmolLM2-135M-Instruct is
+"""Quality of each quantized format on CPU: the embedded SmolLM2-135M-Instruct is
 quantized with `loraplex quantize`'s code into every format, served by `LLM`, and scored by
 teacher-forced perplexity on a fixed text and greedy agreement with the bf16 model on 8 prompts
-(`benchmarks.quality`).
+(`benchmarks.common.quality`).
 
     python -m benchmarks.quant_quality [--max-tokens 32] [--formats awq_w4g64,fp8_channel]
 
-The dense model runs twice: in bfloat16 (the baseline the issue names) and in float32. The
+The dense model runs twice: in bfloat16 (the baseline the formats are compared with) and in float32. The
 quantized models run with float32 activations (their weights are dequantized to float32 on
 CPU), so their distance from `fp32` is the weight format's own error, and their distance from
 `bf16` adds bf16's rounding of the dense weights and activations.
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.quality import (
+from benchmarks.common.quality import (
     GREEDY_PROMPTS,
     QUALITY_TEXT,
     greedy_agreement,
@@ -69,6 +69,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--formats", default=",".join(FORMATS))
+    parser.add_argument("--out", default="cpu_quant_quality.json", help="in benchmarks/results/")
     args = parser.parse_args()
     names = [n for n in args.formats.split(",") if n]
     unknown = sorted(set(names) - set(FORMATS))
@@ -104,7 +105,7 @@ def main() -> int:
             print(f"{name}: ppl {quant.perplexity:.3f}, greedy vs bf16 {vs_bf16}")
     print(metrics)
     write_result(
-        "cpu_quant_quality.json",
+        args.out,
         "quant_quality",
         metrics,
         {"ppl_bf16": bf16.perplexity, "ppl_fp32": fp32.perplexity},

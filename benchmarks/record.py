@@ -11,8 +11,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -35,6 +33,8 @@ def git_commit() -> str:
 
 
 def device_name() -> str:
+    import torch
+
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
     return f"cpu ({torch.get_num_threads()} threads)"

@@ -12,13 +12,12 @@ CUDA graph (the device's own time, no launch overhead). Logits are N(0, --logit-
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from benchmarks.gemv import graph_time
+from benchmarks.common.timing import event_seconds_per_call, graph_seconds_per_call
 from benchmarks.record import write_result
 from loraplex.platform.runner.sampler import Sampler
 from loraplex.platform.runner.sampling_metadata import SamplingMetadata, build_sampling_metadata
@@ -57,23 +56,9 @@ def metadata(
     return build_sampling_metadata(n, vocab, device, **mix, **extra)
 
 
-def time_per_call(fn: Callable[[], object], iters: int, device: torch.device) -> float:
-    """Milliseconds per call of fn over `iters` back-to-back calls (after warm-up)."""
-    for _ in range(3):
-        fn()
-    if device.type != "cuda":
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - start) * 1e3 / iters
-    torch.cuda.synchronize()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return begin.elapsed_time(end) / iters
+def ms_per_call(fn: Callable[[], object], iters: int, device: torch.device) -> float:
+    """Milliseconds per call of fn over `iters` calls in a row, after three warm-up calls."""
+    return event_seconds_per_call(fn, iters, cuda=device.type == "cuda") * 1e3
 
 
 def run(
@@ -87,23 +72,23 @@ def run(
         logits = torch.randn(n, vocab, generator=gen, device=device) * logit_std
         state = penalty_state(n, vocab, device)
         argmax = lambda x=logits: x.argmax(dim=-1)  # noqa: E731
-        argmax_ms = time_per_call(argmax, iters, device)
+        argmax_ms = ms_per_call(argmax, iters, device)
         baseline[f"argmax_ms_n{n}"] = round(argmax_ms, 4)
         line = f"[{n}, {vocab}] {'argmax':>26}: {argmax_ms:.4f} ms"
         if device.type == "cuda":
-            argmax_gpu = graph_time(argmax) * 1e3
+            argmax_gpu = graph_seconds_per_call(argmax) * 1e3
             baseline[f"argmax_gpu_ms_n{n}"] = round(argmax_gpu, 4)
             line += f", GPU {argmax_gpu:.4f} ms"
         print(line)
         for name, mix in MIXES.items():
             meta = metadata(mix, n, vocab, device, state)
             call = lambda x=logits, m=meta: sampler(x, m)  # noqa: E731
-            ms = time_per_call(call, iters, device)
+            ms = ms_per_call(call, iters, device)
             metrics[f"{name}_ms_n{n}"] = round(ms, 4)
             metrics[f"{name}_extra_ms_n{n}"] = round(ms - argmax_ms, 4)
             line = f"[{n}, {vocab}] {name:>26}: {ms:.4f} ms ({ms - argmax_ms:+.4f} vs argmax)"
             if device.type == "cuda":
-                gpu = graph_time(call) * 1e3
+                gpu = graph_seconds_per_call(call) * 1e3
                 metrics[f"{name}_gpu_ms_n{n}"] = round(gpu, 4)
                 line += f", GPU {gpu:.4f} ms"
             print(line)

@@ -1,16 +1,17 @@
-"""Sampled decoding (issue 15): output tokens/s of a full batch and decode time per token at
-batch 1, for each sampling mix beside greedy, on one engine.
+"""Sampled decoding: output tokens/s of a full batch and decode time per token at batch 1, for
+each sampling mix beside greedy, on one engine.
 
     python -m benchmarks.sampling [--model configs/models/llama-3.1-8b.json] [--mixes t1,rep11]
     python -m benchmarks.sampling --model qwen3-0.6b          # a config in configs/models/
     python -m benchmarks.sampling --device cpu                # small run, embedded model
 
 Workload (GPU defaults): random bf16 weights of the model's shape, 256 requests of 128 random
-prompt tokens, 256 output tokens each, ignore_eos, all at once; TPOT as `benchmarks.gpu_path`
-measures it (batch 1, 32 prompt tokens, (257 tokens - 1) / 256, median of 3). Every mix runs
-on the same engine, after an untimed short run of its own (kernels compile there), from an
-empty prefix cache; `--rounds` repeats the pass over the mixes and keeps each one's best. Mixes without a temperature of their own sample at 1.0, the openai SDK's
-default. Records `greedy_out_tok_s`, `tpot_bs1_greedy_ms`, and per mix `<mix>_out_tok_s`,
+prompt tokens, 256 output tokens each, ignore_eos, all at once; TPOT as every GPU benchmark
+measures it (`benchmarks.common.engine.decode_tpot`: batch 1, 32 prompt tokens, (257 tokens -
+1) / 256, median of 3). Every mix runs on the same engine, after an untimed short run of its own
+(kernels compile there), from an empty prefix cache; `--rounds` repeats the pass over the mixes
+and keeps each one's best. Mixes without a temperature of their own sample at 1.0, the openai
+SDK's default. Records `greedy_out_tok_s`, `tpot_bs1_greedy_ms`, and per mix `<mix>_out_tok_s`,
 `ratio_<mix>_vs_greedy` (its tok/s over greedy's) and `tpot_bs1_<mix>_ms`.
 """
 
@@ -19,40 +20,21 @@ from __future__ import annotations
 import argparse
 import json
 import random
-from pathlib import Path
 
-from benchmarks.gpu_path import bench_llm, cuda_timed, decode_tpot, random_prompts
+from benchmarks.common.engine import bench_llm, decode_tpot, resolve_model
+from benchmarks.common.prompts import mix_params, random_prompts
+from benchmarks.common.sampling_mixes import MIXED, MIXES
+from benchmarks.common.timing import wall_seconds
 from benchmarks.record import write_result
-from benchmarks.sampling_mixes import MIXED, MIXES, mix_fields
-from loraplex import LLM, SamplingParams
-
-CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "models"
-
-
-def mix_params(mix: str, n: int, max_tokens: int) -> list[SamplingParams]:
-    return [
-        SamplingParams(max_tokens=max_tokens, ignore_eos=True, **mix_fields(mix, i))
-        for i in range(n)
-    ]
-
-
-def resolve_model(name: str | None) -> str | None:
-    """A path, or the name of a config in configs/models/ (`qwen3-0.6b`); None: the default."""
-    if name is None or Path(name).exists():
-        return name
-    config = CONFIGS / f"{name}.json"
-    if config.is_file():
-        return str(config)
-    known = sorted(p.stem for p in CONFIGS.glob("*.json"))
-    raise SystemExit(f"unknown model {name!r}: give a path or one of {known}")
+from loraplex import LLM
 
 
 def throughput(llm: LLM, prompts: list[list[int]], mix: str, output_len: int) -> float:
     """Output tokens/s of the whole batch under one mix, after an untimed short run of it."""
-    llm.generate(prompts, mix_params(mix, len(prompts), 4))
-    params = mix_params(mix, len(prompts), output_len)
+    llm.generate(prompts, mix_params(mix, [4] * len(prompts)))
+    params = mix_params(mix, [output_len] * len(prompts))
     llm.engine.scheduler.kv.reset_prefix_cache()
-    seconds = cuda_timed(lambda: llm.generate(prompts, params))
+    seconds = wall_seconds(lambda: llm.generate(prompts, params))
     return len(prompts) * output_len / seconds
 
 

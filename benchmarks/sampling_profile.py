@@ -1,12 +1,16 @@
 """Where a sampled step's time goes at a full batch: wall time per step, the GPU's busy time,
 and the costliest CUDA kernels and host operations, per sampling mix beside greedy.
 
-    python -m benchmarks.sampling_profile [--mixes t1,t07_top_p09,logprobs5,mixed] [--out DIR]
-        [--cprofile]
+    python -m benchmarks.sampling_profile [--mixes t1,t07_top_p09,logprobs5,mixed]
+        [--tables DIR] [--cprofile]
 
-Runs each mix on the benchmark engine of `benchmarks.sampling` (same requests), a short
-untimed run first, then `--steps` output tokens under torch.profiler. Prints one summary line
-per mix and writes the full tables to DIR (default: the working directory).
+Runs each mix on the benchmark engine (`benchmarks.common.engine`) with the requests of
+`benchmarks.sampling`, a short untimed run first, then `--steps` output tokens under
+torch.profiler (`--cprofile`: the host under cProfile, counting the Triton kernels compiled
+meanwhile). Prints one summary line per mix, writes the full tables to DIR (default: the working
+directory) and the per-step figures to the record (`wall_ms_per_step_<mix>`,
+`gpu_busy_ms_per_step_<mix>`; with `--cprofile`, `wall_ms_per_step_cprofile_<mix>` and
+`triton_compiles_<mix>`). The profilers inflate host time: compare mixes within a run.
 """
 
 from __future__ import annotations
@@ -16,27 +20,40 @@ import random
 import time
 from pathlib import Path
 
-from benchmarks.gpu_path import bench_llm, random_prompts
-from benchmarks.sampling import MIXED, MIXES, mix_params, resolve_model
+from benchmarks.common.engine import bench_llm, resolve_model
+from benchmarks.common.prompts import mix_params, random_prompts
+from benchmarks.common.sampling_mixes import MIXED, MIXES
+from benchmarks.common.timing import synchronize
+from benchmarks.record import write_result
 
-parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-parser.add_argument("--model", default="llama-3.1-8b")
-parser.add_argument("--mixes", default="t1,t07_top_p09,logprobs5,mixed")
-parser.add_argument("--num-requests", type=int, default=256)
-parser.add_argument("--input-len", type=int, default=128)
-parser.add_argument("--steps", type=int, default=24)
-parser.add_argument("--out", default=".")
-parser.add_argument(
-    "--cprofile",
-    action="store_true",
-    help="profile the host with cProfile instead of torch.profiler, and count Triton compiles",
-)
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="llama-3.1-8b")
+    parser.add_argument("--mixes", default="t1,t07_top_p09,logprobs5,mixed")
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--tables", default=".", help="folder for the profilers' tables")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="the record (default h200_sampling_profile.json, with --cprofile "
+        "h200_sampling_cprofile.json)",
+    )
+    parser.add_argument(
+        "--cprofile",
+        action="store_true",
+        help="profile the host with cProfile instead of torch.profiler, and count Triton compiles",
+    )
+    return parser
 
 
 def main() -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    parser = build_parser()
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks.sampling_profile needs a CUDA GPU; skipped")
@@ -48,19 +65,22 @@ def main() -> int:
     vocab = llm.engine.runner.arch.vocab_size
     n = args.num_requests
     prompts = random_prompts(random.Random(0), vocab, [args.input_len] * n)
-    out_dir = Path(args.out)
+    out_dir = Path(args.tables)
     out_dir.mkdir(parents=True, exist_ok=True)
+    metrics: dict[str, float] = {}
     for mix in mixes:
-        llm.generate(prompts, mix_params(mix, n, 4))
+        llm.generate(prompts, mix_params(mix, [4] * n))
         llm.engine.scheduler.kv.reset_prefix_cache()
-        for request, params in zip(prompts, mix_params(mix, n, args.steps), strict=True):
+        for request, params in zip(prompts, mix_params(mix, [args.steps] * n), strict=True):
             llm.engine.add_request(None, request, params)
         engine = llm.engine
         while engine.scheduler.num_waiting:  # prefill outside the profile
             engine.step()
-        torch.cuda.synchronize()
+        synchronize()
         if args.cprofile:
-            host_profile(engine, mix, out_dir)
+            wall_ms, compiles = host_profile(engine, mix, out_dir)
+            metrics[f"wall_ms_per_step_cprofile_{mix}"] = round(wall_ms, 2)
+            metrics[f"triton_compiles_{mix}"] = compiles
             continue
         steps = 0
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -68,7 +88,7 @@ def main() -> int:
             while engine.has_unfinished_requests():
                 engine.step()
                 steps += 1
-            torch.cuda.synchronize()
+            synchronize()
             wall = time.perf_counter() - start
         events = prof.key_averages()
         gpu_us = sum(e.self_device_time_total for e in events)
@@ -84,17 +104,28 @@ def main() -> int:
             + "\n  CPU: "
             + "; ".join(f"{e.key[:48]} {e.self_cpu_time_total / steps / 1e3:.3f}" for e in host)
         )
+        metrics[f"wall_ms_per_step_{mix}"] = round(wall / steps * 1e3, 2)
+        metrics[f"gpu_busy_ms_per_step_{mix}"] = round(gpu_us / steps / 1e3, 2)
+    default = "h200_sampling_cprofile.json" if args.cprofile else "h200_sampling_profile.json"
+    write_result(
+        args.out or default,
+        "sampling_profile",
+        metrics,
+        {"greedy": "the same engine and requests, temperature 0, profiled the same way"},
+        workload={"model": args.model, "num_requests": n, "input_len": args.input_len,
+                  "profiled_steps": args.steps},
+    )  # fmt: skip
     return 0
 
 
-def host_profile(engine, mix: str, out_dir: Path) -> None:
+def host_profile(engine, mix: str, out_dir: Path) -> tuple[float, int]:
     """The remaining steps under cProfile, counting the Triton kernels compiled (or loaded
-    from Triton's disk cache) meanwhile: a steady step should compile none."""
+    from Triton's disk cache) meanwhile (a steady step should compile none): (wall ms per
+    step, kernels compiled)."""
     import cProfile
     import io
     import pstats
 
-    import torch
     from triton.runtime.jit import JITFunction
 
     compiled: list[str] = []
@@ -113,7 +144,7 @@ def host_profile(engine, mix: str, out_dir: Path) -> None:
         while engine.has_unfinished_requests():
             engine.step()
             steps += 1
-        torch.cuda.synchronize()
+        synchronize()
         prof.disable()
         wall = time.perf_counter() - start
     finally:
@@ -128,6 +159,7 @@ def host_profile(engine, mix: str, out_dir: Path) -> None:
         f"Triton compiles during them: {len(compiled)} {sorted(set(compiled))}"
     )
     print("\n".join(text.getvalue().splitlines()[:45]))
+    return wall / steps * 1e3, len(compiled)
 
 
 if __name__ == "__main__":

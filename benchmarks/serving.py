@@ -5,7 +5,7 @@ N random token-id prompts of --input-len tokens, each asking for exactly --outpu
 fixed concurrency. Reports request throughput, output tokens/s, and TTFT, TPOT and ITL at
 p50/p90/p99. `--offline` runs the same workload through `LLM.generate`. `--sampling` picks greedy,
 `t1` (temperature 1.0, top_p 1: the openai SDK's default) or `mixed` (request i takes mix i mod
-9 of `benchmarks.sampling`: penalties, top-k/p, min-p, seeds, logprobs); `--record` runs all
+9 of `benchmarks.common.sampling_mixes`: penalties, top-k/p, min-p, seeds, logprobs); `--record` runs all
 three, their metrics named with a `t1_` / `mixed_` prefix.
 
     # against a running server
@@ -27,89 +27,34 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import sys
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
+from benchmarks.common.prompts import mix_params, serving_prompts
+from benchmarks.common.sampling_mixes import MIXED, mix_fields
+from benchmarks.common.server_launch import launch_server, serve_flags
+from benchmarks.common.stream_client import (
+    RequestResult,
+    StreamTimer,
+    lean_client_run,
+    summarize,
+)
 from benchmarks.record import write_result
-from benchmarks.sampling_mixes import MIXED, mix_fields
-from benchmarks.server_launch import launch_server, serve_flags
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results" / "cpu_serving.json"
+# The engine options of both sides of the GPU record: the benchmark engine's, with these batch
+# limits; on a CPU host the embedded model's.
+GPU_BATCH_LIMITS = dict(max_num_seqs=256, max_num_batched_tokens=2048)
+CPU_ENGINE = dict(dtype="float32", device="cpu", max_model_len=512, enable_lora=False, seed=0,
+                  max_num_seqs=64, max_num_batched_tokens=2048)  # fmt: skip
 # Sampling modes: greedy, t1 (temperature 1.0, top_p 1: the openai SDK's default) and mixed
-# (request i takes the (i mod 9)-th of benchmarks.sampling's mixes); the metric prefix is "",
+# (request i takes the (i mod 9)-th of the sampling mixes); the metric prefix is "",
 # "t1_" or "mixed_". Each request's fields come from `mix_fields`.
 SAMPLINGS = ("greedy", "t1", MIXED)
 # Request fields the openai SDK takes as arguments; the others (top_k, min_p,
 # repetition_penalty) travel in extra_body, as vLLM's extensions do.
 _SDK_FIELDS = {"temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "logprobs"}
-
-
-def make_prompts(num: int, input_len: int, seed: int) -> list[list[int]]:
-    """Random token-id prompts, away from the special tokens at the start of the vocabulary."""
-    rng = random.Random(seed)
-    return [[rng.randrange(1000, 40000) for _ in range(input_len)] for _ in range(num)]
-
-
-@dataclass
-class RequestResult:
-    ttft_s: float
-    itl_s: list[float] = field(default_factory=list)
-    e2e_s: float = 0.0
-    output_tokens: int = 0
-
-
-class StreamTimer:
-    """One streamed request's clock: TTFT at its first non-empty chunk, then inter-token gaps."""
-
-    def __init__(self) -> None:
-        self.start = self.last = time.perf_counter()
-        self.result: RequestResult | None = None
-
-    def chunk(self, text: str, completion_tokens: int | None) -> None:
-        now = time.perf_counter()
-        if completion_tokens is not None and self.result is not None:
-            self.result.output_tokens = completion_tokens
-        if not text:
-            return
-        if self.result is None:
-            self.result = RequestResult(ttft_s=now - self.start)
-        else:
-            self.result.itl_s.append(now - self.last)
-        self.last = now
-
-    def finish(self) -> RequestResult:
-        if self.result is None:
-            raise RuntimeError("a request produced no output")
-        self.result.e2e_s = time.perf_counter() - self.start
-        return self.result
-
-
-def _pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q) * 1000) if values else float("nan")
-
-
-def summarize(results: list[RequestResult], duration_s: float) -> dict[str, float]:
-    """Throughput and latency percentiles (milliseconds) over finished requests."""
-    out_tokens = sum(r.output_tokens for r in results)
-    ttft = [r.ttft_s for r in results]
-    tpot = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in results if r.output_tokens > 1]
-    itl = [gap for r in results for gap in r.itl_s]
-    metrics = {
-        "completed": len(results),
-        "duration_s": duration_s,
-        "request_throughput": len(results) / duration_s,
-        "output_tok_s": out_tokens / duration_s,
-    }
-    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
-        for q in (50, 90, 99):
-            metrics[f"{name}_p{q}_ms"] = _pct(values, q)
-    return metrics
 
 
 async def _one_request(
@@ -178,10 +123,7 @@ def run_offline_benchmark(
     llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up
     runs = {}
     for sampling in samplings:
-        params = [
-            SamplingParams(max_tokens=output_len, ignore_eos=True, **mix_fields(sampling, i))
-            for i in range(len(prompts))
-        ]
+        params = mix_params(sampling, [output_len] * len(prompts))
         start = time.perf_counter()
         outputs = llm.generate(prompts, params)
         duration = time.perf_counter() - start
@@ -230,94 +172,18 @@ def record(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     return metrics
 
 
-# The engine options of both sides of the GPU record (`bench_llm`'s, plus the batch limits).
-GPU_ENGINE = dict(dtype="bfloat16", max_model_len=4096, gpu_memory_utilization=0.55,
-                  enable_lora=False, seed=0, max_num_seqs=256, max_num_batched_tokens=2048)  # fmt: skip
-CPU_ENGINE = dict(dtype="float32", device="cpu", max_model_len=512, enable_lora=False, seed=0,
-                  max_num_seqs=64, max_num_batched_tokens=2048)  # fmt: skip
-
-
-async def _lean_load(
-    base_url: str, model: str, prompts: list[list[int]], output_len: int, concurrency: int,
-    sampling: str,
-) -> dict[str, float]:  # fmt: skip
-    """Stream every prompt through /v1/completions, at most `concurrency` at a time, with
-    aiohttp and nothing else per event than a timestamp and a JSON parse."""
-    import aiohttp
-
-    url = f"{base_url}/v1/completions"
-    limit = asyncio.Semaphore(concurrency)
-
-    async def one(session: aiohttp.ClientSession, prompt: list[int], i: int) -> RequestResult:
-        body = {"model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True},
-                **mix_fields(sampling, i)}  # fmt: skip
-        async with limit:
-            timer = StreamTimer()
-            async with session.post(url, json=body) as response:
-                if response.status != 200:
-                    raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
-                async for line in response.content:
-                    if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        raise RuntimeError(f"stream error: {event['error']}")
-                    usage = event["usage"]["completion_tokens"] if event.get("usage") else None
-                    timer.chunk(event["choices"][0]["text"] if event["choices"] else "", usage)
-            return timer.finish()
-
-    connector = aiohttp.TCPConnector(limit=concurrency + 8)
-    timeout = aiohttp.ClientTimeout(total=3600)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        await one(session, prompts[0][:8], 0)  # warm-up (and this sampling's first request)
-        start = time.perf_counter()
-        results = await asyncio.gather(*(one(session, p, i) for i, p in enumerate(prompts)))
-        duration = time.perf_counter() - start
-    return summarize(list(results), duration)
-
-
-def _lean_client_main(conn, *args) -> None:
-    try:
-        conn.send(asyncio.run(_lean_load(*args)))
-    except BaseException as error:  # reported to the parent, which raises it
-        conn.send(error)
-
-
-def lean_client_run(*args) -> dict[str, float]:
-    """`_lean_load(*args)` in a process of its own (the client shares no core's GIL with the
-    benchmark driver)."""
-    import multiprocessing
-
-    context = multiprocessing.get_context("spawn")
-    parent, child = context.Pipe()
-    process = context.Process(target=_lean_client_main, args=(child, *args))
-    process.start()
-    result = parent.recv()
-    process.join()
-    if isinstance(result, BaseException):
-        raise result
-    return result
-
-
 def offline_runs(
     llm, prompts: list[list[int]], output_len: int, concurrency: int, sampling: str
 ) -> float:
     """Offline output tok/s with at most `concurrency` requests in flight: waves of that many
     (every request has the same lengths, so waves are what continuous batching runs too)."""
-    from benchmarks.gpu_path import cuda_timed
-    from loraplex import SamplingParams
+    from benchmarks.common.timing import wall_seconds
 
-    params = [
-        SamplingParams(max_tokens=output_len, ignore_eos=True, **mix_fields(sampling, i))
-        for i in range(len(prompts))
-    ]
-    warm = [SamplingParams(max_tokens=4, ignore_eos=True, **mix_fields(sampling, i))
-            for i in range(concurrency)]  # fmt: skip
-    llm.generate(prompts[:concurrency], warm)
+    params = mix_params(sampling, [output_len] * len(prompts))
+    llm.generate(prompts[:concurrency], mix_params(sampling, [4] * concurrency))
     llm.engine.scheduler.kv.reset_prefix_cache()
     starts = range(0, len(prompts), concurrency)
-    seconds = cuda_timed(lambda: [llm.generate(prompts[i : i + concurrency],
+    seconds = wall_seconds(lambda: [llm.generate(prompts[i : i + concurrency],
                                                params[i : i + concurrency], use_tqdm=False)
                                   for i in starts])  # fmt: skip
     return len(prompts) * output_len / seconds
@@ -326,52 +192,34 @@ def offline_runs(
 def offline_tpot(llm, prompts: list[list[int]], output_len: int, sampling: str) -> float:
     """Seconds per output token of one request alone: (time of output_len tokens - time of
     one) / (output_len - 1), the median over `prompts` (the server's c1 TPOT, offline)."""
-    from benchmarks.gpu_path import cuda_timed
+    from benchmarks.common.timing import wall_seconds
     from loraplex import SamplingParams
 
     fields = mix_fields(sampling, 0)
 
     def timed(prompt: list[int], n: int) -> float:
         params = SamplingParams(max_tokens=n, ignore_eos=True, **fields)
-        return cuda_timed(lambda: llm.generate([prompt], params, use_tqdm=False))
+        return wall_seconds(lambda: llm.generate([prompt], params, use_tqdm=False))
 
     timed(prompts[0], 8)
     tpots = [(timed(p, output_len) - timed(p, 1)) / (output_len - 1) for p in prompts]
     return float(np.median(tpots))
 
 
-def with_word_tokenizer(config: str) -> str:
-    """A copy of a random-weight model config beside a tokenizer.json of one word per token id
-    ("t<id>"), so streamed text (and detokenization, on both sides) is real: a bare config's
-    stand-in tokenizer decodes every token to "", and the server sends no empty chunk."""
-    import tempfile
-
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab_size = json.loads(Path(config).read_text())["vocab_size"]
-    folder = Path(tempfile.mkdtemp(prefix="loraplex-serving-"))
-    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, "t0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.save(str(folder / "tokenizer.json"))
-    target = folder / Path(config).name
-    target.write_text(Path(config).read_text())
-    return str(target)
-
-
 def record_gpu(args: argparse.Namespace) -> dict[str, float]:
-    """The issue-19 record: server (lean client, concurrency args.concurrency) and offline,
+    """The GPU record: server (lean client, concurrency args.concurrency) and offline,
     greedy, t1 and mixed (mixed not at concurrency 1); flat metrics, the sampled modes' with a
     `_t1` / `_mixed` suffix (`server_vs_offline_c256_t1`)."""
     import torch
 
-    from benchmarks.gpu_path import bench_llm
-    from benchmarks.sampling import resolve_model
+    from benchmarks.common.engine import BENCH_ENGINE, bench_llm, resolve_model
+    from benchmarks.common.model_folders import with_word_tokenizer
 
     on_cpu = not torch.cuda.is_available()
     model = resolve_model(args.model or (None if on_cpu else "llama-3.1-8b"))
     if model is not None and model.endswith(".json"):
         model = with_word_tokenizer(model)
-    options = dict(CPU_ENGINE if on_cpu else GPU_ENGINE)
+    options = dict(CPU_ENGINE) if on_cpu else {**BENCH_ENGINE, **GPU_BATCH_LIMITS}
     flags = serve_flags(options) + (["--model", model] if model else [])
     if args.api_server_count:
         flags += ["--api-server-count", str(args.api_server_count)]
@@ -380,7 +228,7 @@ def record_gpu(args: argparse.Namespace) -> dict[str, float]:
 
     def prompts_for(c: int) -> list[list[int]]:
         num = args.c1_prompts if c == 1 else args.num_prompts
-        return make_prompts(num, args.input_len, args.seed + 1000 * next(sets))
+        return serving_prompts(num, args.input_len, args.seed + 1000 * next(sets))
 
     # NOTE: on a CPU host the offline engine fits beside the server, and each offline run
     # goes right after the server run it is compared with: a shared host's load drifts by
@@ -398,7 +246,7 @@ def record_gpu(args: argparse.Namespace) -> dict[str, float]:
         # heavy batch pays first-time costs (prefill shapes, allocator growth) that would
         # otherwise land in whichever timed run comes first.
         top = max(args.concurrency)
-        lean_client_run(base_url, served, make_prompts(top, args.input_len, args.seed + 999_999),
+        lean_client_run(base_url, served, serving_prompts(top, args.input_len, args.seed + 999_999),
                         16, top, MIXED)  # fmt: skip
         for sampling, c in pairs:
             run = lean_client_run(base_url, served, prompts_for(c), args.output_len, c,
@@ -459,7 +307,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--offline", action="store_true", help="run the workload through LLM instead")
     p.add_argument("--sampling", choices=SAMPLINGS, default="greedy",
                    help="greedy, t1 (temperature 1.0, top_p 1) or mixed (request i takes "
-                   "mix i mod 9 of benchmarks.sampling); --record runs all three")  # fmt: skip
+                   "mix i mod 9 of the sampling mixes); --record runs all three")  # fmt: skip
     p.add_argument(
         "--record",
         action="store_true",
@@ -501,8 +349,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="append",
         help="an extra `loraplex serve` argument for --record (repeatable)",
     )
-    p.add_argument("--out", type=Path, default=RESULTS,
-                   help="the results JSON's name in benchmarks/results/ (--record)")  # fmt: skip
+    p.add_argument("--out", default=None, help="the record's name in benchmarks/results/ "
+                   "(cpu_serving.json for --record, h200_serving.json for --gpu-record)")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -511,12 +359,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpu_record:
         return main_gpu_record(args)
     args.concurrency = args.concurrency or [1, 8, 32]
-    prompts = make_prompts(args.num_prompts, args.input_len, args.seed)
+    prompts = serving_prompts(args.num_prompts, args.input_len, args.seed)
     if args.record:
         load = os.getloadavg()
         metrics = record(args, prompts)
         write_result(
-            args.out.name, "serving", metrics,
+            args.out or "cpu_serving.json", "serving", metrics,
             {"offline": "the same workload through the offline API (LLM.generate, one batch); "
              "server_vs_offline_cN = server output tok/s at concurrency N / offline output "
              "tok/s"},
@@ -538,9 +386,8 @@ def main_gpu_record(args: argparse.Namespace) -> int:
     args.concurrency = args.concurrency or [1, 64, 256]
     load_at_start = os.getloadavg()  # NOTE: a shared CPU host's load bends its figures
     metrics = record_gpu(args)
-    name = args.out.name if args.out != RESULTS else "h200_serving.json"
     write_result(
-        name,
+        args.out or "h200_serving.json",
         "serving (engine-core process, API processes, lean streaming client)",
         metrics,
         {"offline": "the same workload through LLM.generate on the same engine options, in the "

@@ -1,4 +1,4 @@
-"""Speculative verification replayed from CUDA graphs (issue 22), on the Llama-3.1-8B shape with
+"""Speculative verification replayed from CUDA graphs, on the Llama-3.1-8B shape with
 random weights:
 
 1. graphed verification computes what eager verification computes (the logits of the same
@@ -14,8 +14,8 @@ random weights:
 4. the engine end to end at a set acceptance length of 3: an oracle proposer drafts, at each
    step, the next two tokens the engine without speculation emitted for the same request
    (seeded sampling emits the same tokens with speculation) and two wrong ones, so each
-   verification accepts two drafts while the outputs agree: the TPOT the issue's target
-   (>= 1.8x at batch 1) is about, through the whole engine (lock step, graphs, acceptance).
+   verification accepts two drafts while the outputs agree: the TPOT speculation is for
+   (the target is >= 1.8x at batch 1), through the whole engine (lock step, graphs, acceptance).
 
     python -m benchmarks.spec_graphs [--model configs/models/llama-3.1-8b.json] \
         [--out h200_spec_graphs.json]
@@ -33,23 +33,25 @@ import random
 
 import torch
 
-from benchmarks.gpu_path import bench_llm, cuda_timed
-from benchmarks.record import write_result
-from benchmarks.speculative import (
+from benchmarks.common.engine import LLAMA_8B, bench_llm
+from benchmarks.common.spec_decode import (
     MODES,
+    NGRAM,
+    NUM_DRAFTS,
     alpha_for_length,
     expected_speedup,
     record_pair,
     run_batch,
     verify_cost,
 )
+from benchmarks.common.timing import best_seconds_per_call
+from benchmarks.record import write_result
 from loraplex import LLM
 from loraplex.platform.runner.batch import Batch
 from loraplex.platform.runner.model_runner import ModelRunner
 from loraplex.platform.spec.proposer import ProposalRequest, Proposals, Proposer
 
-K = 4
-NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4}
+K = NUM_DRAFTS
 
 
 def copy_prompts(rng: random.Random, vocab: int, n: int) -> list[list[int]]:
@@ -113,7 +115,7 @@ class ForwardProbe:
         """Seconds of one forward of `batch` (graph replay or eager), staging included."""
         run = (lambda: self.forward(batch)) if graphed else (lambda: self.eager(batch))
         run()
-        return min(cuda_timed(lambda: [run() for _ in range(iters)]) for _ in range(3)) / iters
+        return best_seconds_per_call(run, iters)
 
 
 def compare(eager: torch.Tensor, graphed: torch.Tensor) -> tuple[float, float, int]:
@@ -258,7 +260,7 @@ def costs(probes: dict[str, ForwardProbe], batch_sizes: list[int], metrics: dict
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default="configs/models/llama-3.1-8b.json")
+    parser.add_argument("--model", default=LLAMA_8B)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--max-tokens", type=int, default=128)

@@ -1,4 +1,4 @@
-"""Speculative decoding (issue 22): acceptance and TPOT with the n-gram proposer on the embedded
+"""Speculative decoding: acceptance and TPOT with the n-gram proposer on the embedded
 SmolLM2-135M-Instruct, and on the Llama-3.1-8B shape (random weights) the cost of verifying k
 drafts in one step against a plain decode step, the expected TPOT it gives, and where
 speculation stops paying (the batch size for `disable_by_batch_size`).
@@ -12,18 +12,23 @@ Every case runs greedy, at temperature 1.0 (the `openai` SDK's default) and as a
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
-import numpy as np
 import torch
 
-from benchmarks.gpu_path import bench_llm, cuda_timed
+from benchmarks.common.engine import LLAMA_8B, bench_llm
+from benchmarks.common.spec_decode import (
+    MODES,
+    NGRAM,
+    alpha_for_length,
+    expected_speedup,
+    record_pair,
+    run_batch,
+    verify_cost,
+)
+from benchmarks.common.timing import best_seconds_per_call, wall_seconds
 from benchmarks.record import write_result
 from loraplex import LLM, SamplingParams
 from loraplex.platform.models.attention_metadata import AttentionMetadata
-from loraplex.platform.runner.sampling_metadata import build_sampling_metadata
-from loraplex.platform.runner.verifier import verify
 
 _TEXT = (
     "The comittee met on tuesday to discus the budjet for the next fiscal year. Members "
@@ -59,88 +64,7 @@ CHAT_PROMPTS = [
     "Explain how a rainbow forms, for a ten-year-old.",
     "Give me ideas for a weekend trip in the mountains.",
 ]
-MODES = {
-    "greedy": [dict(temperature=0.0)],
-    "t1": [dict(temperature=1.0)],
-    "mixed": [
-        dict(temperature=0.0),
-        dict(temperature=1.0),
-        dict(temperature=0.7, top_p=0.9),
-        dict(temperature=1.0, top_k=50),
-    ],
-}
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
 _KV_BLOCKS_8B = 4096  # 8 GiB each at 8B: room for two engines and batch 64 x 520 tokens
-
-
-def record_pair(key: str, plain: dict, spec: dict, metrics: dict) -> None:
-    """One workload's `run_batch` results without and with speculation, as metrics and a line."""
-    for name in ("tpot_ms", "tokens_per_s"):
-        metrics[f"{key}_plain_{name}"] = plain[name]
-        metrics[f"{key}_spec_{name}"] = spec[name]
-    metrics[f"{key}_tpot_speedup"] = plain["tpot_ms"] / spec["tpot_ms"]
-    metrics[f"{key}_acceptance_rate"] = spec["acceptance_rate"]
-    metrics[f"{key}_mean_acceptance_length"] = spec["mean_acceptance_length"]
-    print(
-        f"{key}: tpot {plain['tpot_ms']:.2f} -> {spec['tpot_ms']:.2f} ms "
-        f"({metrics[f'{key}_tpot_speedup']:.2f}x), {plain['tokens_per_s']:.0f} -> "
-        f"{spec['tokens_per_s']:.0f} tok/s, acceptance length "
-        f"{spec['mean_acceptance_length']:.2f}"
-    )
-
-
-def run_batch(
-    llm: LLM,
-    prompts: list[str] | list[list[int]],
-    mode: str,
-    max_tokens: int,
-    outputs: dict[int, list[int]] | None = None,
-    **options: bool,
-) -> dict[str, float]:
-    """Generate the `prompts` at once (chat messages, or token ids sent as they are); mean
-    per-request TPOT (decode time after the first token over the tokens after it), tokens,
-    output tokens a second, and the speculation counters' change. `outputs` collects each
-    prompt's output tokens by its index; `options`: more SamplingParams fields (ignore_eos
-    for random weights)."""
-    engine = llm.engine
-    tok = engine.tokenizer
-    before = engine.stats().spec_decoding
-    ids = {}
-    start = time.monotonic()
-    for i, prompt in enumerate(prompts):
-        sampling = MODES[mode][i % len(MODES[mode])]
-        params = SamplingParams(max_tokens=max_tokens, seed=1000 + i, **sampling, **options)
-        if isinstance(prompt, str):
-            token_ids = tok.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True
-            )
-        else:
-            token_ids = prompt
-        ids[engine.add_request(None, "", params, prompt_token_ids=token_ids)] = i
-    tpots, tokens = [], 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                n = len(out.outputs[0].token_ids)
-                tokens += n
-                if outputs is not None:
-                    outputs[ids[out.request_id]] = list(out.outputs[0].token_ids)
-                if n > 1:
-                    tpots.append((time.monotonic() - out.metrics["first_token_time"]) / (n - 1))
-    wall = time.monotonic() - start
-    result = {
-        "tpot_ms": statistics.mean(tpots) * 1e3,
-        "tokens": float(tokens),
-        "tokens_per_s": tokens / wall,
-    }
-    after = engine.stats().spec_decoding
-    if after is not None:
-        drafts = after.num_draft_tokens - (before.num_draft_tokens if before else 0)
-        accepted = after.num_accepted_tokens - (before.num_accepted_tokens if before else 0)
-        steps = after.num_drafts - (before.num_drafts if before else 0)
-        result["acceptance_rate"] = accepted / drafts if drafts else 0.0
-        result["mean_acceptance_length"] = 1 + accepted / steps if steps else 1.0
-    return result
 
 
 def smol_part(max_tokens: int, batch_sizes: list[int]) -> dict[str, float]:
@@ -194,7 +118,7 @@ def forward_cost(
             runner.model.compute_logits(runner.model(ids, pos, runner.kv_caches, meta))
 
     step()
-    eager = min(cuda_timed(lambda: [step() for _ in range(iters)]) for _ in range(3)) / iters
+    eager = best_seconds_per_call(step, iters)
     if not graphed or not torch.cuda.is_available():
         return eager
     # NOTE: the step replayed from a CUDA graph, as plain decode runs: the cost that capturing
@@ -207,44 +131,7 @@ def forward_cost(
     except RuntimeError as e:  # a shape whose kernels cannot be captured: say so, keep eager
         print(f"graph capture failed for bs {bs} x {num_new}: {e}")
         return float("nan")
-    return min(cuda_timed(lambda: [graph.replay() for _ in range(iters)]) for _ in range(3)) / iters
-
-
-def verify_cost(vocab: int, bs: int, k: int, mode: str, dev: torch.device, iters: int) -> float:
-    """Seconds of the acceptance of k drafts per row over [bs * (k + 1), vocab] logits."""
-    n = bs * (k + 1)
-    logits = torch.randn(n, vocab, device=dev)
-    temps = [MODES[mode][i % len(MODES[mode])].get("temperature", 1.0) for i in range(bs)]
-    top_p = [MODES[mode][i % len(MODES[mode])].get("top_p", 1.0) for i in range(bs)]
-    top_k = [MODES[mode][i % len(MODES[mode])].get("top_k", 0) for i in range(bs)]
-    meta = build_sampling_metadata(bs, vocab, dev, temperature=temps, top_p=top_p, top_k=top_k)
-    lens = np.full(bs, k, dtype=np.int64)
-    drafts = np.random.default_rng(0).integers(0, vocab, (bs, k))
-    sampling = None if mode == "greedy" else meta
-
-    def run() -> None:
-        verify(logits, lens, drafts, sampling, None)
-
-    run()
-    return min(cuda_timed(lambda: [run() for _ in range(iters)]) for _ in range(3)) / iters
-
-
-def expected_speedup(plain: float, step: float, k: int, alpha: float) -> float:
-    """TPOT of plain decode over that of speculation with k drafts accepted each with
-    probability alpha (independently): a step emits (1 - alpha^(k+1)) / (1 - alpha) tokens."""
-    return plain / (step / sum(alpha**i for i in range(k + 1)))
-
-
-def alpha_for_length(k: int, length: float) -> float:
-    """The per-token acceptance probability at which k drafts give `length` tokens a step."""
-    lo, hi = 0.0, 1.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if sum(mid**i for i in range(k + 1)) < length:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
+    return best_seconds_per_call(graph.replay, iters)
 
 
 def eight_b_part(
@@ -264,9 +151,7 @@ def eight_b_part(
         if runner.graphs is not None and bs in runner.graphs.graphs:
             # NOTE: the captured graph attends to its capture-time context (none): a plain
             # step at its cheapest, so the speed-ups below are conservative.
-            graph, n = runner.graphs.graphs[bs], iters
-            replay = min(cuda_timed(lambda g=graph, n=n: [g.replay() for _ in range(n)])
-                         for _ in range(3)) / iters  # fmt: skip
+            replay = best_seconds_per_call(runner.graphs.graphs[bs].replay, iters)
         plain = replay if replay is not None else plain_fwd
         metrics[f"bs{bs}_decode_eager_ms"] = plain_fwd * 1e3
         if replay is not None:
@@ -317,8 +202,8 @@ def engine_8b(llm: LLM, model: str) -> dict[str, float]:
             engine.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
             short = SamplingParams(max_tokens=1, ignore_eos=True, seed=7, **MODES[mode][0])
             before = engine.stats().spec_decoding
-            t = cuda_timed(lambda e=engine, p=params: e.generate(prompt, p))
-            t0 = cuda_timed(lambda e=engine, p=short: e.generate(prompt, p))
+            t = wall_seconds(lambda e=engine, p=params: e.generate(prompt, p))
+            t0 = wall_seconds(lambda e=engine, p=short: e.generate(prompt, p))
             out[f"engine_bs1_{mode}_{name}_tpot_ms"] = (t - t0) / 128 * 1e3
             after = engine.stats().spec_decoding
             if after is not None and before is not None:
@@ -338,7 +223,7 @@ def engine_8b(llm: LLM, model: str) -> dict[str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--part", choices=("all", "smol", "8b"), default="all")
-    parser.add_argument("--model", default="configs/models/llama-3.1-8b.json")
+    parser.add_argument("--model", default=LLAMA_8B)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--batch-sizes", default="1,16")
     parser.add_argument("--verify-batch-sizes", default="1,8,64")

@@ -5,11 +5,11 @@ at temperature 1.0 and in a mixed-sampling batch.
     # CPU, the record in benchmarks/results/cpu_tensor_parallel.json (the embedded model has 9
     # attention heads and 3 KV heads: sizes 1 and 3)
     python -m benchmarks.tensor_parallel --tp 1,3
-    # H200s (the multi-GPU issue): Llama-3.1-8B and a 70B-shaped random model
+    # H200s: Llama-3.1-8B and a 70B-shaped random model
     python -m benchmarks.tensor_parallel --model configs/models/llama-3.1-8b.json --tp 1,2,4,8 \
-        --num-prompts 64 --output-len 128 --name h200_tensor_parallel_8b.json
+        --num-prompts 64 --output-len 128 --out h200_tensor_parallel_8b.json
     python -m benchmarks.tensor_parallel --model configs/models/llama-3.1-70b.json --tp 2,4,8 \
-        --num-prompts 64 --output-len 128 --name h200_tensor_parallel_70b.json
+        --num-prompts 64 --output-len 128 --out h200_tensor_parallel_70b.json
 
 Each size runs in this process after the previous one is shut down (its ranks stopped, its
 process group destroyed). The figure of a size is its output tokens per second over the decode
@@ -98,7 +98,7 @@ def main() -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--name", default=None, help="the results file (default by device)")
+    parser.add_argument("--out", default=None, help="the record (default by device)")
     args = parser.parse_args()
     model = args.model or str(ensure_default_model(progress=False))
     cuda = torch.cuda.is_available() and args.device != "cpu"
@@ -117,7 +117,7 @@ def main() -> int:
         for case in CASES:
             ratio = figures[f"{case}_tok_s"] / by_size[first][f"{case}_tok_s"]
             metrics[f"tp{tp}_{case}_vs_tp{first}"] = round(ratio, 3)
-    name = args.name or ("h200_tensor_parallel.json" if cuda else "cpu_tensor_parallel.json")
+    name = args.out or ("h200_tensor_parallel.json" if cuda else "cpu_tensor_parallel.json")
     write_result(
         name,
         "tensor_parallel",

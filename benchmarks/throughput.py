@@ -1,4 +1,4 @@
-"""Offline throughput on CPU (issue 2): 32 prompts x 64 new tokens on the embedded model,
+"""Offline throughput on CPU: 32 prompts x 64 new tokens on the embedded model,
 loraplex against HF transformers `generate` one prompt at a time and in padded static batches,
 on the same weights, in one run.
 
@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from benchmarks.hf_baseline import hf_generate_static
+from benchmarks.common.hf_baseline import hf_generate_static
 from benchmarks.record import write_result
 from loraplex import LLM, SamplingParams
 from loraplex.platform.models.model_store import ensure_default_model
@@ -48,6 +48,7 @@ def main() -> int:
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--hf-batch-size", type=int, default=8)
+    parser.add_argument("--out", default="cpu_throughput.json", help="in benchmarks/results/")
     args = parser.parse_args()
     model_dir = ensure_default_model(progress=False)
     llm = LLM(str(model_dir), dtype="float32", device="cpu", num_kv_blocks=1024, enable_lora=False)
@@ -89,7 +90,7 @@ def main() -> int:
     }
     print(metrics, baseline)
     write_result(
-        "cpu_throughput.json",
+        args.out,
         "offline_throughput",
         metrics,
         baseline,

@@ -96,6 +96,15 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_dir(model_dir, tmp_path_factory) -> Path:
+    """The suite's tiny random Llama with the default model's tokenizer
+    (`tests.tiny_models.write_tiny_llama`), written once; tests only read it."""
+    from tests.tiny_models import write_tiny_llama
+
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), Path(model_dir))
+
+
+@pytest.fixture(scope="session")
 def hf_prompt_logprobs(model_dir):
     """HF transformers' fp32 logprob of each prompt token after the first, under the default
     model: `run(prompt_ids) -> [len - 1]` tensor, the reference for prompt logprobs."""

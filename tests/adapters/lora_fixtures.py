@@ -1,5 +1,6 @@
-"""Tiny random Llama models and PEFT adapters made on the spot (fp32, CPU), for adapter tests;
-a wait for the adapter loader's reads, and the names a manager has registered."""
+"""Tiny random Llama models (the suite's tiny Llama, `tests.tiny_models`, with an MLP of 96 and a
+vocabulary of 128) and PEFT adapters made on the spot (fp32, CPU), for adapter tests; a wait for
+the adapter loader's reads, and the names a manager has registered."""
 
 from __future__ import annotations
 
@@ -11,26 +12,15 @@ import torch
 from loraplex.adapters.loader import AdapterLoader
 from loraplex.adapters.manager import LoRAManager
 from loraplex.adapters.slot_admission import SlotAdmission
+from tests.tiny_models import tiny_hf_llama, tiny_llama_config
 
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-HF_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 128,
-}
+HF_CONFIG = tiny_llama_config(intermediate_size=96, vocab_size=128)
 
 
 def tiny_llama(seed: int = 0, **overrides: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = {k: v for k, v in HF_CONFIG.items() if k != "architectures"}
-    config.update(overrides)
-    return LlamaForCausalLM(LlamaConfig(**config)).eval()
+    """The transformers model of `HF_CONFIG` (with `overrides`), its weights drawn from `seed`."""
+    return tiny_hf_llama(seed, **{**HF_CONFIG, **overrides})
 
 
 def make_peft_adapter(

@@ -11,11 +11,11 @@ import pytest
 import torch
 from engine_lora_helpers import PeftReference
 from lora_fixtures import registered_adapters
-from random_adapters import write_tiny_model
 from safetensors.torch import save_file
 
 from loraplex import LLM, LoRARequest, SamplingParams
 from loraplex.adapters.errors import AdapterValidationError
+from tests.tiny_models import write_tiny_llama
 
 pytestmark = pytest.mark.slow
 
@@ -36,13 +36,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(model_dir, tmp_path_factory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("tiny"), model_dir)
-
-
-@pytest.fixture(scope="module")
-def peft(tiny_dir, tmp_path_factory) -> PeftReference:
-    return PeftReference(tiny_dir, tmp_path_factory.mktemp("forms"), NUM_TOKENS, SPECS)
+def peft(tiny_llama_dir, tmp_path_factory) -> PeftReference:
+    return PeftReference(tiny_llama_dir, tmp_path_factory.mktemp("forms"), NUM_TOKENS, SPECS)
 
 
 def _llm(model: Path, **kwargs) -> LLM:
@@ -53,8 +48,8 @@ def _llm(model: Path, **kwargs) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_dir) -> LLM:
-    return _llm(tiny_dir)
+def llm(tiny_llama_dir) -> LLM:
+    return _llm(tiny_llama_dir)
 
 
 def _generate(llm: LLM, peft: PeftReference, names: list[str | None], prompts: list[str]):
@@ -214,19 +209,19 @@ def _serve_saved_batch(
     _check_rows(refs, names, outputs, tolerance, set(SAVED_SPECS) - {"plain"})
 
 
-def test_saved_modules_and_token_rows_mixed_in_one_batch_equal_peft(tiny_dir, tmp_path):
+def test_saved_modules_and_token_rows_mixed_in_one_batch_equal_peft(tiny_llama_dir, tmp_path):
     """modules_to_save copies of lm_head, embed_tokens or both, and trained token rows, each
     served to its own rows only, beside plain and lm_head LoRA and base rows; four adapters
     need the two copy slots, so they take turns."""
-    refs = SavedReferences(tiny_dir, tmp_path, _prompt_token_ids(tiny_dir, PROMPTS))
-    llm = _llm(tiny_dir, max_saved_module_loras=2)
+    refs = SavedReferences(tiny_llama_dir, tmp_path, _prompt_token_ids(tiny_llama_dir, PROMPTS))
+    llm = _llm(tiny_llama_dir, max_saved_module_loras=2)
     _serve_saved_batch(llm, refs, PROMPTS)
     stats = llm.engine.lora_manager.stats()
     assert stats.gpu_evictions > 0  # the copy slots were reused
 
 
-def test_saved_modules_are_refused_where_no_slot_holds_copies(llm, tiny_dir, tmp_path):
-    refs = SavedReferences(tiny_dir, tmp_path, [5, 9])
+def test_saved_modules_are_refused_where_no_slot_holds_copies(llm, tiny_llama_dir, tmp_path):
+    refs = SavedReferences(tiny_llama_dir, tmp_path, [5, 9])
     registered = registered_adapters(llm.engine.lora_manager)
     for name in ("saved-lm-head", "tokens"):
         request = LoRARequest(name, str(refs.paths[name]))
@@ -257,13 +252,13 @@ def _dequantized_copy(llm: LLM, source: Path, folder: Path) -> Path:
     return folder
 
 
-def test_dora_on_an_awq_base_equals_peft_on_the_dequantized_base(tiny_dir, tmp_path):
+def test_dora_on_an_awq_base_equals_peft_on_the_dequantized_base(tiny_llama_dir, tmp_path):
     from loraplex.quant.quantize import quantize_model
 
-    awq_dir = quantize_model(tiny_dir, tmp_path / "awq", progress=False, method="awq",
+    awq_dir = quantize_model(tiny_llama_dir, tmp_path / "awq", progress=False, method="awq",
                              group_size=32)  # fmt: skip
     llm = _llm(awq_dir)
-    dense_dir = _dequantized_copy(llm, tiny_dir, tmp_path / "dequantized")
+    dense_dir = _dequantized_copy(llm, tiny_llama_dir, tmp_path / "dequantized")
     specs = {"dora": {**SPECS["dora"], "lora_alpha": 64}}  # a strong delta: AWQ's text is flat
     peft = PeftReference(dense_dir, tmp_path / "adapters", NUM_TOKENS, specs)
     config = json.loads((peft.paths["dora"] / "adapter_config.json").read_text())
@@ -290,7 +285,7 @@ def _tokenizer_less_tiny(folder: Path) -> Path:
     source = folder / "source"
     source.mkdir()
     (source / "config.json").write_text(json.dumps(GPU_SOURCE_CONFIG))
-    return write_tiny_model(folder / "tiny", source)
+    return write_tiny_llama(folder / "tiny", source)
 
 
 def _serve_every_form(llm: LLM, tiny: Path, folder: Path, tolerance: float | None) -> None:

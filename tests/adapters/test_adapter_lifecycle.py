@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from engine_lora_helpers import SlotRecorder
-from random_adapters import add_command, write_adapter, write_tiny_model
+from random_adapters import add_command, write_adapter
 
 from loraplex.adapters.adapter_names import key_from_digest
 from loraplex.adapters.errors import AdapterNotFoundError
@@ -45,14 +45,11 @@ TARGETS = [("q_proj", "v_proj"), ("o_proj", "down_proj"), ("q_proj", "k_proj", "
 
 
 @pytest.fixture(scope="module")
-def tiny_model(model_dir, tmp_path_factory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"), Path(model_dir))
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model) -> Engine:
+def engine(tiny_llama_dir) -> Engine:
     config = EngineConfig(
-        model=ModelConfig(model=str(tiny_model), dtype="float32", max_model_len=128, device="cpu"),
+        model=ModelConfig(
+            model=str(tiny_llama_dir), dtype="float32", max_model_len=128, device="cpu"
+        ),
         cache=CacheConfig(num_kv_blocks=96),
         scheduler=SchedulerConfig(max_num_seqs=8, async_scheduling=True),
         lora=LoRAConfig(max_loras=4, max_lora_rank=8, max_cpu_loras=6),
@@ -64,8 +61,8 @@ def engine(tiny_model) -> Engine:
 
 
 @pytest.fixture(scope="module")
-def hf_config(tiny_model) -> dict:
-    return json.loads((tiny_model / "config.json").read_text())
+def hf_config(tiny_llama_dir) -> dict:
+    return json.loads((tiny_llama_dir / "config.json").read_text())
 
 
 def _run_alone(engine: Engine, name: str, prompt: str) -> list[int]:

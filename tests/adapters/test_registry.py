@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from loraplex.adapters.peft_format import (
     load_peft_adapter,
 )
 from loraplex.adapters.registry import AdapterRegistry
+from tests.waiting import wait_until
 
 _CHILD = r"""
 import shutil, sys, time
@@ -31,7 +31,7 @@ data, src, phase, marker = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], Pa
 
 def pause():
     marker.write_text("paused")
-    time.sleep(60)
+    time.sleep(60)  # paused until the test kills it (kill -9 mid-upload is what is tested)
 
 registry = reg.AdapterRegistry(data)
 staging = registry.new_staging_dir()
@@ -91,12 +91,11 @@ def test_kill_9_mid_upload_leaves_old_or_complete_new(tmp_path, make_adapter, sp
     marker = tmp_path / "marker"
     tests_dir = str(Path(__file__).parent)
     child = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, str(data), str(new_folder), phase, str(marker), tests_dir]
+        [sys.executable, "-c", _CHILD, str(data), str(new_folder), phase, str(marker), tests_dir],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
     )
-    deadline = time.monotonic() + 60
-    while not marker.exists():
-        assert child.poll() is None and time.monotonic() < deadline, "the child did not pause"
-        time.sleep(0.05)
+    wait_until(lambda: marker.exists() or child.poll() is not None, 60, "the child to pause")
+    assert child.poll() is None, "the child exited instead of pausing"
     os.kill(child.pid, signal.SIGKILL)
     child.wait()
     recovered = AdapterRegistry(data)

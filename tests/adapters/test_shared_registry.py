@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from loraplex.adapters.blob_store import ADAPTER_FILES, STORED_FILES
 from loraplex.adapters.errors import AdapterValidationError
 from loraplex.adapters.peft_format import content_digest, load_peft_adapter
 from loraplex.adapters.registry import AdapterRegistry, open_registry
+from tests.waiting import wait_until
 
 BUCKET = "loraplex-registry"
 _S3_ENV = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
@@ -36,7 +36,7 @@ url, data, src, phase, marker = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]
 
 def pause(*args, **kwargs):
     marker.write_text("paused")
-    time.sleep(60)
+    time.sleep(60)  # paused until the test kills it (kill -9 mid-upload is what is tested)
 
 registry = open_registry(url, data)
 staging = registry.new_staging_dir()
@@ -134,10 +134,8 @@ def test_kill_9_mid_upload_leaves_no_torn_adapter_on_the_other_replica(
          phase, str(marker), str(Path(__file__).parent)],
         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
     )  # fmt: skip
-    deadline = time.monotonic() + 90
-    while not marker.exists():
-        assert child.poll() is None and time.monotonic() < deadline, "the child did not pause"
-        time.sleep(0.05)
+    wait_until(lambda: marker.exists() or child.poll() is not None, 90, "the child to pause")
+    assert child.poll() is None, "the child exited instead of pausing"
     os.kill(child.pid, signal.SIGKILL)
     child.wait()
     for view in (survivor, open_registry(shared_url, tmp_path / "restarted")):

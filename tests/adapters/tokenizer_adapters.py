@@ -9,7 +9,8 @@ import shutil
 from pathlib import Path
 
 import torch
-from random_adapters import write_tiny_model
+
+from tests.tiny_models import write_tiny_llama
 
 NEW_TOKEN = "<|tool|>"
 PADDING = 64  # embedding rows past the base tokenizer's last id
@@ -27,7 +28,7 @@ def padded_tiny_model(folder: Path, model_dir: Path) -> tuple[Path, int]:
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         if (model_dir / name).is_file():
             shutil.copyfile(model_dir / name, source / name)
-    return write_tiny_model(folder / "tiny", source), base_ids
+    return write_tiny_llama(folder / "tiny", source), base_ids
 
 
 def added_token_specs(new_id: int) -> dict[str, dict]:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.cluster_sim import CostModel, SimConfig, make_workload, simulate
+from benchmarks.cluster.costs import CostModel
+from benchmarks.cluster.workload import SimConfig, make_workload
+from benchmarks.cluster_sim import simulate
 
 
 @pytest.fixture(scope="module")

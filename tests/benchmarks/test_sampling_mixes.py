@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.sampling_mixes import GREEDY_T1, MIXED, MIXES, mix_fields
+from benchmarks.common.sampling_mixes import GREEDY_T1, MIXED, MIXES, mix_fields
 
 
 def test_greedy_t1_alternates_greedy_and_temperature_one() -> None:

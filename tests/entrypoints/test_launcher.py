@@ -6,13 +6,22 @@ from __future__ import annotations
 import pytest
 
 from loraplex.cli import build_parser
-from loraplex.entrypoints.launcher import DEFAULT_API_SERVER_COUNT, Launcher
-from loraplex.entrypoints.serve_cli import engine_config, resolve_options, server_settings
+from loraplex.entrypoints.launcher import Launcher
+from loraplex.entrypoints.serve_cli import (
+    engine_config,
+    resolve_options,
+    run_serve,
+    server_settings,
+)
 
 
-def test_one_api_process_by_default():
+@pytest.mark.parametrize(("flags", "processes"), [([], 1), (["--api-server-count", "3"], 3)])
+def test_serve_starts_one_api_process_unless_told_otherwise(monkeypatch, flags, processes):
     # NOTE: tenants' concurrency caps are counted per API process (see launcher)
-    assert DEFAULT_API_SERVER_COUNT == 1
+    started = []
+    monkeypatch.setattr(Launcher, "run", lambda self: started.append(self.api_server_count) or 0)
+    assert run_serve(build_parser().parse_args(["serve", *flags])) == 0
+    assert started == [processes]
 
 
 def test_serve_takes_the_process_options():

@@ -16,7 +16,7 @@ from loraplex.entrypoints.ray_serve import MULTIPLEX_HEADER, REPLICA_HEADER, mul
 from tests.platform.api.tenant_helpers import upload
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "adapters"))
-from random_adapters import write_adapter, write_tiny_model  # noqa: E402
+from random_adapters import write_adapter  # noqa: E402
 
 PROMPT = [1, 17, 42, 99, 7]
 
@@ -31,7 +31,7 @@ def test_routing_key_is_the_model_qualified_by_the_callers_key():
 
 
 @pytest.fixture(scope="module")
-def ray_app(model_dir, tmp_path_factory):
+def ray_app(tiny_llama_dir, tmp_path_factory):
     pytest.importorskip("ray.serve")
     import ray
     from ray import serve
@@ -41,7 +41,7 @@ def ray_app(model_dir, tmp_path_factory):
     from loraplex.platform.api.settings import ServerSettings
 
     root = tmp_path_factory.mktemp("ray")
-    tiny = write_tiny_model(root / "tiny", Path(model_dir))
+    tiny = tiny_llama_dir
     config = EngineConfig(
         model=ModelConfig(model=str(tiny), dtype="float32", max_model_len=256, device="cpu"),
         cache=CacheConfig(num_kv_blocks=64),

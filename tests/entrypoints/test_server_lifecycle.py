@@ -12,6 +12,7 @@ import time
 import httpx
 
 from tests.platform.api.process_server import alive, launch
+from tests.waiting import wait_until
 
 # SIGTERM's grace period, and streams that fit in it and that do not (1500 steps take longer
 # than 30 s even on a fast CPU)
@@ -76,8 +77,7 @@ def test_killing_the_engine_mid_stream_fails_every_stream_fast(model_dir, tmp_pa
             assert ended_at - killed_at < 5.0
         assert health == 503
         assert served.proc.wait(30) == 1
-        time.sleep(0.5)
-        assert alive(pids) == []
+        wait_until(lambda: alive(pids) == [], 10, "every server process to exit")
     finally:
         served.stop(signal.SIGKILL)
 
@@ -118,7 +118,6 @@ def test_sigterm_drains_16_streams_then_every_process_exits(model_dir, tmp_path)
             assert "shutting down" in error["message"]
             assert finish is None and ended_at - signalled_at < GRACE_S + 10
         assert served.proc.wait(60) == 0
-        time.sleep(0.5)
-        assert alive(pids) == []
+        wait_until(lambda: alive(pids) == [], 10, "every server process to exit")
     finally:
         served.stop(signal.SIGKILL)

@@ -14,13 +14,12 @@ from loraplex.adapters.lora_layer import attach_lora_layers
 from loraplex.adapters.peft_format import BaseModelSpec, load_peft_adapter
 from loraplex.config import LoRAConfig
 from loraplex.quant.quantize import quantization_config, quantize_awq, quantize_gptq
+from tests.tiny_models import tiny_hf_llama, tiny_llama_config
 
 HEADS, KV_HEADS = 4, 2  # head_dim 32: q size = HIDDEN, kv size = KV_SIZE
-HF_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "hidden_size": HIDDEN, "intermediate_size": INTER,
-    "num_hidden_layers": 1, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
-    "vocab_size": 64,
-}  # fmt: skip
+HF_CONFIG = tiny_llama_config(hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=1,
+                              num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                              vocab_size=64)  # fmt: skip
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -28,13 +27,9 @@ ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 def adapter_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A PEFT adapter (rank 8, non-zero B) for a one-layer Llama of the tiny model's sizes."""
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     assert HIDDEN // HEADS * KV_HEADS == KV_SIZE
-    torch.manual_seed(0)
-    base = LlamaForCausalLM(
-        LlamaConfig(**{k: v for k, v in HF_CONFIG.items() if k != "architectures"})
-    )
+    base = tiny_hf_llama(0, **HF_CONFIG)
     config = LoraConfig(r=8, lora_alpha=16, target_modules=ALL_MODULES, init_lora_weights=False)
     folder = tmp_path_factory.mktemp("adapter")
     get_peft_model(base, config).save_pretrained(str(folder))

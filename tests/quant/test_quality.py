@@ -1,4 +1,4 @@
-"""The quality figures of `benchmarks.quality`: the perplexity the engine measures is the
+"""The quality figures of `benchmarks.common.quality`: the perplexity the engine measures is the
 model's own, and each quantized format of the embedded model stays near the dense one."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.quality import (
+from benchmarks.common.quality import (
     GREEDY_PROMPTS,
     QUALITY_TEXT,
     greedy_agreement,

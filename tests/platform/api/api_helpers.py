@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import time
-
 import httpx
+
+from tests.waiting import wait_until
 
 
 def read_metrics(base_url: str) -> dict[str, float]:
@@ -25,15 +25,15 @@ def read_metrics(base_url: str) -> dict[str, float]:
 
 
 def wait_until_idle(base_url: str, timeout_s: float = 60) -> dict[str, float]:
-    """Poll /metrics until nothing runs or waits and every KV block is free again."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    """The /metrics values once nothing runs or waits and every KV block is free again."""
+
+    def idle_metrics() -> dict[str, float] | None:
         m = read_metrics(base_url)
         idle = (
             m["loraplex:num_requests_running"] == 0
             and m["loraplex:num_requests_waiting"] == 0
             and m["loraplex:num_kv_blocks_free"] == m["loraplex:num_kv_blocks_total"]
         )
-        if idle or time.monotonic() > deadline:
-            return m
-        time.sleep(0.1)
+        return m if idle else None
+
+    return wait_until(idle_metrics, timeout_s, "the server to go idle")

@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 
 from loraplex.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tests.waiting import wait_until
 
 MAX_MODEL_LEN = 512
 NUM_KV_BLOCKS = 512
@@ -70,11 +70,9 @@ def server(model_dir, tmp_path_factory) -> Iterator[LiveServer]:
     thread = threading.Thread(target=uv.run, name="uvicorn", daemon=True)
     thread.start()
     base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while not uv.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.05)
+    wait_until(lambda: uv.started or not thread.is_alive(), 60, "the test server to start")
+    if not uv.started:
+        raise RuntimeError("the test server's thread ended before it started")
     yield LiveServer(base_url, engine, engine.served_model_name)
     uv.should_exit = True
     thread.join(30)

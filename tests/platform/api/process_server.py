@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.server_launch import free_port, wait_for_health
+from benchmarks.common.server_launch import free_port, wait_for_health
 
 REPO = Path(__file__).resolve().parents[3]
 START_TIMEOUT_S = 240.0

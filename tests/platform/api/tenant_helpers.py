@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import torch
 
 from loraplex.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from loraplex.grammar.config import GrammarConfig
+from tests.waiting import wait_until
 
 ADMIN_KEY = "sk-admin-test"
 MODULES = ["q_proj", "v_proj", "down_proj"]
@@ -66,11 +66,9 @@ def start_server(
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.05)
+    wait_until(lambda: server.started or not thread.is_alive(), 60, "the test server to start")
+    if not server.started:
+        raise RuntimeError("the test server's thread ended before it started")
     return TenantServer(
         f"http://127.0.0.1:{port}", engine, engine.served_model_name, server, thread
     )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 from engine_configs import cpu_engine_config
@@ -13,6 +12,7 @@ from loraplex.config import CacheConfig, EngineConfig, ModelConfig
 from loraplex.platform.core.errors import EngineDeadError, PromptTooLongError
 from loraplex.platform.core.sampling_params import RequestOutputKind
 from loraplex.platform.engine.async_engine import AsyncEngine
+from tests.waiting import wait_until
 
 DELTA = RequestOutputKind.DELTA
 
@@ -29,13 +29,11 @@ def engine(model_dir):
 
 
 def _wait_idle(engine: AsyncEngine) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    def idle() -> bool:
         stats = engine.snapshot().stats
-        if stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"engine not idle: {engine.snapshot()}")
+        return stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks
+
+    wait_until(idle, 30, "the engine to go idle (nothing running, every KV block free)")
 
 
 def test_concurrent_streams_match_the_offline_engine(engine, llm):

@@ -15,6 +15,7 @@ from loraplex.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCon
 from loraplex.platform.core.sampling_params import RequestOutputKind
 from loraplex.platform.engine.core_client import EngineCoreClient, default_address
 from loraplex.platform.engine.core_process import run_engine_core
+from tests.waiting import async_wait_until
 
 PROMPT = "The capital of France is"
 MAX_MODEL_LEN = 512
@@ -131,15 +132,19 @@ def test_a_stop_string_stops_the_core_from_generating(core_address, local):
         client = clients[0]
         timings = []
         client.add_timing_observer(timings.append)
-        while client._snapshot is None:
-            await asyncio.sleep(0.05)
+        await async_wait_until(
+            lambda: client._snapshot is not None, 30, "the core's first snapshot"
+        )
         before = client.snapshot().generation_tokens_total
         outputs = await _collect(client, PROMPT, params, "stopped")
-        for _ in range(200):  # the core's finish (after the Stop) reaches the observers
-            if timings:
-                break
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(0.3)  # a later snapshot: the request's blocks are back
+        # the core's finish (after the Stop) reaches the observers; a later snapshot shows the
+        # request's blocks back
+        await async_wait_until(lambda: timings, 10, "the stopped request's timing")
+        await async_wait_until(
+            lambda: (s := client.snapshot().stats).num_free_blocks == s.num_total_blocks,
+            10,
+            "every KV block to be free again",
+        )
         return outputs[-1], timings, client.snapshot(), before
 
     final, timings, snapshot, before = _run(core_address, calls)

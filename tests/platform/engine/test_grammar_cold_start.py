@@ -234,16 +234,22 @@ def test_a_server_builds_the_grammar_compiler_before_its_first_request(engine, m
 
 
 def test_a_shutdown_during_prepare_leaves_no_compiler(engine, monkeypatch):
+    import threading
+
     import loraplex.grammar.vocabulary as vocabulary
 
     real = vocabulary.build_vocabulary
+    building, shutdown_asked = threading.Event(), threading.Event()
 
-    def slow_build(*args, **kwargs):
-        time.sleep(0.3)
+    def gated_build(*args, **kwargs):
+        building.set()
+        assert shutdown_asked.wait(60)  # NOTE: the build goes on once the shutdown is asked for
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(vocabulary, "build_vocabulary", slow_build)
+    monkeypatch.setattr(vocabulary, "build_vocabulary", gated_build)
     thread = engine.structured.prepare()
+    assert building.wait(60)
+    shutdown_asked.set()
     engine.structured.shutdown()
     thread.join(120)
     assert not thread.is_alive()

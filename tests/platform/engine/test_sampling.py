@@ -20,8 +20,11 @@ def _greedy(llm, prompt, n=24):
     return _one(llm, prompt, temperature=0.0, max_tokens=n, ignore_eos=True).token_ids
 
 
-def test_greedy_is_deterministic(llm):
-    assert _greedy(llm, STORY) == _greedy(llm, STORY)
+def test_greedy_gives_the_same_tokens_alone_and_in_a_batch_from_the_prefix_cache(llm):
+    alone = _greedy(llm, STORY)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    crowd = llm.generate([*PROMPTS[:4], STORY], params)  # STORY's prompt is cached by now
+    assert crowd[-1].outputs[0].token_ids == alone
 
 
 def test_temperature_spreads_samples(llm):

@@ -11,9 +11,10 @@ import json
 import pytest
 import torch
 
-from benchmarks.random_adapter import write_random_adapter
+from benchmarks.common.random_adapter import write_random_adapter
 from loraplex import LLM, LoRARequest, SamplingParams
 from loraplex.platform.models.arch_config import ArchConfig
+from tests.tiny_models import tiny_llama_config
 
 pytestmark = pytest.mark.slow
 
@@ -222,13 +223,8 @@ def test_async_scheduling_keeps_a_verification_in_flight_and_the_same_tokens(
     _idle(ngram_async)
 
 
-TINY = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "rms_norm_eps": 1e-05,
-    "rope_theta": 10000.0, "max_position_embeddings": 4096, "tie_word_embeddings": False,
-    "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "torch_dtype": "float32",
-}  # fmt: skip
+TINY = tiny_llama_config(head_dim=16, vocab_size=512, rope_theta=10000.0, hidden_act="silu",
+                         max_position_embeddings=4096, bos_token_id=1, eos_token_id=2)  # fmt: skip
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

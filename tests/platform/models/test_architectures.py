@@ -11,21 +11,11 @@ import torch
 
 from loraplex import LLM, SamplingParams
 from loraplex.platform.models.dummy_weights import hf_state_dict
+from tests.tiny_models import tiny_llama_config
 
 transformers = pytest.importorskip("transformers")
 
-BASE = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-5,
-    "hidden_act": "silu",
-    "torch_dtype": "float32",
-}
+BASE = tiny_llama_config(hidden_act="silu")  # each architecture sets its own type and ties
 CONFIGS = {
     "llama3": {
         **BASE,

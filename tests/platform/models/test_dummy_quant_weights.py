@@ -23,23 +23,11 @@ from loraplex.quant import registry
 from loraplex.quant.base import LinearMethod, QuantizationConfig
 from loraplex.quant.registry import get_quantization_config
 from loraplex.quant.unquantized import UnquantizedLinearMethod
+from tests.tiny_models import tiny_llama_config
 
 REPO = Path(__file__).resolve().parents[3]
-TINY = {  # Llama-3 shape at toy size: GQA, K of 128 and 256, groups of 64
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "tie_word_embeddings": False,
-    "torch_dtype": "float32",
-}
+# Llama-3 shape at toy size: GQA, K of 128 and 256, groups of 64
+TINY = tiny_llama_config(hidden_size=128, intermediate_size=256, rope_theta=500000.0)
 QUANT_CONFIGS: dict[str, dict[str, Any]] = {
     "awq": {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True,
             "version": "gemm"},

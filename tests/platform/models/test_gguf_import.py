@@ -130,7 +130,7 @@ def test_second_ensure_does_no_work(model_dir: Path, monkeypatch: pytest.MonkeyP
 def _fake_import(calls: list[Path]):
     def fake(gguf_path: Path, out_dir: Path, progress: bool = True) -> Path:
         calls.append(out_dir)
-        time.sleep(0.2)
+        time.sleep(0.2)  # NOTE: a conversion takes a while: the other threads arrive during it
         out_dir.mkdir(parents=True)
         (out_dir / "config.json").write_text("{}")
         return out_dir

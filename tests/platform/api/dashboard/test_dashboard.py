@@ -8,7 +8,6 @@ import os
 import re
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -16,6 +15,7 @@ import pytest
 from tenant_helpers import ADMIN_KEY, complete, load_hf_model, make_adapter, start_server, upload
 
 from loraplex.platform.api.dashboard.sessions import COOKIE
+from tests.waiting import wait_until
 
 PROMPT = [1, 504, 3458, 314, 260, 1345, 28, 4038, 314]
 MAX_TOKENS = 8
@@ -56,8 +56,9 @@ def world(model_dir, tmp_path_factory):
     body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
     statuses = [gamma.post("/v1/completions", json=body).status_code for _ in range(3)]
     assert statuses == [200, 200, 429]
-    time.sleep(1.2)  # one more sample of the counters
-    yield {"server": server, "keys": keys}
+    world = {"server": server, "keys": keys}
+    wait_until(lambda: _sampled(world), 30, "a sample of the counters after the traffic")
+    yield world
     server.stop()
 
 
@@ -65,6 +66,13 @@ def _stats(world) -> dict:
     response = world["server"].client(ADMIN_KEY).get("/admin/stats")
     assert response.status_code == 200, response.text
     return response.json()
+
+
+def _sampled(world) -> bool:
+    """The stats show alpha's and beta's traffic as rates: the sampler took a sample after it."""
+    doc = _stats(world)
+    rates = [t["generation_tokens_per_s"] for t in doc["tenants"] if t["name"] in ("alpha", "beta")]
+    return bool(doc["series"]["points"]) and len(rates) == 2 and all(r > 0 for r in rates)
 
 
 def test_without_the_admin_key_the_page_and_its_json_answer_401(world):
@@ -179,17 +187,6 @@ def _browser():
     return webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
 
 
-def _wait(predicate, timeout_s: float = 60.0, what: str = "the page"):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
-
-
 def _rows(driver, table: str) -> list[list[str]]:
     """The cells' text as shown, read in one go (the page redraws its tables every poll)."""
     script = (
@@ -235,7 +232,7 @@ def test_dashboard_in_headless_chromium(world):
             rows = {r[0]: r for r in _rows(driver, "tenants") if len(r) == 9}
             return rows if {"alpha", "beta", "gamma"} <= rows.keys() else None
 
-        tenants = _wait(tenant_rows, what="the tenants table")
+        tenants = wait_until(tenant_rows, 60, "the tenants table")
         for name in ("alpha", "beta"):
             tokens = int(tenants[name][5].replace(",", ""))
             assert tokens > len(PROMPT), tenants[name]
@@ -248,12 +245,15 @@ def test_dashboard_in_headless_chromium(world):
         kv_before = driver.find_element(By.ID, "kv-blocks").text
         assert re.fullmatch(r"[\d,]+ used / [\d,]+ free of 512 blocks", kv_before), kv_before
         threads += [_long_request(world, t, stop) for t in ("alpha", "beta")]
-        kv_busy = _wait(
+        kv_busy = wait_until(
             lambda: (text := driver.find_element(By.ID, "kv-blocks").text) != kv_before and text,
-            what="the KV figure to change",
+            60,
+            "the KV figure to change",
         )
         assert int(kv_busy.split()[0].replace(",", "")) > int(kv_before.split()[0].replace(",", ""))
-        _wait(lambda: driver.find_elements(By.CSS_SELECTOR, "#chart polyline.gen"), what="chart")
+        wait_until(
+            lambda: driver.find_elements(By.CSS_SELECTOR, "#chart polyline.gen"), 60, "chart"
+        )
         height = driver.execute_script("return document.documentElement.scrollHeight")
         driver.set_window_size(1366, height + 200)  # the whole page, browser frame included
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,7 @@ from loraplex.adapters.adapter_names import key_from_digest
 from loraplex.config import LoRAConfig
 from loraplex.platform.api.metrics.gie_metrics import LORA_INFO, LoRAInfoGauge
 from loraplex.platform.core.commands import LOAD_LATENCY_BUCKETS_S, AdapterStat, AdapterStatsReport
+from tests.waiting import wait_until
 
 sys.path.insert(0, str(Path(__file__).parents[3] / "adapters"))
 from random_adapters import write_adapter  # noqa: E402
@@ -111,10 +112,11 @@ def test_gauges_follow_residency_and_waiting_requests(replica):
 
     first = threading.Thread(target=complete, args=("sql",))
     first.start()
-    deadline = time.monotonic() + 60
-    while _lora_info(replica.base_url)[0]["running_lora_adapters"] != "sql":
-        assert time.monotonic() < deadline, "sql never became resident"
-        time.sleep(0.02)
+    wait_until(
+        lambda: _lora_info(replica.base_url)[0]["running_lora_adapters"] == "sql",
+        60,
+        "sql to become resident",
+    )
     second = threading.Thread(target=complete, args=("chat",))
     second.start()
     seen_waiting, most_waiting = None, 0.0
@@ -125,7 +127,7 @@ def test_gauges_follow_residency_and_waiting_requests(replica):
             seen_waiting = (labels, value)
         [(_, waiting)] = _series(text, "loraplex:num_requests_waiting")
         most_waiting = max(most_waiting, waiting)
-        time.sleep(0.02)
+        time.sleep(0.02)  # NOTE: the sampling rate of the gauges while sql runs (not a wait)
     first.join()
     second.join()
     assert seen_waiting is not None, "chat was never reported waiting for the one GPU slot"

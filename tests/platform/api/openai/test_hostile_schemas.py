@@ -12,6 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.waiting import wait_until
+
 sys.path.insert(0, str(Path(__file__).parents[3] / "grammar"))
 from hostile_schemas import nested, wide  # noqa: E402
 
@@ -58,10 +60,7 @@ def test_hostile_schema_is_a_quick_400_while_another_stream_flows(server, schema
 
     thread = threading.Thread(target=stream, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 60
-    while len(times) < 3:
-        assert time.monotonic() < deadline, "the other stream never started"
-        time.sleep(0.05)
+    wait_until(lambda: len(times) >= 3, 60, "the other stream to start")
     start = time.monotonic()
     reply = httpx.post(
         f"{server.v1}/chat/completions",
@@ -75,10 +74,7 @@ def test_hostile_schema_is_a_quick_400_while_another_stream_flows(server, schema
     assert limit in error["message"] and error["type"] == "invalid_request_error"
     assert elapsed < MAX_SECONDS
     got = len(times)
-    deadline = time.monotonic() + 10
-    while len(times) <= got:
-        assert time.monotonic() < deadline, "the other stream stalled"
-        time.sleep(0.05)
+    wait_until(lambda: len(times) > got, 10, "the other stream to go on (it stalled)")
     done.set()
     thread.join(60)
 

@@ -93,7 +93,7 @@ def test_catastrophic_rank_pattern_is_served_while_health_answers(world):
                 start = time.monotonic()
                 assert client.get("/health").status_code == 200
                 latencies.append(time.monotonic() - start)
-                time.sleep(0.05)
+                time.sleep(0.05)  # NOTE: the probe's period, as a load balancer polls (not a wait)
 
     poller = threading.Thread(target=poll_health, daemon=True)
     poller.start()

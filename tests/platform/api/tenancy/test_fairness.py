@@ -10,6 +10,8 @@ import httpx
 from api_helpers import read_metrics
 from tenant_helpers import ADMIN_KEY, start_server
 
+from tests.waiting import async_wait_until
+
 PROMPT = "Tell me about the sea."
 FLOOD = 200
 MAX_NUM_SEQS = 8
@@ -40,8 +42,11 @@ async def _scenario(base_url: str, key_a: str, key_b: str) -> tuple[float, float
         idle, _ = await _first_token_s(b, 4)
         body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
         flood = [asyncio.create_task(a.post("/v1/completions", json=body)) for _ in range(FLOOD)]
-        while read_metrics(base_url)["loraplex:num_requests_waiting"] < FLOOD // 2:
-            await asyncio.sleep(0.05)
+        await async_wait_until(
+            lambda: read_metrics(base_url)["loraplex:num_requests_waiting"] >= FLOOD // 2,
+            120,
+            "half the flood to be waiting",
+        )
         loaded, gaps = await _first_token_s(b, 12)
         waiting = int(read_metrics(base_url)["loraplex:num_requests_waiting"])
         for task in flood:

@@ -6,23 +6,24 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 from tenant_helpers import start_server, upload
 
+from tests.waiting import wait_until
+
 sys.path.insert(0, str(Path(__file__).parents[3] / "adapters"))
-from random_adapters import write_adapter, write_tiny_model  # noqa: E402
+from random_adapters import write_adapter  # noqa: E402
 
 PROMPT = [1, 17, 42, 99, 7]
 
 
 @pytest.fixture(scope="module")
-def replicas(model_dir, tmp_path_factory):
+def replicas(tiny_llama_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("replicas")
-    tiny = write_tiny_model(root / "tiny", Path(model_dir))
+    tiny = tiny_llama_dir
     url = f"file://{root / 'shared'}"
     servers = [
         start_server(
@@ -57,12 +58,15 @@ def test_upload_on_one_replica_serve_on_the_other_then_delete(replicas):
     tokens = [r.json()["choices"][0]["text"] for r in (on_a, on_b, base)]
     assert tokens[0] == tokens[1] != tokens[2]  # the adapter's output, on either replica
     assert [m["id"] for m in b.client(None).get("/v1/adapters").json()["data"]] == ["support"]
-    deadline = time.monotonic() + 30
-    while not any(n.startswith("support@") for n in _engine_names(b)):  # B's sync registered it
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    wait_until(
+        lambda: any(n.startswith("support@") for n in _engine_names(b)),
+        30,
+        "B's sync to register the adapter",
+    )
     assert b.client(None).delete("/v1/adapters/support").status_code == 200
     assert _complete(a, "support").status_code == 404
-    while any(n.startswith("support@") for n in _engine_names(a)):  # A's sync unregistered it
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    wait_until(
+        lambda: not any(n.startswith("support@") for n in _engine_names(a)),
+        30,
+        "A's sync to unregister the adapter",
+    )

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import threading
-import time
 
 import pytest
 from tenant_helpers import (
@@ -20,6 +19,7 @@ from tenant_helpers import (
 )
 
 from loraplex.config import LoRAConfig
+from tests.waiting import wait_until
 
 PROMPT = [1, 504, 3458, 314, 260, 1345, 28, 4038, 314]
 MAX_TOKENS = 6
@@ -135,7 +135,8 @@ def test_replacing_an_adapter_mid_request(world):
         target=lambda: result.update(r=complete(client, "swap", PROMPT, 40)), daemon=True
     )
     thread.start()
-    time.sleep(0.5)  # the request is admitted and decoding
+    engine = world["server"].engine
+    wait_until(lambda: engine.snapshot().stats.num_running > 0, 60, "the request to be decoding")
     replaced = upload(client, "swap", folders["alpha2"])
     assert replaced.status_code == 201 and replaced.json()["replaced"] is True
     thread.join(120)

@@ -14,14 +14,10 @@ from pathlib import Path
 import httpx
 
 from tests.platform.api.process_server import alive, launch
+from tests.tiny_models import tiny_llama_config
+from tests.waiting import wait_until
 
-TINY = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "vocab_size": 49152, "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "torch_dtype": "float32",
-    "eos_token_id": 2,
-}  # fmt: skip
+TINY = tiny_llama_config(vocab_size=49152, max_position_embeddings=2048, eos_token_id=2)
 
 
 def _cmdline(pid: int) -> str:
@@ -80,8 +76,7 @@ def test_killing_one_rank_ends_the_engine_with_an_error_and_leaves_no_process(mo
         health = httpx.get(f"{served.base_url}/health", timeout=10)
         assert served.proc.wait(30) == 1
         assert health.status_code == 503 or served.proc.returncode == 1
-        time.sleep(0.5)
-        assert alive(pids) == []
+        wait_until(lambda: alive(pids) == [], 10, "every server process to exit")
         assert "tensor-parallel rank 1" in served.log()
     finally:
         served.stop(signal.SIGKILL)
@@ -102,10 +97,7 @@ def test_offline_llm_raises_once_a_rank_dies_and_reaps_the_others(tmp_path):
         params = SamplingParams(max_tokens=4, temperature=0)
         assert len(llm.generate([[1, 2, 3]], params)[0].outputs[0].token_ids) == 4
         os.kill(ranks[1], signal.SIGKILL)
-        deadline = time.monotonic() + 5.0
-        while alive(ranks) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert alive(ranks) == []  # the other ranks were ended too
+        wait_until(lambda: alive(ranks) == [], 5.0, "the other ranks to be ended too")
         started = time.monotonic()
         try:
             llm.generate([[4, 5, 6]], params)

@@ -14,23 +14,13 @@ import pytest
 
 from loraplex import LLM, SamplingParams, StructuredOutputs
 from loraplex.adapters.request import LoRARequest
+from tests.tiny_models import tiny_llama_config
 
 # A Llama-3 shape at toy size: GQA (2 KV heads, so 4 ranks replicate them), K of 256 and 512
 # in groups of 64 (whole groups on each of 4 ranks), a vocabulary 4 ranks split with padding.
-QUANT_MODEL = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 250,
-    "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False,
-    "torch_dtype": "float32",
-}
+QUANT_MODEL = tiny_llama_config(
+    hidden_size=256, intermediate_size=512, num_hidden_layers=1, vocab_size=250
+)
 QUANT_CONFIGS: dict[str, dict[str, Any] | None] = {
     "dense": None,
     "awq": {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True,

@@ -8,7 +8,10 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
+from benchmarks.record import RESULTS
+
+# The multi-LoRA run the costs are fitted to: 256 requests, as the fit below assumes.
+MULTI_LORA = "h200_multi_lora_256_requests.json"
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,7 @@ class CostModel:
     @classmethod
     def from_records(cls, results: Path = RESULTS) -> CostModel:
         """Fit the costs to the recorded H200 runs (Llama-3.1-8B shapes, bf16)."""
-        multi = json.loads((results / "h200_multi_lora_ea0003c.json").read_text())
+        multi = json.loads((results / MULTI_LORA).read_text())
         sampling = json.loads((results / "h200_sampling.json").read_text())
         upload = json.loads((results / "h200_adapter_upload.json").read_text())
         t1 = multi["baseline"]["tpot_bs1_base_s"]
@@ -54,11 +57,11 @@ class CostModel:
         load_s = (upload["metrics"]["first_token_after_upload_s_median"]
                   - upload["baseline"]["base_model_first_token_s_median"])  # fmt: skip
         sources = {
-            "t1": "h200_multi_lora_ea0003c.json baseline.tpot_bs1_base_s",
+            "t1": f"{MULTI_LORA} baseline.tpot_bs1_base_s",
             "p, k": "fitted to h200_sampling.json metrics.greedy_out_tok_s (256 x 128 in, 256 "
-            "out) and h200_multi_lora_ea0003c.json baseline.base_out_tok_s_t1 (256 x U[128,512] in, "
+            f"out) and {MULTI_LORA} baseline.base_out_tok_s_t1 (256 x U[128,512] in, "
             "U[64,256] out)",
-            "b": "least squares on h200_multi_lora_ea0003c.json metrics.ratio_vs_base_8_t1 and "
+            "b": f"least squares on {MULTI_LORA} metrics.ratio_vs_base_8_t1 and "
             "ratio_vs_base_64_t1 (8 and 64 distinct adapters)",
             "load_s": "h200_adapter_upload.json first_token_after_upload_s_median - "
             "base_model_first_token_s_median (rank 16, all 7 projections, 168 MB)",

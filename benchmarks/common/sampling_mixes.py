@@ -34,3 +34,9 @@ def mix_fields(mix: str, i: int) -> dict:
     if fields.pop("seed", False):
         fields["seed"] = i
     return fields
+
+
+# SamplingParams fields of the GPU benchmarks' fixed-length runs: greedy, and what the `openai`
+# SDK sends by default (every benchmark records it beside greedy).
+GREEDY = {**MIXES["greedy"], "ignore_eos": True}
+T1 = {**MIXES["t1"], "ignore_eos": True}

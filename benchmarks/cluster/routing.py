@@ -6,8 +6,8 @@ import hashlib
 import random
 from dataclasses import dataclass
 
-from benchmarks.cluster_replica import Replica
-from benchmarks.cluster_workload import Request, SimConfig
+from benchmarks.cluster.replica import Replica
+from benchmarks.cluster.workload import Request, SimConfig
 
 GIE_WEIGHTS = {"queue": 2.0, "kv": 2.0, "lora": 2.0}  # deploy/kubernetes/epp.yaml
 

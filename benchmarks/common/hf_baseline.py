@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 
+from benchmarks.common.timing import wall_seconds
 from loraplex.platform.models.dummy_weights import hf_state_dict
 
 
@@ -51,19 +50,16 @@ def hf_generate_static(
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
     n = max(max_new)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    model.generate(
-        ids.to(device),
-        attention_mask=mask.to(device),
-        max_new_tokens=n,
-        min_new_tokens=n,
-        do_sample=False,
-        pad_token_id=pad_id,
-        eos_token_id=None,
-        **generate_kwargs,
+    seconds = wall_seconds(
+        lambda: model.generate(
+            ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=pad_id,
+            eos_token_id=None,
+            **generate_kwargs,
+        )
     )
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start, sum(max_new)
+    return seconds, sum(max_new)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import heapq
 from collections import Counter, OrderedDict, deque
 
-from benchmarks.cluster_costs import CostModel
-from benchmarks.cluster_workload import Request, SimConfig
+from benchmarks.cluster.costs import CostModel
+from benchmarks.cluster.workload import Request, SimConfig
 
 
 class Replica:

@@ -1,0 +1,135 @@
+"""The serving benchmarks' client and clock. `lean_client_run`: a streaming client of the
+OpenAI completions API light enough not to bend the server's figures (aiohttp, a timestamp and a
+JSON parse per event, in a process of its own). `StreamTimer` and `summarize`: TTFT, TPOT and
+inter-token latency per request, throughput and percentiles over a run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+from benchmarks.common.sampling_mixes import mix_fields
+from benchmarks.common.stats import quantile
+
+
+@dataclass
+class RequestResult:
+    """One streamed request's figures, in seconds: first token, gaps after it, end to end."""
+
+    ttft_s: float
+    itl_s: list[float] = field(default_factory=list)
+    e2e_s: float = 0.0
+    output_tokens: int = 0
+
+
+class StreamTimer:
+    """One streamed request's clock: TTFT at its first non-empty chunk, then inter-token gaps."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+        self.result: RequestResult | None = None
+
+    def chunk(self, text: str, completion_tokens: int | None) -> None:
+        now = time.perf_counter()
+        if completion_tokens is not None and self.result is not None:
+            self.result.output_tokens = completion_tokens
+        if not text:
+            return
+        if self.result is None:
+            self.result = RequestResult(ttft_s=now - self.start)
+        else:
+            self.result.itl_s.append(now - self.last)
+        self.last = now
+
+    def finish(self) -> RequestResult:
+        if self.result is None:
+            raise RuntimeError("a request produced no output")
+        self.result.e2e_s = time.perf_counter() - self.start
+        return self.result
+
+
+def _percentile_ms(values: list[float], percent: int) -> float:
+    return quantile(values, percent / 100) * 1000
+
+
+def summarize(results: list[RequestResult], duration_s: float) -> dict[str, float]:
+    """Throughput and latency percentiles (milliseconds) over finished requests."""
+    out_tokens = sum(r.output_tokens for r in results)
+    ttft = [r.ttft_s for r in results]
+    tpot = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in results if r.output_tokens > 1]
+    itl = [gap for r in results for gap in r.itl_s]
+    metrics = {
+        "completed": len(results),
+        "duration_s": duration_s,
+        "request_throughput": len(results) / duration_s,
+        "output_tok_s": out_tokens / duration_s,
+    }
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
+        for q in (50, 90, 99):
+            metrics[f"{name}_p{q}_ms"] = _percentile_ms(values, q)
+    return metrics
+
+
+async def _lean_load(
+    base_url: str, model: str, prompts: list[list[int]], output_len: int, concurrency: int,
+    sampling: str,
+) -> dict[str, float]:  # fmt: skip
+    """Stream every prompt through /v1/completions, at most `concurrency` at a time, with
+    aiohttp and nothing else per event than a timestamp and a JSON parse."""
+    import aiohttp
+
+    url = f"{base_url}/v1/completions"
+    limit = asyncio.Semaphore(concurrency)
+
+    async def one(session: aiohttp.ClientSession, prompt: list[int], i: int) -> RequestResult:
+        body = {"model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True},
+                **mix_fields(sampling, i)}  # fmt: skip
+        async with limit:
+            timer = StreamTimer()
+            async with session.post(url, json=body) as response:
+                if response.status != 200:
+                    raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
+                async for line in response.content:
+                    if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        raise RuntimeError(f"stream error: {event['error']}")
+                    usage = event["usage"]["completion_tokens"] if event.get("usage") else None
+                    timer.chunk(event["choices"][0]["text"] if event["choices"] else "", usage)
+            return timer.finish()
+
+    connector = aiohttp.TCPConnector(limit=concurrency + 8)
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        await one(session, prompts[0][:8], 0)  # warm-up (and this sampling's first request)
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one(session, p, i) for i, p in enumerate(prompts)))
+        duration = time.perf_counter() - start
+    return summarize(list(results), duration)
+
+
+def _lean_client_main(conn, *args) -> None:
+    try:
+        conn.send(asyncio.run(_lean_load(*args)))
+    except BaseException as error:  # reported to the parent, which raises it
+        conn.send(error)
+
+
+def lean_client_run(*args) -> dict[str, float]:
+    """`_lean_load(*args)` in a process of its own (the client shares no core's GIL with the
+    benchmark driver)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    parent, child = context.Pipe()
+    process = context.Process(target=_lean_client_main, args=(child, *args))
+    process.start()
+    result = parent.recv()
+    process.join()
+    if isinstance(result, BaseException):
+        raise result
+    return result
