@@ -74,8 +74,8 @@ class ModelFigures:
 
 
 def kernel_choices(llm: LLM) -> dict[str, dict[int, str]]:
-    """W4A16 kernel per linear shape ("N x K") and token count, as `wna16_gemm` picks it."""
-    from loraplex.kernels.quant_gemm_w4a16 import kernel_name
+    """W4A16 kernel per linear shape ("N x K") and token count, as `w4a16_gemm` picks it."""
+    from loraplex.kernels.w4a16 import kernel_name
     from loraplex.quant.wna16 import WNA16LinearMethod
 
     choices: dict[str, dict[int, str]] = {}
