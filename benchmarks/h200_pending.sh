@@ -13,8 +13,9 @@
 #                      first schema waited 1-2 s for it), greedy / t1 / mixed by turns
 #   lora      ~5.5 min issue 17: multi_lora 8, 64 and 256-on-64 adapters with the shrink +
 #                      expand pair by default (greedy, t1, mixed)
-#   quant     ~6 min   issue 18: quant_e2e with the sweep's winners now in TUNED_CONFIGS (no
-#                      table file), FP8 beside AWQ (greedy, t1, mixed)
+#   quant     ~8 min   issue 35: quant_e2e, AWQ / GPTQ act-order / FP8 against bf16 with the
+#                      w4a16 family's TUNED_CONFIGS, 256 requests (greedy, t1, mixed); split
+#                      into `--models bf16,awq,gptq` and `--models bf16,fp8` if it runs long
 #   serving   ~6 min   issue 19: the server with two API processes at concurrency 1, 64 and
 #                      256 (one stream's TPOT was not in the bae7d40 run)
 #   forms     ~1 min   issue 21: every adapter form on CUDA graphs equals PEFT (passed at bae7d40)
@@ -52,7 +53,7 @@ lora() {
 }
 
 quant() {
-    timeout 420 python -m benchmarks.quant_e2e --fp8 2>&1 | tee "$O/quant_e2e.log" | tail -60
+    timeout 570 python -m benchmarks.quant_e2e 2>&1 | tee "$O/quant_e2e.log" | tail -60
 }
 
 serving() {

@@ -55,3 +55,17 @@ def test_candidates_split_less_as_tokens_grow_and_share_compiled_kernels() -> No
     assert "dequant" in {c.kind for c in prefill} and "dequant" not in {c.kind for c in decode}
     keys = compile_keys(decode)
     assert len(keys) < len(decode) and {c.split_k for c in keys} == {1}
+
+
+def test_the_shipped_h200_table_is_what_the_runtime_dispatches_by_default() -> None:
+    """The committed sweep table reads back (its run's record fields beside the entries), and
+    `TUNED_CONFIGS` holds each of its winners: serving without the table file dispatches what
+    the H200 sweep measured."""
+    from pathlib import Path
+
+    from loraplex.kernels.w4a16.dispatch import TUNED_CONFIGS
+
+    path = Path(__file__).parents[2] / "benchmarks/results/h200_w4a16_table.json"
+    table = read_selection_table(path)
+    assert len(table) == 32
+    assert all(TUNED_CONFIGS[key] == config for key, config in table.items())

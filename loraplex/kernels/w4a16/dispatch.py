@@ -20,8 +20,43 @@ from loraplex.kernels.w4a16.types import W4A16Config
 #: Token counts the tuned table is keyed by; M uses the smallest bucket >= M.
 M_BUCKETS = (1, 4, 16, 64, 128, 256, 1024, 4096)
 
-#: (bits, M bucket, N, K) -> measured best launch (H200, group size 128).
-TUNED_CONFIGS: dict[tuple[int, int, int, int], W4A16Config] = {}
+#: (bits, M bucket, N, K) -> measured best launch (H200, group size 128; split_k 0: fitted at
+#: run time), the selection table of `python -m benchmarks.quant_gemm` at a8e4623
+#: (benchmarks/results/h200_w4a16_table.json).
+TUNED_CONFIGS: dict[tuple[int, int, int, int], W4A16Config] = {
+    (4, 1, 4096, 4096): W4A16Config("mma", 16, 128, 16, 4, 3),
+    (4, 1, 4096, 14336): W4A16Config("mma", 16, 128, 0, 4, 3),
+    (4, 1, 6144, 4096): W4A16Config("mma", 16, 128, 0, 4, 3),
+    (4, 1, 28672, 4096): W4A16Config("mma", 16, 64, 2, 2, 4),
+    (4, 4, 4096, 4096): W4A16Config("mma", 16, 128, 16, 4, 3),
+    (4, 4, 4096, 14336): W4A16Config("mma", 16, 128, 0, 4, 3),
+    (4, 4, 6144, 4096): W4A16Config("mma", 16, 128, 8, 4, 3),
+    (4, 4, 28672, 4096): W4A16Config("mma", 16, 64, 2, 2, 4),
+    (4, 16, 4096, 4096): W4A16Config("mma", 16, 128, 0, 4, 3),
+    (4, 16, 4096, 14336): W4A16Config("mma", 16, 128, 16, 4, 3),
+    (4, 16, 6144, 4096): W4A16Config("mma", 16, 128, 8, 4, 3),
+    (4, 16, 28672, 4096): W4A16Config("mma", 16, 128, 0, 4, 3),
+    (4, 64, 4096, 4096): W4A16Config("mma", 64, 256, 8, 8, 3),
+    (4, 64, 4096, 14336): W4A16Config("mma", 64, 256, 8, 8, 3),
+    (4, 64, 6144, 4096): W4A16Config("mma_wscale", 64, 128, 8, 4, 3),
+    (4, 64, 28672, 4096): W4A16Config("mma", 64, 128, 1, 4, 3),
+    (4, 128, 4096, 4096): W4A16Config("dequant", 16, 128, 1, 8, 1),
+    (4, 128, 4096, 14336): W4A16Config("mma_wscale", 128, 128, 4, 8, 3),
+    (4, 128, 6144, 4096): W4A16Config("dequant", 16, 64, 1, 4, 1),
+    (4, 128, 28672, 4096): W4A16Config("mma_wscale", 128, 64, 1, 4, 3),
+    (4, 256, 4096, 4096): W4A16Config("dequant", 16, 128, 1, 8, 1),
+    (4, 256, 4096, 14336): W4A16Config("dequant", 16, 64, 1, 4, 1),
+    (4, 256, 6144, 4096): W4A16Config("dequant", 16, 64, 1, 4, 1),
+    (4, 256, 28672, 4096): W4A16Config("mma_wscale", 256, 128, 1, 8, 3),
+    (4, 1024, 4096, 4096): W4A16Config("dequant", 16, 64, 1, 4, 1),
+    (4, 1024, 4096, 14336): W4A16Config("dequant", 16, 128, 1, 8, 1),
+    (4, 1024, 6144, 4096): W4A16Config("dequant", 16, 128, 1, 8, 1),
+    (4, 1024, 28672, 4096): W4A16Config("dequant", 16, 64, 1, 4, 1),
+    (4, 4096, 4096, 4096): W4A16Config("dequant", 16, 64, 1, 4, 1),
+    (4, 4096, 4096, 14336): W4A16Config("dequant", 16, 64, 1, 4, 1),
+    (4, 4096, 6144, 4096): W4A16Config("dequant", 16, 128, 1, 8, 1),
+    (4, 4096, 28672, 4096): W4A16Config("dequant", 16, 64, 1, 4, 1),
+}
 
 _TABLE: dict[tuple[int, int, int, int], W4A16Config] = {}
 _TABLE_PATH: list[Path] = []
@@ -33,13 +68,14 @@ def m_bucket(m: int) -> int:
 
 
 def heuristic_config(m: int) -> W4A16Config:
-    """Untuned defaults by token count."""
+    """Untuned defaults by token count: per bucket, the launch the H200 sweep chose most often
+    (dequant + cuBLAS won 11 of the 12 points from 256 tokens on, 2 of 4 at 128)."""
     if m <= 16:
         return W4A16Config("mma", 16, 128, 0, 4, 3)
     if m <= 64:
-        return W4A16Config("mma", 64, 128, 0, 4, 3)
-    if m <= 256:
-        return W4A16Config("mma", 128, 128, 0, 8, 3)
+        return W4A16Config("mma", 64, 256, 0, 8, 3)
+    if m <= 128:
+        return W4A16Config("mma_wscale", 128, 128, 0, 8, 3)
     return W4A16Config("dequant", 16, 64, 1, 4, 1)
 
 
