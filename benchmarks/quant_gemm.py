@@ -218,11 +218,13 @@ def bench_point(w: ShapeWeights, m: int, timer: Timer, with_fp8: bool) -> dict:
             row[f"{name}_speedup"] = bf16_ms / row[key]
         if nbytes is not None:
             row[f"{name}_gbps"] = (nbytes + act_bytes) / row[key] / 1e6
-    kind, bm, bn, split, warps, stages = best["fields"]
+    kind, bm, bn, split, warps, stages, *ahead = best["fields"]
+    ahead = " prefetch" if any(ahead) else ""
     print(
         f"N={n:5d} K={k:5d} M={m:4d} bf16 {bf16_ms * 1e3:8.1f}us | w4a16 "
         f"{row['w4a16_speedup']:5.2f}x ({row['w4a16_gbps']:.0f} GB/s, {kind} {bm}x{bn} "
-        f"split {split} w{warps} s{stages}; dispatched {row['w4a16_dispatched_speedup']:.2f}x) | "
+        f"split {split} w{warps} s{stages}{ahead}; dispatched "
+        f"{row['w4a16_dispatched_speedup']:.2f}x) | "
         + " ".join(f"{p} {row[f'{p}_speedup']:.2f}x" for p in paths if p != "bf16"),
         flush=True,
     )

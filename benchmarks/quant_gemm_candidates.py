@@ -15,15 +15,23 @@ from dataclasses import astuple, replace
 from loraplex.kernels.split_k import fit_split_k
 from loraplex.kernels.w4a16.types import TILE_K, W4A16Config
 
-#: (kind, block_m, block_n, num_warps, num_stages) per M range, and programs per SM for split-K.
-_DECODE = [("mma", 16, 64, 4, 4), ("mma", 16, 128, 4, 3), ("mma", 16, 128, 4, 4),
-           ("mma", 16, 256, 8, 3), ("mma", 16, 64, 2, 4)]  # fmt: skip
-_MID = [("mma", 64, 64, 4, 4), ("mma", 64, 128, 4, 3), ("mma", 64, 256, 8, 3),
-        ("mma_wscale", 64, 128, 4, 3)]  # fmt: skip
-_LARGE = [("mma_wscale", 128, 128, 8, 3), ("mma", 128, 128, 8, 3), ("mma_wscale", 128, 64, 4, 3),
-          ("mma_wscale", 64, 128, 4, 3), ("mma_wscale", 128, 256, 8, 3)]  # fmt: skip
-_PREFILL = [("mma_wscale", 256, 128, 8, 3), ("mma_wscale", 128, 256, 8, 3),
-            ("mma_wscale", 128, 128, 8, 4)]  # fmt: skip
+#: (kind, block_m, block_n, num_warps, num_stages, prefetch) per M range. The launches without
+#: prefetch are those of the a8e4623 sweep; each winner of that sweep is tried with its scales
+#: and zero points loaded a tile ahead too (ncu: the long-scoreboard stall led at M = 1 and
+#: 128), and two deeper, narrower decode pipelines that need less split-K.
+_DECODE = [("mma", 16, 64, 4, 4, False), ("mma", 16, 128, 4, 3, False),
+           ("mma", 16, 128, 4, 4, False), ("mma", 16, 256, 8, 3, False),
+           ("mma", 16, 64, 2, 4, False), ("mma", 16, 128, 4, 3, True), ("mma", 16, 64, 2, 4, True),
+           ("mma", 16, 64, 2, 6, True), ("mma", 16, 32, 1, 8, True)]  # fmt: skip
+_MID = [("mma", 64, 64, 4, 4, False), ("mma", 64, 128, 4, 3, False),
+        ("mma", 64, 256, 8, 3, False), ("mma_wscale", 64, 128, 4, 3, False),
+        ("mma", 64, 256, 8, 3, True), ("mma", 64, 128, 4, 3, True)]  # fmt: skip
+_LARGE = [("mma_wscale", 128, 128, 8, 3, False), ("mma", 128, 128, 8, 3, False),
+          ("mma_wscale", 128, 64, 4, 3, False), ("mma_wscale", 64, 128, 4, 3, False),
+          ("mma_wscale", 128, 256, 8, 3, False), ("mma_wscale", 128, 128, 8, 3, True),
+          ("mma_wscale", 128, 64, 4, 3, True)]  # fmt: skip
+_PREFILL = [("mma_wscale", 256, 128, 8, 3, False), ("mma_wscale", 128, 256, 8, 3, False),
+            ("mma_wscale", 128, 128, 8, 4, False), ("mma_wscale", 256, 128, 8, 3, True)]  # fmt: skip
 _DEQUANT = [W4A16Config("dequant", 16, 64, 1, 4, 1), W4A16Config("dequant", 16, 128, 1, 8, 1)]
 
 
@@ -46,10 +54,10 @@ def w4a16_candidates(m: int, n: int, k: int, sms: int) -> list[W4A16Config]:
     tiles, per_sm = _tiles_and_splits(m)
     k_tiles = -(-k // TILE_K)
     configs: list[W4A16Config] = []
-    for kind, block_m, block_n, warps, stages in tiles:
+    for kind, block_m, block_n, warps, stages, ahead in tiles:
         output_tiles = -(-m // block_m) * -(-n // block_n)
         splits = sorted({fit_split_k(output_tiles, k_tiles, sms, p) if p else 1 for p in per_sm})
-        configs += [W4A16Config(kind, block_m, block_n, s, warps, stages) for s in splits]
+        configs += [W4A16Config(kind, block_m, block_n, s, warps, stages, ahead) for s in splits]
     if m >= 128:
         configs += _DEQUANT
     return list(dict.fromkeys(configs))

@@ -2,8 +2,10 @@
 launch of `TUNED_CONFIGS` before any GPU time is spent.
 
     python -m benchmarks.quant_sass [--dtype bf16] [--group-size 128] [--act-order]
+        [--candidates 1,128]
 
-Each distinct launch is compiled by Triton for an H100/H200 target with the specialization a real
+Each distinct launch (of `TUNED_CONFIGS`, or with --candidates of the sweep's candidates at those
+token counts) is compiled by Triton for an H100/H200 target with the specialization a real
 launch gets (pointers, N, K and strides divisible by 16, 4-bit) and disassembled with the
 cuobjdump that ships with Triton. Printed per launch: registers, spilled-register operations,
 shared memory, the main loop's instructions per weight (the loop is the largest backward branch
@@ -58,7 +60,8 @@ def compile_sm90(config: W4A16Config, dtype: str, group_size: int, act_order: bo
         GROUP_SIZE=group_size, SCALE_DOTS=scale_dots(group_size, 4096, 4), BITS=4, MAGIC=magic,
         OFFSET=offset, HAS_PERM=act_order, HAS_BIAS=False, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, NUM_STAGES=config.num_stages, DOT_PRECISION="tf32",
-        USE_ASM=True, SCALE_WEIGHTS=config.kind == "mma_wscale", TILE_K=TILE_K,
+        USE_ASM=True, SCALE_WEIGHTS=config.kind == "mma_wscale", PREFETCH=config.prefetch,
+        TILE_K=TILE_K,
         LANES=FRAGMENT_LANES,
     )  # fmt: skip
     types = dict(x_ptr=f"*{dtype}", qw_ptr="*i16", scales_ptr=f"*{dtype}", zeros_ptr=f"*{dtype}",
@@ -119,20 +122,25 @@ def figures(config: W4A16Config, dtype: str, group_size: int, act_order: bool) -
 
 
 def main() -> int:
+    from benchmarks.quant_gemm_candidates import w4a16_candidates
     from loraplex.kernels.w4a16.dispatch import TUNED_CONFIGS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=sorted(_MAGIC), default="bf16")
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--act-order", action="store_true")
+    parser.add_argument("--candidates", default="", help="token counts: the sweep's candidates")
     args = parser.parse_args()
-    configs = dict.fromkeys(
-        replace(c, split_k=1) for c in TUNED_CONFIGS.values() if c.kind != "dequant"
-    )
+    launches = list(TUNED_CONFIGS.values())
+    if args.candidates:
+        tokens = [int(m) for m in args.candidates.split(",")]
+        launches = [c for m in tokens for c in w4a16_candidates(m, 4096, 4096, 132)]
+    configs = dict.fromkeys(replace(c, split_k=1) for c in launches if c.kind != "dequant")
     for config in configs:
         f = figures(config, args.dtype, args.group_size, args.act_order)
         c = config
-        print(f"{c.kind:10s} {c.block_m:3d}x{c.block_n:<3d} w{c.num_warps} s{c.num_stages}: "
+        ahead = " prefetch" if c.prefetch else ""
+        print(f"{c.kind:10s} {c.block_m:3d}x{c.block_n:<3d} w{c.num_warps} s{c.num_stages}{ahead}: "
               f"{f.registers} regs, {f.spills} spill ops, {f.shared_bytes // 1024} KB shared | "
               f"loop {f.loop_instructions} instr, {f.per_weight:.2f} per weight | "
               + " ".join(f"{op}:{n}" for op, n in f.top), flush=True)  # fmt: skip

@@ -39,7 +39,7 @@ def _weights(bits: int, n: int, k: int, group_size: int, act_order: bool, seed: 
 
 
 KINDS = [W4A16Config("mma", 16, 32, 2, 4, 2), W4A16Config("mma_wscale", 16, 32, 1, 4, 2),
-         W4A16Config("dequant", 16, 16, 1, 4, 1)]  # fmt: skip
+         W4A16Config("mma", 16, 32, 3, 4, 2, prefetch=True), W4A16Config("dequant", 16, 16, 1, 4, 1)]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -48,7 +48,9 @@ KINDS = [W4A16Config("mma", 16, 32, 2, 4, 2), W4A16Config("mma_wscale", 16, 32, 
      (4, 33, 56, 384, 128, True), (8, 17, 56, 192, 64, False), (8, 2, 24, 128, 32, True),
      (4, 2, 24, 96, 16, False)],
 )  # fmt: skip
-@pytest.mark.parametrize("config", KINDS, ids=lambda c: c.kind)
+@pytest.mark.parametrize(
+    "config", KINDS, ids=lambda c: c.kind + ("-prefetch" if c.prefetch else "")
+)
 def test_every_kind_matches_reference(bits, m, n, k, group_size, act_order, config) -> None:
     # NOTE: fp32 activations: the fused kernel's dot is exact ("ieee") there, so every kind
     # equals the fp32 reference to float rounding; fp16 below takes the magic-number path.
@@ -168,7 +170,8 @@ GPU_CONFIGS = [
     W4A16Config("mma", 64, 128, 0, 4, 3), W4A16Config("mma_wscale", 64, 128, 0, 4, 3),
     W4A16Config("mma_wscale", 128, 128, 2, 8, 3), W4A16Config("mma", 128, 128, 0, 8, 3),
     W4A16Config("mma_wscale", 256, 128, 1, 8, 3), W4A16Config("mma_wscale", 128, 256, 1, 8, 3),
-    W4A16Config("dequant", 16, 64, 1, 4, 1),
+    W4A16Config("dequant", 16, 64, 1, 4, 1), W4A16Config("mma", 16, 128, 4, 4, 3, True),
+    W4A16Config("mma_wscale", 128, 128, 2, 8, 3, True), W4A16Config("mma", 16, 32, 0, 1, 8, True),
 ]  # fmt: skip
 
 

@@ -12,6 +12,8 @@ Elsewhere the plain-torch reference (`reference`) runs.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 
@@ -137,9 +139,7 @@ def resolve(config: W4A16Config, m: int, n: int, k: int, group_size: int, bits: 
         return config
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
     split = fit_split_k(tiles, triton.cdiv(k, TILE_K), sms)
-    return W4A16Config(
-        config.kind, config.block_m, config.block_n, split, config.num_warps, config.num_stages
-    )
+    return replace(config, split_k=split)
 
 
 def w4a16_gemm_triton(
@@ -180,7 +180,7 @@ def w4a16_gemm_triton(
         MAGIC=magic, OFFSET=offset, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
         SPLIT_K=split, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         NUM_STAGES=config.num_stages, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        USE_ASM=x.is_cuda and magic > 0, SCALE_WEIGHTS=config.kind == "mma_wscale", TILE_K=TILE_K, LANES=FRAGMENT_LANES, num_warps=config.num_warps, num_stages=config.num_stages,
+        USE_ASM=x.is_cuda and magic > 0, SCALE_WEIGHTS=config.kind == "mma_wscale", PREFETCH=config.prefetch, TILE_K=TILE_K, LANES=FRAGMENT_LANES, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
 
@@ -210,4 +210,8 @@ def kernel_name(m: int, n: int, k: int, group_size: int, bits: int) -> str:
     c = resolve(select_config(m, n, k, bits), m, n, k, group_size, bits, sms)
     if c.kind == "dequant":
         return f"dequant(bn {c.block_n}, w{c.num_warps})+cuBLAS"
-    return f"{c.kind}({c.block_m}x{c.block_n}, split {c.split_k}, w{c.num_warps}, s{c.num_stages})"
+    ahead = ", prefetch" if c.prefetch else ""
+    return (
+        f"{c.kind}({c.block_m}x{c.block_n}, split {c.split_k}, w{c.num_warps}, "
+        f"s{c.num_stages}{ahead})"
+    )

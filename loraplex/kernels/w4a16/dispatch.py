@@ -103,7 +103,9 @@ def read_selection_table(path: Path) -> dict[tuple[int, int, int, int], W4A16Con
         entries = json.loads(Path(path).read_text())["w4a16"]
         table = {
             (int(e["bits"]), int(e["m_bucket"]), int(e["n"]), int(e["k"])): W4A16Config(
-                str(e["config"][0]), *(int(v) for v in e["config"][1:])
+                str(e["config"][0]),
+                *(int(v) for v in e["config"][1:6]),
+                *(bool(v) for v in e["config"][6:]),
             )
             for e in entries
         }

@@ -33,13 +33,17 @@ def _w4a16_mma_kernel(
     MAGIC: tl.constexpr, OFFSET: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_ASM: tl.constexpr,
-    SCALE_WEIGHTS: tl.constexpr, TILE_K: tl.constexpr, LANES: tl.constexpr,
+    SCALE_WEIGHTS: tl.constexpr, PREFETCH: tl.constexpr, TILE_K: tl.constexpr,
+    LANES: tl.constexpr,
 ):  # fmt: skip
     """Program (tile, split) covers BLOCK_M tokens x BLOCK_N outputs over `tiles_per_split`
     layout tiles. MAGIC (16-bit pattern) > 0: value v becomes OFFSET + v by bits (else OFFSET
     is 0). The BLOCK_M tiles sharing a weight tile are consecutive programs (read once).
     SCALE_WEIGHTS: the scale multiplies the operand in x's dtype (one accumulator, no fp32
-    partial per group: the large-tile form), else the fp32 partial of each run of dots."""
+    partial per group: the large-tile form), else the fp32 partial of each run of dots.
+    PREFETCH (one group per tile, SCALE_DOTS == pairs per word): the next tile's scales and zero
+    points are loaded one iteration ahead (the pipeline stages only the words and activations;
+    these plain loads otherwise stall every tile on a round trip to L2)."""
     HALF: tl.constexpr = 16 // BITS  # position pairs per word
     DEPTH: tl.constexpr = TILE_K // HALF  # features per pair = 16-bit halves per row and tile
     dtype = x_ptr.dtype.element_ty
@@ -53,7 +57,18 @@ def _w4a16_mma_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     t_begin = tl.program_id(1) * tiles_per_split
     t_end = tl.minimum(t_begin + tiles_per_split, tl.cdiv(K, TILE_K))
+    AHEAD: tl.constexpr = PREFETCH and SCALE_DOTS == HALF
+    if AHEAD:
+        g = group_of(t_begin * TILE_K, K, GROUP_SIZE)
+        z_next = tl.load(zeros_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0)
+        s_next = tl.load(scales_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0)
     for t in tl.range(t_begin, t_end, num_stages=NUM_STAGES):
+        if AHEAD:
+            z_tile, s_tile = z_next, s_next
+            # NOTE: past the last tile this reads the last group again (clamped), unused.
+            g = group_of((t + 1) * TILE_K, K, GROUP_SIZE)
+            z_next = tl.load(zeros_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0)
+            s_next = tl.load(scales_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0)
         q = tl.load(
             qw_ptr + offs_n[:, None] * stride_qn + (t * DEPTH + offs_d)[None, :],
             mask=mask_n[:, None],
@@ -76,9 +91,12 @@ def _w4a16_mma_kernel(
                 other=0.0,
             )  # [BLOCK_M, DEPTH]
             if p % SCALE_DOTS == 0:
-                g = group_of(k0, K, GROUP_SIZE)
-                z = tl.load(zeros_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0)
-                s = tl.load(scales_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0)
+                if AHEAD:
+                    z, s = z_tile, s_tile
+                else:
+                    g = group_of(k0, K, GROUP_SIZE)
+                    z = tl.load(zeros_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0)
+                    s = tl.load(scales_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0)
                 # NOTE: OFFSET + z is a small integer, exact in x's dtype, and so is the
                 # difference to OFFSET + v: the operand is the exact v - z.
                 z = (z.to(tl.float32) + OFFSET).to(dtype)

@@ -94,7 +94,9 @@ def scale_dots(group_size: int, k: int, bits: int) -> int:
 class W4A16Config:
     """One launch. "mma*": `block_m` tokens x `block_n` weight rows per program (the weight on
     the MMA's M side), split-K over `split_k` programs (0: fitted to the SM count), warps and
-    software-pipeline stages. "dequant": `block_n` rows per program of the dequantization."""
+    software-pipeline stages, and whether each tile's scales and zero points are loaded one
+    tile ahead (`prefetch`; groups of 128 features or more). "dequant": `block_n` rows per
+    program of the dequantization."""
 
     kind: str
     block_m: int
@@ -102,6 +104,7 @@ class W4A16Config:
     split_k: int
     num_warps: int
     num_stages: int
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
