@@ -61,8 +61,9 @@ class Fp8DecodeConfig:
 
 
 #: (M bucket, N, K) -> measured best decode config on the H200 (per-channel scales), or None
-#: where Triton quantization + `torch._scaled_mm` measured faster; pasted from
-#: `python -m benchmarks.quant_gemm --sweep` (benchmarks/results/h200_quant.json, 9732be6).
+#: where Triton quantization + `torch._scaled_mm` measured faster; pasted from the FP8 decode
+#: sweep of `benchmarks.quant_gemm` at 9732be6 (its h200_quant.json in that commit's history;
+#: the benchmark has timed only the dispatched FP8 path since a8e4623).
 FP8_TUNED_CONFIGS: dict[tuple[int, int, int], Fp8DecodeConfig | None] = {
     (1, 6144, 4096): Fp8DecodeConfig(64, 256, 0, 4, 3),
     (4, 6144, 4096): Fp8DecodeConfig(64, 256, 0, 4, 3),
