@@ -52,7 +52,7 @@ def compile_sm90(config: W4A16Config, dtype: str, group_size: int, act_order: bo
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from loraplex.kernels.w4a16.triton_mma import _w4a16_mma_kernel as fn
+    from loraplex.kernels.w4a16.triton_mma import w4a16_mma_kernel as fn
     from loraplex.kernels.w4a16.types import scale_dots
 
     magic, offset = _MAGIC[dtype]

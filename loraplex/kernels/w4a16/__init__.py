@@ -20,8 +20,8 @@ import triton
 from loraplex.kernels.split_k import fit_split_k, num_sms, retain, split_k_workspace
 from loraplex.kernels.w4a16.dispatch import select_config
 from loraplex.kernels.w4a16.reference import w4a16_gemm_reference
-from loraplex.kernels.w4a16.triton_dequant import _w4a16_dequant_kernel
-from loraplex.kernels.w4a16.triton_mma import _w4a16_mma_kernel
+from loraplex.kernels.w4a16.triton_dequant import w4a16_dequant_kernel
+from loraplex.kernels.w4a16.triton_mma import w4a16_mma_kernel
 from loraplex.kernels.w4a16.types import (
     FRAGMENT_LANES,
     TILE_K,
@@ -95,7 +95,7 @@ def _dequant_buffer(device: torch.device, numel: int, dtype: torch.dtype) -> tor
 def _launch_dequant(qweight, scales, zeros, group_size, bits, out, block_n, warps) -> None:
     n, k = out.shape
     halves = qweight.view(torch.int16)  # [N, 2 * K_pad / pack]
-    _w4a16_dequant_kernel[(triton.cdiv(k, TILE_K), triton.cdiv(n, block_n))](
+    w4a16_dequant_kernel[(triton.cdiv(k, TILE_K), triton.cdiv(n, block_n))](
         halves, scales, zeros, out, n, k, halves.stride(0), scales.stride(0), out.stride(0),
         GROUP_SIZE=group_size, BITS=bits, BLOCK_N=block_n, TILE_K=TILE_K,
         LANES=FRAGMENT_LANES, num_warps=warps,
@@ -172,7 +172,7 @@ def w4a16_gemm_triton(
     ws, locks = split_k_workspace(x.device, m * n if split > 1 else 1, tiles)
     magic, offset = _magic(x.dtype, bits)
     halves = qweight.view(torch.int16)  # [N, 2 * K_pad / pack]
-    _w4a16_mma_kernel[(tiles, split)](
+    w4a16_mma_kernel[(tiles, split)](
         x, halves, scales, zeros, perm if perm is not None else qweight,
         bias if bias is not None else scales, out, ws, locks,
         m, n, k, tiles_per_split, x.stride(0), halves.stride(0), scales.stride(0), out.stride(0),

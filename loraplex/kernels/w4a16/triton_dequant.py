@@ -11,7 +11,7 @@ from loraplex.kernels.w4a16.triton_prologue import group_of, pair_operand, unshu
 
 
 @triton.jit
-def _w4a16_dequant_kernel(
+def w4a16_dequant_kernel(
     qw_ptr, scales_ptr, zeros_ptr, out_ptr, N, K, stride_qn, stride_sg, stride_on,
     GROUP_SIZE: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
     TILE_K: tl.constexpr, LANES: tl.constexpr,

@@ -26,7 +26,7 @@ from loraplex.kernels.w4a16.triton_prologue import group_of, pair_operand, unshu
 
 
 @triton.jit(do_not_specialize=["M", "tiles_per_split", "SPLIT_K"])
-def _w4a16_mma_kernel(
+def w4a16_mma_kernel(
     x_ptr, qw_ptr, scales_ptr, zeros_ptr, perm_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr,
     M, N, K, tiles_per_split, stride_xm, stride_qn, stride_sg, stride_om,
     GROUP_SIZE: tl.constexpr, SCALE_DOTS: tl.constexpr, BITS: tl.constexpr,
