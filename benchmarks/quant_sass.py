@@ -1,14 +1,18 @@
-"""Instructions per weight in the main loop of the W4A16 decode kernels, compiled for sm_90
-(Hopper) on the CPU: a look at the code a kernel variant makes before any GPU time is spent.
+"""The code the fused W4A16 kernel makes for sm_90 (Hopper), compiled on the CPU: a look at each
+launch of `TUNED_CONFIGS` before any GPU time is spent.
 
-    python -m benchmarks.quant_sass [--kinds stream_pair,stream,sliced_t,fma]
+    python -m benchmarks.quant_sass [--dtype bf16] [--group-size 128] [--act-order]
+        [--candidates 1,128]
 
-Each kernel is compiled by Triton for an H100/H200 target with the specialization a real launch
-gets (pointers, N, K and strides divisible by 16, bf16 activations, 4-bit g128) and disassembled
-with the cuobjdump that ships with Triton. The loop is the largest backward branch of the SASS;
-per weight = its instructions / the weights one thread covers per K tile. Spilled registers
-(local loads and stores) are counted too. Needs no GPU; the figures are a model of the issue
-cost, not a timing.
+Each distinct launch (of `TUNED_CONFIGS`, or with --candidates of the sweep's candidates at those
+token counts) is compiled by Triton for an H100/H200 target with the specialization a real
+launch gets (pointers, N, K and strides divisible by 16, 4-bit) and disassembled with the
+cuobjdump that ships with Triton. Printed per launch: registers, spilled-register operations,
+shared memory, the main loop's instructions per weight (the loop is the largest backward branch
+of the SASS; per weight = its instructions / the weights one thread covers per tile) and its most
+frequent opcodes, and the kernel's global / shared memory instructions by width (LDGSTS.128:
+16-byte asynchronous copies). Needs no GPU; the figures are a model of the issue cost, not a
+timing.
 """
 
 from __future__ import annotations
@@ -19,74 +23,67 @@ import os
 import re
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-#: kind -> ((block_n, block_k, num_warps, num_stages), ...), decode configs of the sweep.
-CONFIGS = {
-    "stream_pair": ((128, 128, 4, 3), (256, 128, 8, 1), (128, 128, 2, 1)),
-    "stream": ((128, 128, 4, 3),),
-    "sliced_t": ((128, 128, 4, 3),),
-    "fma": ((256, 64, 4, 3), (64, 128, 2, 3)),
-}
-_ROW_INTS = ("M", "N", "group_size", "k_per_split", "stride_xm", "stride_qk", "stride_sg",
-             "stride_om")  # fmt: skip
-_DIVISIBLE = ("N", "group_size", "k_per_split", "stride_xm", "stride_qk", "stride_sg", "stride_om")
-_LINE = re.compile(r"\s+/\*([0-9a-f]{4})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+from loraplex.kernels.w4a16.types import FRAGMENT_LANES, TILE_K, W4A16Config
+
+_INTS = ("M", "N", "K", "tiles_per_split", "stride_xm", "stride_qn", "stride_sg", "stride_om",
+         "SPLIT_K")  # fmt: skip
+_DIVISIBLE = ("N", "K", "stride_xm", "stride_qn", "stride_sg", "stride_om")
+_LINE = re.compile(r"\s+/\*([0-9a-f]{4})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
+_MAGIC = {"bf16": (0x4300, 128.0), "fp16": (0x6400, 1024.0)}
 
 
 @dataclass(frozen=True)
-class LoopFigures:
-    kind: str
-    config: tuple[int, int, int, int]
+class KernelFigures:
+    config: W4A16Config
+    registers: int
+    spills: int
+    shared_bytes: int
     loop_instructions: int
     per_weight: float
-    spills: int
     top: tuple[tuple[str, int], ...]
+    memory_ops: tuple[tuple[str, int], ...]
 
 
-def _kernel_and_constants(kind: str, block_n: int, block_k: int, stages: int):
-    from loraplex.kernels.triton_quant_gemm_sliced import _wna16_sliced_kernel
-    from loraplex.kernels.triton_quant_gemm_small_m import _wna16_fma_kernel
-    from loraplex.kernels.triton_quant_gemm_stream import _wna16_stream_kernel
-
-    common = dict(BITS=4, HAS_PERM=False, HAS_BIAS=False, SPLIT_K=4, BLOCK_N=block_n,
-                  BLOCK_K=block_k, NUM_STAGES=stages)  # fmt: skip
-    if kind == "fma":
-        return _wna16_fma_kernel, common
-    mma = dict(MAGIC=0x4300, OFFSET=128.0, BLOCK_M=16, DOT_PRECISION="tf32", **common)
-    if kind == "sliced_t":
-        return _wna16_sliced_kernel, dict(SWAP=True, **mma)
-    return _wna16_stream_kernel, dict(JOIN_PAIRS=kind == "stream_pair", group_size=128, **mma)
-
-
-def compile_sm90(kind: str, block_n: int, block_k: int, warps: int, stages: int):
-    """The Triton kernel of `kind` compiled for sm_90 (no GPU needed)."""
+def compile_sm90(config: W4A16Config, dtype: str, group_size: int, act_order: bool):
+    """The fused kernel of `config` compiled for sm_90 (no GPU needed)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn, constants = _kernel_and_constants(kind, block_n, block_k, stages)
-    types = dict(x_ptr="*bf16", qw_ptr="*i32", scales_ptr="*bf16", zeros_ptr="*bf16",
-                 perm_ptr="*i32", bias_ptr="*bf16", out_ptr="*bf16", ws_ptr="*fp32",
-                 lock_ptr="*i32", **dict.fromkeys(_ROW_INTS, "i32"))  # fmt: skip
+    from loraplex.kernels.w4a16.triton_mma import w4a16_mma_kernel as fn
+    from loraplex.kernels.w4a16.types import scale_dots
+
+    magic, offset = _MAGIC[dtype]
+    constants = dict(
+        GROUP_SIZE=group_size, SCALE_DOTS=scale_dots(group_size, 4096, 4), BITS=4, MAGIC=magic,
+        OFFSET=offset, HAS_PERM=act_order, HAS_BIAS=False, BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n, NUM_STAGES=config.num_stages, DOT_PRECISION="tf32",
+        USE_ASM=True, SCALE_WEIGHTS=config.kind == "mma_wscale", PREFETCH=config.prefetch,
+        TILE_K=TILE_K,
+        LANES=FRAGMENT_LANES,
+    )  # fmt: skip
+    types = dict(x_ptr=f"*{dtype}", qw_ptr="*i16", scales_ptr=f"*{dtype}", zeros_ptr=f"*{dtype}",
+                 perm_ptr="*i32", bias_ptr=f"*{dtype}", out_ptr=f"*{dtype}", ws_ptr="*fp32",
+                 lock_ptr="*i32", **dict.fromkeys(_INTS, "i32"))  # fmt: skip
     signature = {name: "constexpr" if name in constants else types[name] for name in fn.arg_names}
     divisible = [n for n in fn.arg_names if n not in constants
                  and (n.endswith("_ptr") or n in _DIVISIBLE)]  # fmt: skip
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
-    options = dict(num_warps=warps, num_stages=stages)
+    options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def sass(cubin: bytes) -> str:
-    """cuobjdump -sass of a cubin, with the cuobjdump Triton ships."""
+def _cuobjdump(cubin: bytes, flag: str) -> str:
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True).stdout
 
 
 def loop_opcodes(text: str) -> list[str]:
@@ -101,36 +98,53 @@ def loop_opcodes(text: str) -> list[str]:
     if not spans:
         return []
     start, end = max(spans, key=lambda s: s[1] - s[0])
-    return [opcode for address, opcode, _ in lines if start <= address <= end]
+    return [opcode.split(".")[0] for address, opcode, _ in lines if start <= address <= end]
 
 
-def figures(kind: str, config: tuple[int, int, int, int]) -> LoopFigures:
-    block_n, block_k, warps, stages = config
-    text = sass(compile_sm90(kind, *config).asm["cubin"])
+def figures(config: W4A16Config, dtype: str, group_size: int, act_order: bool) -> KernelFigures:
+    kernel = compile_sm90(config, dtype, group_size, act_order)
+    text = _cuobjdump(kernel.asm["cubin"], "-sass")
+    registers = re.search(r"REG:(\d+)", _cuobjdump(kernel.asm["cubin"], "-res-usage"))
     opcodes = loop_opcodes(text)
-    weights_per_thread = block_n * block_k / (32 * warps)
-    return LoopFigures(
-        kind=kind,
+    every = [m.group(2) for line in text.splitlines() if (m := _LINE.match(line))]
+    memory = collections.Counter(o for o in every if o.startswith(("LDG", "LDS", "STS", "STG")))
+    weights_per_thread = config.block_n * TILE_K / (32 * config.num_warps)
+    return KernelFigures(
         config=config,
+        registers=int(registers.group(1)) if registers else -1,
+        spills=len(re.findall(r"\b(?:STL|LDL)\b", text)),
+        shared_bytes=kernel.metadata.shared,
         loop_instructions=len(opcodes),
         per_weight=len(opcodes) / weights_per_thread,
-        spills=len(re.findall(r"\b(?:STL|LDL)\b", text)),
         top=tuple(collections.Counter(opcodes).most_common(8)),
+        memory_ops=tuple(sorted(memory.items())),
     )
 
 
 def main() -> int:
+    from benchmarks.common.quant_gemm_candidates import w4a16_candidates
+    from loraplex.kernels.w4a16.dispatch import TUNED_CONFIGS
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kinds", default=",".join(CONFIGS), help="comma-separated kinds")
+    parser.add_argument("--dtype", choices=sorted(_MAGIC), default="bf16")
+    parser.add_argument("--group-size", type=int, default=128)
+    parser.add_argument("--act-order", action="store_true")
+    parser.add_argument("--candidates", default="", help="token counts: the sweep's candidates")
     args = parser.parse_args()
-    for kind in args.kinds.split(","):
-        if kind not in CONFIGS:
-            parser.error(f"unknown kind {kind!r}; choose from {list(CONFIGS)}")
-        for config in CONFIGS[kind]:
-            f = figures(kind, config)
-            top = " ".join(f"{op}:{n}" for op, n in f.top)
-            print(f"{kind:12s} bn/bk/warps/stages {config}: {f.loop_instructions:5d} instr in the "
-                  f"loop, {f.per_weight:4.2f} per weight, {f.spills} spill ops | {top}", flush=True)  # fmt: skip
+    launches = list(TUNED_CONFIGS.values())
+    if args.candidates:
+        tokens = [int(m) for m in args.candidates.split(",")]
+        launches = [c for m in tokens for c in w4a16_candidates(m, 4096, 4096, 132)]
+    configs = dict.fromkeys(replace(c, split_k=1) for c in launches if c.kind != "dequant")
+    for config in configs:
+        f = figures(config, args.dtype, args.group_size, args.act_order)
+        c = config
+        ahead = " prefetch" if c.prefetch else ""
+        print(f"{c.kind:10s} {c.block_m:3d}x{c.block_n:<3d} w{c.num_warps} s{c.num_stages}{ahead}: "
+              f"{f.registers} regs, {f.spills} spill ops, {f.shared_bytes // 1024} KB shared | "
+              f"loop {f.loop_instructions} instr, {f.per_weight:.2f} per weight | "
+              + " ".join(f"{op}:{n}" for op, n in f.top), flush=True)  # fmt: skip
+        print("    " + " ".join(f"{op}:{n}" for op, n in f.memory_ops), flush=True)
     return 0
 
 

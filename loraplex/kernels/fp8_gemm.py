@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.kernels.quant_gemm_workspace import split_k_workspace
+from loraplex.kernels.split_k import fit_split_k, num_sms, split_k_workspace
 from loraplex.kernels.triton_fp8_gemm_small_m import _fp8_small_m_kernel
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -61,8 +61,9 @@ class Fp8DecodeConfig:
 
 
 #: (M bucket, N, K) -> measured best decode config on the H200 (per-channel scales), or None
-#: where Triton quantization + `torch._scaled_mm` measured faster; pasted from
-#: `python -m benchmarks.quant_gemm --sweep` (benchmarks/results/h200_quant.json, 9732be6).
+#: where Triton quantization + `torch._scaled_mm` measured faster; pasted from the FP8 decode
+#: sweep of `benchmarks.quant_gemm` at 9732be6 (its h200_quant.json in that commit's history;
+#: the benchmark has timed only the dispatched FP8 path since a8e4623).
 FP8_TUNED_CONFIGS: dict[tuple[int, int, int], Fp8DecodeConfig | None] = {
     (1, 6144, 4096): Fp8DecodeConfig(64, 256, 0, 4, 3),
     (4, 6144, 4096): Fp8DecodeConfig(64, 256, 0, 4, 3),
@@ -354,11 +355,7 @@ def fp8_small_m_triton(
     bk = block_k if block_k is not None else min(config.block_k, max(32, triton.next_power_of_2(k)))
     k_blocks = triton.cdiv(k, bk)
     n_tiles = triton.cdiv(n, config.block_n)
-    split = config.split_k
-    if split == 0:
-        split, sms = 1, _num_sms(x.device)
-        while n_tiles * split < 2 * sms and split * 2 <= k_blocks:
-            split *= 2
+    split = config.split_k or fit_split_k(n_tiles, k_blocks, num_sms(x.device))
     k_per_split = triton.cdiv(k_blocks, min(split, k_blocks)) * bk
     split = triton.cdiv(k, k_per_split)
     ws, locks = split_k_workspace(x.device, m * n if split > 1 else 1, n_tiles)
@@ -403,12 +400,6 @@ def _decode_config(
         # NOTE: the table's "use _scaled_mm" cannot hold here; the Triton GEMM is slower still.
         return Fp8DecodeConfig(64, 128, 0, 4, 4)
     return config
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # the interpreter: an H200's count, so CPU tests split as the GPU does
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def fp8_linear(

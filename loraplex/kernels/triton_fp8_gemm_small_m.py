@@ -7,7 +7,7 @@ must keep every SM busy and spend nothing on the activations. So:
   weight rows fill a Hopper warpgroup MMA even for one token, and both FP8 operands are
   K-contiguous as the FP8 MMA wants them;
 - split-K spreads K over programs so that a few thousand output columns still fill 132 SMs; the
-  partial tiles are reduced through the split-K workspace of the W4A16 kernels (`_store_tile`);
+  partial tiles are reduced through the shared split-K epilogue (`triton_split_k`);
 - the activations arrive in bf16/fp16 and are quantized inside the kernel, never written as
   FP8: per token (per-channel weights) each program first takes the amax of its token rows over
   all of K (a few KB read from L2 at these M, in as few wide reads as registers allow), then
@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from loraplex.kernels.triton_quant_gemm import _store_tile
+from loraplex.kernels.triton_split_k import store_split_k_tile
 
 
 @triton.jit
@@ -106,7 +106,7 @@ def _fp8_small_m_kernel(
     if not BLOCK_SCALES:
         w_s = tl.load(ws_ptr + offs_n * stride_wsn, mask=mask_n, other=0.0)
         acc = acc * w_s[:, None] * x_scale[None, :]
-    _store_tile(
+    store_split_k_tile(
         tl.trans(acc), offs_m, offs_n, mask_m, mask_n, tile, bias_ptr, out_ptr, part_ptr,
         lock_ptr, N, stride_om, HAS_BIAS, SPLIT_K,
     )  # fmt: skip

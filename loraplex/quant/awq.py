@@ -5,7 +5,7 @@ Per linear layer with input size K and output size N, groups of `group_size` inp
 - `qzeros` [K / group_size, N / 8] int32, packed the same way;
 - `scales` [K / group_size, N] fp16;
 weight[n, k] = (q[k, n] - zero[k // group_size, n]) * scale[k // group_size, n].
-At load the weight is repacked along K for the W4A16 kernel (see `loraplex.quant.wna16`).
+At load the weight is repacked for the W4A16 kernels (see `loraplex.quant.wna16`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from loraplex.quant.base import LinearMethod, QuantizationConfig, set_weight_attrs
-from loraplex.quant.packing import AWQ_PACK_ORDER, pack_int32, unpack_int32
+from loraplex.quant.packing import AWQ_PACK_ORDER, unpack_int32
 from loraplex.quant.registry import register_quantization
 from loraplex.quant.unquantized import UnquantizedLinearMethod
 from loraplex.quant.wna16 import (
@@ -105,5 +105,4 @@ class AWQLinearMethod(WNA16LinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         q = unpack_int32(layer.qweight.data, 4, dim=1, order=AWQ_PACK_ORDER)  # [K, N]
         zeros = unpack_int32(layer.qzeros.data, 4, dim=1, order=AWQ_PACK_ORDER)  # [G, N]
-        qweight = pack_int32(q, 4, dim=0)  # [K / 8, N]
-        self.finish_wna16(layer, qweight, layer.scales.data, zeros.to(torch.float16), None)
+        self.finish_wna16(layer, q, layer.scales.data, zeros.to(torch.float16), None)

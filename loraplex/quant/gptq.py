@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from loraplex.quant.base import LinearMethod, QuantizationConfig, set_weight_attrs
-from loraplex.quant.packing import SUPPORTED_BITS, pack_factor, pack_int32, unpack_int32
+from loraplex.quant.packing import SUPPORTED_BITS, pack_factor, unpack_int32
 from loraplex.quant.registry import register_quantization
 from loraplex.quant.wna16 import (
     WNA16LinearMethod,
@@ -149,7 +149,7 @@ class GPTQLinearMethod(WNA16LinearMethod):
             # NOTE: a row-parallel rank's slice of a plain g_idx names global groups.
             g_idx = g_idx - self.row_split[2] // group_size
         g_idx = self._shared_g_idx(g_idx, zeros.shape[0])  # [K]
-        qweight = layer.qweight.data  # [K / pack, N]
+        values = unpack_int32(layer.qweight.data, bits, dim=0)  # [K, N]
         scales = layer.scales.data  # [G, N]
         perm = None
         k = g_idx.shape[0]
@@ -160,18 +160,17 @@ class GPTQLinearMethod(WNA16LinearMethod):
                 raise ValueError(
                     f"{self.prefix}.g_idx: every group must hold exactly {group_size} inputs"
                 )
-            q = unpack_int32(qweight, bits, dim=0)[order]  # [K, N], rows sorted by group
-            qweight = pack_int32(q, bits, dim=0)
+            values = values[order]  # rows sorted by group
             perm = order.to(torch.int32)
         if self.gathers_input:
-            qweight, scales, zeros, perm = self._keep_sorted_groups(qweight, scales, zeros, perm)
+            values, scales, zeros, perm = self._keep_sorted_groups(values, scales, zeros, perm)
             layer.register_buffer("input_index", perm.long())  # [K / tp] features of its rows
             perm = None
-        self.finish_wna16(layer, qweight, scales, zeros.to(torch.float16), perm)
+        self.finish_wna16(layer, values, scales, zeros.to(torch.float16), perm)
 
     def _keep_sorted_groups(
         self,
-        qweight: torch.Tensor,  # [K / pack, N], rows sorted by group
+        values: torch.Tensor,  # [K, N], rows sorted by group
         scales: torch.Tensor,  # [G, N]
         zeros: torch.Tensor,  # [G, N]
         perm: torch.Tensor | None,  # [K] int32: the input feature of each sorted row
@@ -186,18 +185,12 @@ class GPTQLinearMethod(WNA16LinearMethod):
                 f"act-order groups of {self.group_size} inputs; use a size that divides {groups}"
             )
         per_rank = groups // size
-        rows = per_rank * self.group_size
-        k = qweight.shape[0] * pack_factor(self.bits)
+        k = values.shape[0]
         if perm is None:
-            perm = torch.arange(k, dtype=torch.int32, device=qweight.device)
-        pack = pack_factor(self.bits)
+            perm = torch.arange(k, dtype=torch.int32, device=values.device)
         g0 = rank * per_rank
-        return (
-            qweight[g0 * self.group_size // pack : (g0 * self.group_size + rows) // pack],
-            scales[g0 : g0 + per_rank],
-            zeros[g0 : g0 + per_rank],
-            perm[g0 * self.group_size : g0 * self.group_size + rows],
-        )
+        rows = slice(g0 * self.group_size, (g0 + per_rank) * self.group_size)
+        return values[rows], scales[g0 : g0 + per_rank], zeros[g0 : g0 + per_rank], perm[rows]
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.gathers_input:

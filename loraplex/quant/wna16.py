@@ -1,8 +1,9 @@
 """What AWQ and GPTQ layers share once loaded: int4/int8 weights in the kernels' layout.
 
-Both formats are repacked at load (`finish_wna16`) into the layout of
-`loraplex.kernels.quant_gemm_w4a16`: `qweight` [K / pack, N] packed along K, `scales` [G, N],
-`zeros` [G, N] as floats, `perm` [K] for act-order. From there one `apply` serves both.
+Both formats unpack their checkpoint tensors to integer values and hand them to `finish_wna16`,
+which repacks them (`w4a16_repack`) into the layout of `loraplex.kernels.w4a16`: `qweight`
+[N, K_pad / pack], `scales` [G, N], `zeros` [G, N] as floats, `perm` [K] for act-order. From
+there one `apply` serves both.
 """
 
 from __future__ import annotations
@@ -13,13 +14,11 @@ import torch
 from torch import nn
 
 from loraplex import envs
-from loraplex.kernels.quant_gemm_configs import use_selection_table
-from loraplex.kernels.quant_gemm_w4a16 import (
-    DEQUANT_MATMUL_MIN_M,
-    wna16_dequantize_reference,
-    wna16_gemm,
-)
+from loraplex.kernels.w4a16 import w4a16_gemm
+from loraplex.kernels.w4a16.dispatch import use_selection_table
+from loraplex.kernels.w4a16.reference import dequantize_reference
 from loraplex.quant.base import LinearMethod
+from loraplex.quant.w4a16_repack import repack_w4a16
 
 logger = logging.getLogger(__name__)
 _LOGGED_CHOICES: set[str] = set()
@@ -65,27 +64,25 @@ class WNA16LinearMethod(LinearMethod):
     def finish_wna16(
         self,
         layer: nn.Module,
-        qweight: torch.Tensor,
-        scales: torch.Tensor,
-        zeros: torch.Tensor,
-        perm: torch.Tensor | None,
+        values: torch.Tensor,  # [K, N] integers, input features in weight order
+        scales: torch.Tensor,  # [G, N]
+        zeros: torch.Tensor,  # [G, N]
+        perm: torch.Tensor | None,  # [K] int32: the input feature of each weight row
     ) -> None:
-        """Install the kernel layout on `layer` and log which kernel it will run (dispatching
-        from the selection table file LORAPLEX_QUANT_GEMM_TABLE names, if set)."""
+        """Repack into the kernels' layout on `layer` and log which kernel it will run
+        (dispatching from the selection table file LORAPLEX_QUANT_GEMM_TABLE names, if set)."""
         table = envs.quant_gemm_table()
         if table is not None:
             use_selection_table(table)
-        replace_param(layer, "qweight", qweight)  # [K / pack, N] int32
+        qweight = repack_w4a16(values, self.bits)
+        replace_param(layer, "qweight", qweight)  # [N, K_pad / pack] int32
         replace_param(layer, "scales", scales)  # [G, N]
         replace_param(layer, "zeros", zeros.to(scales.dtype))  # [G, N]
         replace_param(layer, "qzeros", None)
         replace_param(layer, "g_idx", None)
         replace_param(layer, "perm", perm)  # [K] int32 or None
         if qweight.is_cuda:
-            kernel = (
-                f"triton W{self.bits}A16 fused (split-K at few tokens) for M < "
-                f"{DEQUANT_MATMUL_MIN_M}, triton dequant + matmul from there"
-            )
+            kernel = f"triton W{self.bits}A16 (fused tensor-core kernel or dequant + cuBLAS by M)"
         else:
             kernel = "torch reference (dequantize + matmul)"
         act_order = ", act-order" if perm is not None else ""
@@ -93,17 +90,16 @@ class WNA16LinearMethod(LinearMethod):
         if choice not in _LOGGED_CHOICES:
             _LOGGED_CHOICES.add(choice)
             logger.info("quantized linear %s (first: %s)", choice, self.prefix)
-        k = qweight.shape[0] * 32 // self.bits
-        logger.debug("%s [N=%d, K=%d] %s", self.prefix, qweight.shape[1], k, choice)
+        logger.debug("%s [N=%d, K=%d] %s", self.prefix, *values.shape[::-1], choice)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return wna16_gemm(
+        return w4a16_gemm(
             x, layer.qweight, layer.scales, layer.zeros, self.group_size, self.bits,
             getattr(layer, "perm", None), bias,
         )  # fmt: skip
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
-        w = wna16_dequantize_reference(
+        w = dequantize_reference(
             layer.qweight, layer.scales, layer.zeros, self.group_size, self.bits,
             getattr(layer, "perm", None),
         )  # fmt: skip

@@ -7,12 +7,13 @@ import pytest
 import torch
 from torch import nn
 
-from loraplex.kernels.quant_gemm_configs import (
-    GemmConfig,
+from loraplex.kernels.w4a16.dispatch import (
+    heuristic_config,
     select_config,
     use_selection_table,
     write_selection_table,
 )
+from loraplex.kernels.w4a16.types import W4A16Config
 from loraplex.quant.awq import AWQLinearMethod
 
 
@@ -27,13 +28,13 @@ def _load_awq_layer() -> None:
 
 def test_layers_dispatch_from_the_table_the_environment_names(tmp_path, monkeypatch) -> None:
     path = tmp_path / "table.json"
-    write_selection_table(path, {(4, 1, 512, 256): GemmConfig("stream", 16, 256, 128, 4, 8, 4)})
+    config = W4A16Config("mma", 16, 256, 4, 8, 4)
+    write_selection_table(path, {(4, 1, 512, 256): config})
     monkeypatch.setenv("LORAPLEX_QUANT_GEMM_TABLE", str(path))
-    assert select_config(1, 512, 256, 128, 4, 132).kind == "fma"  # the built-in heuristic
+    assert select_config(1, 512, 256, 4) == heuristic_config(1)
     try:
         _load_awq_layer()
-        picked = select_config(1, 512, 256, 128, 4, 132)
-        assert (picked.kind, picked.block_n, picked.split_k) == ("stream", 256, 2)
+        assert select_config(1, 512, 256, 4) == config
     finally:
         use_selection_table(None)
 
