@@ -4,8 +4,8 @@ Every adapted `Linear` gets a `LoRALayer` as its `lora` hook. It keeps one `LoRA
 its shards (q/k/v of a merged QKV, gate/up of gate-up, or the single o/down projection), padded
 to `max_lora_rank`: `A [max_loras, num_shards * max_rank, in]` (shard `i` in rows
 `i * max_rank:`), `B^T [max_loras, max_rank, out]` (shard `i` in its output columns), plus each
-shard's and slot's used rank and scaling, so a forward costs two kernel launches per layer
-(one, fused, for the smallest batches). Mixed ranks: a slot holding a rank-8 adapter computes
+shard's and slot's used rank and scaling, so a forward costs one kernel launch per layer for
+a decode batch and two (shrink, expand) for larger ones. Mixed ranks: a slot holding a rank-8 adapter computes
 only its first 8 rows (the kernels stop at `ranks[shard, slot]`); only the memory is reserved
 at the maximum, so any slot can take any adapter and loads never fragment.
 
@@ -48,10 +48,16 @@ from loraplex.adapters.saved_modules import SavedModules
 from loraplex.adapters.slot_memory import SlotImage, SlotMemory, SlotShapes
 from loraplex.adapters.vocab_lora import EmbeddingLoRA, LMHeadLoRA
 from loraplex.config import LoRAConfig
-from loraplex.kernels.lora import LoRAKernelMeta, LoRAStack, add_lora, fill_kernel_meta
+from loraplex.kernels.lora import (
+    LoRAKernelMeta,
+    LoRAStack,
+    add_lora,
+    fill_kernel_meta,
+    new_counters,
+)
 
 _LAYER_PREFIX = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.\w+$")
-_MIN_WORKSPACE_ROWS = 2048  # room for a decode batch's split shrink (tokens x splits)
+_MIN_WORKSPACE_ROWS = 4096  # room for a small batch's split shrink (tokens x splits)
 
 
 class BaseWeightMethod(Protocol):
@@ -112,6 +118,9 @@ class LoRABatchMeta:
             dtype=torch.float32,
             device=device,
         )  # [rows, max_slices * max_rank]
+        # NOTE: the one-launch decode kernel's arrival counters, zero between launches; the
+        # LoRA layers of a forward run one after another on one stream, so they share them.
+        self.counters = new_counters(device)  # [SYNC_COUNTERS] int32
         self.kernel_meta = self._view(0)
 
     def _view(self, n: int) -> LoRAKernelMeta:
@@ -201,7 +210,8 @@ class LoRALayer:
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:
         # x: [num_tokens, in], out: [num_tokens, sum(output_sizes)]
         if self.meta.active:
-            add_lora(x, out, self.weights, self.meta.kernel_meta, self.meta.workspace)
+            meta = self.meta
+            add_lora(x, out, self.weights, meta.kernel_meta, meta.workspace, counters=meta.counters)
 
     def stage(self, image: SlotImage, weights: LoRAWeights) -> None:
         """Write this layer's modules of `weights` into its part of a host slot image (any
