@@ -71,6 +71,20 @@ def sum_partials(t_ptrs, mask, num_splits, split_stride, MAX_SPLITS: tl.constexp
     return t
 
 
+@triton.jit
+def sum_token_partials(t_ptr, tok, num_tokens, num_splits, stride_tm, col0, r_mask,
+                       SPLITS_PAD: tl.constexpr, RANK_PAD: tl.constexpr):  # fmt: skip
+    """One token's `t[col0 : col0 + RANK_PAD]` summed over the first `num_splits` partials
+    (`[num_splits, num_tokens, width]` rows), read as one `[SPLITS_PAD, RANK_PAD]` tile (fp32,
+    0 where `r_mask` is off)."""
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_r = tl.arange(0, RANK_PAD)
+    rows = (offs_s * num_tokens + tok).to(tl.int64) * stride_tm
+    ptrs = t_ptr + rows[:, None] + col0 + offs_r[None, :]
+    mask = (offs_s < num_splits)[:, None] & r_mask[None, :]
+    return tl.sum(tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg"), 0)
+
+
 def warps(tile_elements: int) -> int:
     # NOTE: 4 warps hold a 4096-element fp32 tile plus its operands in about 150 registers;
     # larger tiles get 8 warps so nothing spills (checked with an offline sm_90 compile).

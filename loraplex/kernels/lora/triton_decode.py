@@ -34,6 +34,7 @@ from loraplex.kernels.lora.triton_common import (
     offsets_tensor,
     pad,
     split_k,
+    sum_token_partials,
     tile_slice,
     warps,
 )
@@ -50,7 +51,7 @@ except ImportError:  # pragma: no cover - older Triton: decode_pdl cannot be set
 _MAX_POLLS = 1 << 16
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_splits", "num_tiles"])
 def _decode_kernel(
     x_ptr, a_ptr, b_ptr, out_ptr, t_ptr, sync_ptr, slots_ptr, rank_ptr, scaling_ptr,
     offsets_ptr, g_ptr, bias_ptr,
@@ -110,20 +111,19 @@ def _decode_kernel(
         while (done < num_shrink) & (polls < MAX_POLLS):
             done = tl.load(sync_ptr + 1, volatile=True)
             polls += 1
-        tl.atomic_add(sync_ptr + 1, 0, sem="acquire")  # the shrinks' stores before t's loads
+        # NOTE: an acquire read orders the shrinks' stores before the loads of t; its value
+        # gates those loads, so the compiler keeps it
+        done = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
         tl.debug_barrier()
         if (slot >= 0) & (rank > 0):
             r_mask = offs_r < rank
-            offs_s = tl.arange(0, SPLITS_PAD)
-            t_ptrs = (
-                t_ptr + (offs_s[:, None] * num_tokens + tok).to(tl.int64) * stride_tm
-                + slice_idx * MAX_RANK + offs_r[None, :]
-            )  # fmt: skip
-            parts = tl.load(t_ptrs, mask=(offs_s < num_splits)[:, None] & r_mask[None, :],
-                            other=0.0, cache_modifier=".cg")  # fmt: skip
-            t = tl.sum(parts, 0)  # [RANK_PAD]
-            b = tl.where(r_mask[:, None], b.to(tl.float32), 0.0)
-            delta = tl.sum(t[:, None] * b, 0) * tl.load(scaling_ptr + slice_idx * stride_rs + slot)
+            used = tl.where(done >= num_shrink, num_splits, 0)
+            t = sum_token_partials(t_ptr, tok, num_tokens, used, stride_tm,
+                                   slice_idx * MAX_RANK, r_mask, SPLITS_PAD, RANK_PAD)  # fmt: skip
+            b32 = tl.where(r_mask[:, None], b.to(tl.float32), 0.0)
+            delta = tl.sum(t[:, None] * b32, 0) * tl.load(
+                scaling_ptr + slice_idx * stride_rs + slot
+            )
             if USE_PDL:
                 gdc_wait()
             o_ptrs = out_ptr + tok.to(tl.int64) * stride_om + offs_n

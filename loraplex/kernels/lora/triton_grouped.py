@@ -36,7 +36,7 @@ from loraplex.kernels.lora.triton_common import (
 from loraplex.kernels.lora.types import LoRAKernelConfig, LoRAKernelMeta, LoRAStack
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _shrink_group_kernel(
     x_ptr, a_ptr, t_ptr, order_ptr, start_ptr, count_ptr, rank_ptr,
     num_tokens, num_slots, K, k_per_split,
@@ -74,7 +74,7 @@ def _shrink_group_kernel(
     tl.store(t_rows[:, None] + offs_n[None, :], acc, mask=m_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
 def _expand_group_kernel(
     t_ptr, b_ptr, out_ptr, order_ptr, start_ptr, count_ptr, rank_ptr, scaling_ptr, offsets_ptr,
     g_ptr, bias_ptr,

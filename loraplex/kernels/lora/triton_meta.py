@@ -9,7 +9,7 @@ import triton.language as tl
 from loraplex.kernels.lora.types import LoRAKernelMeta
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _kernel_meta_kernel(
     slots_ptr, order_ptr, start_ptr, count_ptr, num_tokens, num_slots,
     SLOTS: tl.constexpr, CHUNK: tl.constexpr,

@@ -26,14 +26,14 @@ from loraplex.kernels.lora.triton_common import (
     offsets_tensor,
     pad,
     split_k,
-    sum_partials,
+    sum_token_partials,
     tile_slice,
     warps,
 )
 from loraplex.kernels.lora.types import LoRAKernelConfig, LoRAKernelMeta, LoRAStack
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _shrink_token_kernel(
     x_ptr, a_ptr, t_ptr, slots_ptr, rank_ptr,
     num_tokens, K, k_per_split,
@@ -66,13 +66,13 @@ def _shrink_token_kernel(
     tl.store(t_row + offs_n, t, mask=n_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
 def _expand_token_kernel(
     t_ptr, b_ptr, out_ptr, slots_ptr, rank_ptr, scaling_ptr, offsets_ptr, g_ptr, bias_ptr,
     num_tokens, num_splits,
     stride_tm, stride_bs, stride_br, stride_om, stride_rs, stride_gs,
     MAX_RANK: tl.constexpr, RANK_PAD: tl.constexpr, NUM_SLICES: tl.constexpr,
-    MAX_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, DORA: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DORA: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
     tok = tl.program_id(0)
     slot = tl.load(slots_ptr + tok)
@@ -92,8 +92,8 @@ def _expand_token_kernel(
     if rank == 0:
         return
     r_mask = offs_r < rank
-    t_ptrs = t_ptr + tok.to(tl.int64) * stride_tm + slice_idx * MAX_RANK + offs_r
-    t = sum_partials(t_ptrs, r_mask, num_splits, num_tokens * stride_tm, MAX_SPLITS)
+    t = sum_token_partials(t_ptr, tok, num_tokens, num_splits, stride_tm, slice_idx * MAX_RANK,
+                           r_mask, SPLITS_PAD, RANK_PAD)  # fmt: skip
     b = tl.where(r_mask[:, None], b.to(tl.float32), 0.0)
     delta = tl.sum(t[:, None] * b, 0) * tl.load(scaling_ptr + slice_idx * stride_rs + slot)
     g_ptrs = g_ptr + slot.to(tl.int64) * stride_gs + offs_n
@@ -148,8 +148,8 @@ def expand_tokens(
         t.stride(0), b_t.stride(0), b_t.stride(1), out.stride(0), lora.ranks.stride(0),
         g.stride(0),
         MAX_RANK=lora.max_rank, RANK_PAD=pad(lora.max_rank), NUM_SLICES=lora.num_slices,
-        MAX_SPLITS=triton.next_power_of_2(config.max_splits), BLOCK_N=config.expand_block_n,
-        **flags,
+        SPLITS_PAD=pad(config.max_splits), BLOCK_N=config.expand_block_n,
+        num_warps=warps(pad(lora.max_rank) * config.expand_block_n), **flags,
     )  # fmt: skip
 
 

@@ -51,7 +51,7 @@ class LoRAKernelConfig:
     prefill_block_m: int = 64
     prefill_block_n: int = 128
     prefill_block_k: int = 64
-    prefill_max_splits: int = 8
+    prefill_max_splits: int = 4
 
     def __post_init__(self) -> None:
         for name in ("decode_block_k", "decode_block_n", "shrink_block_k", "expand_block_n",
