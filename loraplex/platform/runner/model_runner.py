@@ -228,7 +228,7 @@ class ModelRunner:
             max_bs,
             self.max_blocks_per_seq,
             self.device,
-            before_replay=self._lora_for_graph if self.lora_writer is not None else None,
+            before_replay=self.lora_writer.for_graph if self.lora_writer is not None else None,
             verify_query_len=query_len,
             verify_max_bs=verify_max_bs,
         )
@@ -251,11 +251,6 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.shutdown()
             destroy_tensor_parallel(getattr(self, "tp", SINGLE))
-
-    def _lora_for_graph(self, padded_bs: int, lora_slots: np.ndarray | None) -> None:
-        assert self.lora_writer is not None
-        slots = lora_slots if lora_slots is not None else np.empty(0, dtype=np.int32)
-        self.lora_writer.write(slots, padded_bs, always_apply=True)
 
     # -- one step ------------------------------------------------------------------------
 
