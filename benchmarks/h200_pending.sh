@@ -11,8 +11,11 @@
 # Stages and their wall time on the H200 (the device's 10-minute limit per call fits 2-3 of them):
 #   grammar   ~2 min   issue 16: cold TTFT with the bitmask kernel compiled at start-up (the
 #                      first schema waited 1-2 s for it), greedy / t1 / mixed by turns
-#   lora      ~5.5 min issue 17: multi_lora 8, 64 and 256-on-64 adapters with the shrink +
-#                      expand pair by default (greedy, t1, mixed)
+#   lora_kernels ~5 min issue 36: every LoRA kernel regime per layer against the reference,
+#                      the base GEMMs and the byte floor (pick the defaults of LoRAKernelConfig)
+#   lora      ~6 min   issue 36: multi_lora 8, 64 and 256-on-64 adapters and the LoRA engine with
+#                      no adapter, bf16 base (greedy, t1, mixed)
+#   lora_awq  ~3.5 min issue 36: the same 8 / 64 / no-adapter figures on the AWQ base (awq_)
 #   quant     ~6 min   issue 18: quant_e2e with the sweep's winners now in TUNED_CONFIGS (no
 #                      table file), FP8 beside AWQ (greedy, t1, mixed)
 #   serving   ~6 min   issue 19: the server with two API processes at concurrency 1, 64 and
@@ -46,9 +49,22 @@ grammar() {
 
 lora() {
     # 257 random rank-16 adapters of ~84 MB are written to the adapter dir (~21.6 GB, ~40 s)
-    timeout 420 python -m benchmarks.multi_lora --adapters 8,64,256 --num-prompts 128 \
-        --adapter-dir /tmp/ml17_adapters 2>&1 | tee "$O/multi_lora.log" | tail -25
-    rm -rf /tmp/ml17_adapters
+    timeout 400 python -m benchmarks.multi_lora --adapters 8,64,256 --num-prompts 128 \
+        --no-registration --adapter-dir /tmp/ml_adapters --out "$O/h200_multi_lora.json" 2>&1 \
+        | tee "$O/multi_lora.log" | tail -25
+    rm -rf /tmp/ml_adapters
+}
+
+lora_awq() {
+    timeout 330 python -m benchmarks.multi_lora --base awq --adapters 8,64 --num-prompts 128 \
+        --no-registration --adapter-dir /tmp/ml_adapters --out "$O/h200_multi_lora_awq.json" \
+        2>&1 | tee "$O/multi_lora_awq.log" | tail -25
+    rm -rf /tmp/ml_adapters
+}
+
+lora_kernels() {
+    timeout 320 python -m benchmarks.lora_kernels --budget-s 230 --out "$O/h200_lora_kernels.json" \
+        2>&1 | tee "$O/lora_kernels.log" | cut -c1-1000 | grep -v '^ \|^{\|^}'
 }
 
 quant() {
@@ -63,12 +79,12 @@ serving() {
 }
 
 if [ $# -eq 0 ]; then
-    sed -n '2,22p' "$0"
+    sed -n '2,26p' "$0"
     exit 2
 fi
 for stage in "$@"; do
     case $stage in
-        forms | spec | grammar | lora | quant | serving)
+        forms | spec | grammar | lora_kernels | lora | lora_awq | quant | serving)
             echo "=== $stage $(date -u +%T)"
             $stage
             ;;
