@@ -49,6 +49,8 @@ from loraplex.adapters.slot_memory import SlotImage, SlotMemory, SlotShapes
 from loraplex.adapters.vocab_lora import EmbeddingLoRA, LMHeadLoRA
 from loraplex.config import LoRAConfig
 from loraplex.kernels.lora import (
+    DEFAULT_KERNEL_CONFIG,
+    LoRAKernelConfig,
     LoRAKernelMeta,
     LoRAStack,
     add_lora,
@@ -334,6 +336,40 @@ class LoRAModelState:
     def load_slot(self, slot: int, weights: LoRAWeights) -> None:
         """`stage`, then `write_slot`, on the calling thread."""
         self.write_slot(slot, self.stage(weights))
+
+    @torch.no_grad()
+    def warm_up(self, config: LoRAKernelConfig = DEFAULT_KERNEL_CONFIG) -> int:
+        """Run every decoder LoRA layer and the embedding hook once at a token count of each
+        kernel regime (within the buffers, on scratch inputs and outputs), so that no step
+        compiles a LoRA kernel mid-run: CUDA-graph capture meets the decode sizes, this the
+        eager prefill sizes. Leaves the layers off until the next step's slots; returns the
+        number of hook calls."""
+        meta = self.meta
+        device = meta.workspace.device
+        counts = {1, config.decode_max_tokens + 1, config.token_kernels_max_tokens + 1,
+                  config.prefill_min_tokens}  # fmt: skip
+        embeds = [h for h in self.vocab if isinstance(h, EmbeddingLoRA)]
+        calls = 0
+        for n in sorted(c for c in counts if 0 < c <= meta.max_num_tokens):
+            meta.set(torch.zeros(n, dtype=torch.int32, device=device))
+            scratch: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+            for layer in self.layers:
+                shape = (layer.input_size, layer.offsets[-1])
+                if shape not in scratch:
+                    dtype = layer.weights.a.dtype
+                    scratch[shape] = (
+                        torch.zeros(n, shape[0], dtype=dtype, device=device),
+                        torch.zeros(n, shape[1], dtype=dtype, device=device),
+                    )
+                layer(*scratch[shape])
+                calls += 1
+            for hook in embeds:
+                hidden = torch.zeros(n, hook.weights.b_t.shape[2], dtype=hook.weights.a.dtype,
+                                     device=device)  # fmt: skip
+                hook(torch.zeros(n, dtype=torch.long, device=device), hidden)
+                calls += 1
+        meta.active = False
+        return calls
 
     def check_spec(self, spec: BaseModelSpec) -> None:
         """Raise `ValueError` if the attached layers disagree with the adapters' base spec."""

@@ -188,7 +188,9 @@ class ModelRunner:
             start = time.perf_counter()
             calls = warm_up_sampler(self.arch.vocab_size, self.device, max_seqs)
             calls += warm_up_bitmask(self.arch.vocab_size, self.device)
-            logger.info("sampler warmed up: %d calls in %.1f s", calls, time.perf_counter() - start)
+            if self.lora_state is not None:
+                calls += self.lora_state.warm_up()  # eager LoRA sizes (graphs met the others)
+            logger.info("kernels warmed up: %d calls in %.1f s", calls, time.perf_counter() - start)
         logger.info(
             "model on %s in %s; %d KV blocks of %d tokens",
             self.device,
