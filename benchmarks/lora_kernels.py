@@ -43,15 +43,17 @@ from pathlib import Path
 import torch
 
 from benchmarks.record import write_result
-from loraplex.adapters.lora_layer import LoRABatchMeta, LoRALayer
 from loraplex.kernels.lora import (
     DEFAULT_KERNEL_CONFIG,
     LoRAKernelConfig,
+    LoRAKernelMeta,
     LoRAStack,
     add_lora,
+    fill_kernel_meta,
     lora_expand_ref,
     lora_shrink_ref,
     lora_triton,
+    new_counters,
 )
 
 RANK = 16
@@ -118,20 +120,48 @@ SMOKE = Setup(
 )  # fmt: skip
 
 
-@dataclass
-class _Target:
-    prefix: str
-    input_size: int
-    output_sizes: list[int]
-    shard_names: tuple[str, ...]
-    lora: object = None
-    bias: torch.Tensor | None = None  # LoRALayer reads it (DoRA's base bias)
+class _Batch:
+    """The per-step buffers every LoRA layer of a forward shares (the engine's
+    `LoRABatchMeta`): the tokens' slots grouped by slot, the shrink's workspace, the decode
+    kernel's counters."""
 
-    def shard_offsets(self) -> list[int]:
-        offsets = [0]
-        for size in self.output_sizes:
-            offsets.append(offsets[-1] + size)
-        return offsets
+    def __init__(self, num_slots: int, max_tokens: int, width: int, device: torch.device):
+        self.num_slots = num_slots
+        self._slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
+        self._order = torch.zeros(max_tokens, dtype=torch.int32, device=device)
+        self._start = torch.zeros(num_slots, dtype=torch.int32, device=device)
+        self._count = torch.zeros(num_slots, dtype=torch.int32, device=device)
+        self.workspace = torch.zeros(max(max_tokens, 4096), width, device=device)  # fp32
+        self.counters = new_counters(device)
+        self.kernel_meta = self._view(0)
+
+    def _view(self, n: int) -> LoRAKernelMeta:
+        return LoRAKernelMeta(self._slots[:n], self._order[:n], self._start, self._count)
+
+    def set(self, slots: torch.Tensor) -> None:  # [num_tokens] int32 on the device
+        self._slots[: slots.shape[0]].copy_(slots)
+        self.kernel_meta = self._view(slots.shape[0])
+        self.regroup()
+
+    def regroup(self) -> None:
+        fill_kernel_meta(self.kernel_meta, self.num_slots)
+
+
+def _stack(in_size: int, sizes: list[int], num_slots: int, device, dtype) -> LoRAStack:
+    """Random rank-RANK weights of one projection for every slot, scaling 2."""
+    offsets = [0]
+    for size in sizes:
+        offsets.append(offsets[-1] + size)
+    s = len(sizes)
+    a = torch.empty(num_slots, s * RANK, in_size, device=device, dtype=dtype)
+    b_t = torch.empty(num_slots, RANK, offsets[-1], device=device, dtype=dtype)
+    return LoRAStack(
+        a=a.normal_(std=in_size**-0.5),
+        b_t=b_t.normal_(std=RANK**-0.5),
+        ranks=torch.full((s, num_slots), RANK, dtype=torch.int32, device=device),
+        scaling=torch.full((s, num_slots), 2.0, device=device),
+        slice_offsets=tuple(offsets),
+    )
 
 
 class Timer:
@@ -174,26 +204,20 @@ class Bench:
         self.cuda = device.type == "cuda"
         self.timer = Timer(self.cuda)
         max_tokens = max(n for n, _ in setup.decode_cases + setup.prefill_cases)
-        self.meta = LoRABatchMeta(setup.num_slots, RANK, max_tokens, device)
+        self.meta = _Batch(setup.num_slots, max_tokens, 3 * RANK, device)
         self.side_workspace = torch.zeros_like(self.meta.workspace)
         self.side = torch.cuda.Stream() if self.cuda else None
-        self.layers: list[list[LoRALayer]] = []
-        self.weights: list[torch.Tensor] = []  # one layer's base weights, [out, in] each
-        for index in range(setup.num_layers):
-            per_layer = []
-            for name, (in_size, shards, sizes) in setup.projections.items():
-                target = _Target(f"model.layers.{index}.{name}", in_size, sizes, shards)
-                layer = LoRALayer(target, index, self.meta, RANK, device, dtype)
-                w = layer.weights
-                w.a.normal_(std=in_size**-0.5)
-                w.b_t.normal_(std=RANK**-0.5)
-                w.ranks.fill_(RANK)
-                w.scaling.fill_(2.0)
-                per_layer.append(layer)
-                if index == 0:
-                    base = torch.randn(sum(sizes), in_size, device=device, dtype=dtype)
-                    self.weights.append(base * in_size**-0.5)
-            self.layers.append(per_layer)
+        # NOTE: every layer's own adapter weights (from HBM, as in a forward); one layer's base
+        # weights, [out, in] each
+        self.layers = [
+            [_stack(in_size, sizes, setup.num_slots, device, dtype)
+             for in_size, _, sizes in setup.projections.values()]
+            for _ in range(setup.num_layers)
+        ]  # fmt: skip
+        self.weights = [
+            torch.randn(sum(sizes), in_size, device=device, dtype=dtype) * in_size**-0.5
+            for in_size, _, sizes in setup.projections.values()
+        ]
 
     def set_case(self, num_tokens: int, num_adapters: int) -> None:
         slots = (torch.arange(num_tokens) % num_adapters).to(torch.int32)
@@ -205,32 +229,32 @@ class Bench:
 
     # -- one projection ------------------------------------------------------------------
 
-    def lora(self, config: LoRAKernelConfig) -> Callable[[LoRALayer, torch.Tensor, torch.Tensor], None]:  # fmt: skip
+    def lora(self, config: LoRAKernelConfig) -> Callable[[LoRAStack, torch.Tensor, torch.Tensor], None]:  # fmt: skip
         meta = self.meta
         # NOTE: off CUDA (smoke) add_lora would run the torch reference: the kernels, interpreted
         run = add_lora if self.cuda else lora_triton
 
-        def apply(layer: LoRALayer, x: torch.Tensor, out: torch.Tensor) -> None:
-            run(x, out, layer.weights, meta.kernel_meta, meta.workspace, config, meta.counters)
+        def apply(layer: LoRAStack, x: torch.Tensor, out: torch.Tensor) -> None:
+            run(x, out, layer, meta.kernel_meta, meta.workspace, config, meta.counters)
 
         return apply
 
-    def side_stream_pair(self, layer: LoRALayer, x, out, gemm: Callable[[], None]) -> None:
+    def side_stream_pair(self, layer: LoRAStack, x, out, gemm: Callable[[], None]) -> None:
         """The per-token shrink on the side stream while `gemm` writes `out`, then the expand."""
         from loraplex.kernels.lora.triton_token import expand_tokens, shrink_tokens
 
         config, kmeta, ws = VARIANTS["token"], self.meta.kernel_meta, self.side_workspace
         if self.side is None:
-            splits = shrink_tokens(x, layer.weights, kmeta, ws, config)
+            splits = shrink_tokens(x, layer, kmeta, ws, config)
             gemm()
         else:
             main = torch.cuda.current_stream()
             self.side.wait_stream(main)
             with torch.cuda.stream(self.side):
-                splits = shrink_tokens(x, layer.weights, kmeta, ws, config)
+                splits = shrink_tokens(x, layer, kmeta, ws, config)
             gemm()
             main.wait_stream(self.side)
-        expand_tokens(ws, splits, out, layer.weights, kmeta, config)
+        expand_tokens(ws, splits, out, layer, kmeta, config)
 
     # -- whole steps (every layer) ---------------------------------------------------------
 
@@ -270,9 +294,8 @@ class Bench:
 
     # -- checks ---------------------------------------------------------------------------
 
-    def reference(self, layer: LoRALayer, x: torch.Tensor) -> torch.Tensor:
+    def reference(self, w: LoRAStack, x: torch.Tensor) -> torch.Tensor:
         """The fp32 torch reference of one projection's delta."""
-        w = layer.weights
         w32 = LoRAStack(w.a.float(), w.b_t.float(), w.ranks, w.scaling, w.slice_offsets)
         t = torch.zeros(x.shape[0], w.num_slices * RANK, device=x.device)
         ref = torch.zeros(x.shape[0], w.slice_offsets[-1], device=x.device)
@@ -285,7 +308,7 @@ class Bench:
         decode kernel's counters must be back at zero."""
         worst = 0.0
         for layer, x in zip(self.layers[0], self.xs):
-            out = torch.zeros(x.shape[0], layer.offsets[-1], dtype=x.dtype, device=x.device)
+            out = torch.zeros(x.shape[0], layer.slice_offsets[-1], dtype=x.dtype, device=x.device)
             if variant == SIDE_STREAM:
                 self.side_stream_pair(layer, x, out, out.zero_)
             else:
