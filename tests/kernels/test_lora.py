@@ -200,6 +200,20 @@ def test_decode_regime_needs_counters():
                     torch.zeros(4, dtype=torch.int64))  # fmt: skip
 
 
+def test_default_regimes_by_token_count():
+    """One launch up to 16 tokens (with counters), the per-token pair to 64, the grouped pair
+    with decode tiles below 512 and prefill tiles from there; bad tiles are refused."""
+    config = LoRAKernelConfig()
+    cases = {1: "decode", 16: "decode", 17: "token", 64: "token", 65: "group", 511: "group",
+             512: "prefill", 8192: "prefill"}  # fmt: skip
+    assert {n: config.regime(n, has_counters=True) for n in cases} == cases
+    assert config.regime(1, has_counters=False) == "token"
+    with pytest.raises(ValueError, match="power of two"):
+        LoRAKernelConfig(decode_block_n=96)
+    with pytest.raises(ValueError, match="decode_k_per_split"):
+        LoRAKernelConfig(decode_block_k=256, decode_k_per_split=384)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("num_tokens", [1, 8, 40, 300, 700])  # decode, token, group, prefill
