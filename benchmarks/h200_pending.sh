@@ -63,7 +63,10 @@ lora_awq() {
 }
 
 lora_kernels() {
-    timeout 320 python -m benchmarks.lora_kernels --budget-s 230 --out "$O/h200_lora_kernels.json" \
+    # needs no wheels: the kernel family, torch and Triton only
+    timeout 90 python -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_lora.py 2>&1 \
+        | tail -3 | tee "$O/lora_kernel_tests.txt"
+    timeout 300 python -m benchmarks.lora_kernels --budget-s 210 --out "$O/h200_lora_kernels.json" \
         2>&1 | tee "$O/lora_kernels.log" | cut -c1-1000 | grep -v '^ \|^{\|^}'
 }
 
