@@ -1,14 +1,31 @@
-"""Multi-LoRA cost per decoder layer against the layer's base projection GEMMs, on one GPU.
+"""Multi-LoRA kernels per decoder layer against the layer's base GEMMs and bytes, on one GPU.
 
-Llama-3.1-8B shapes (hidden 4096, intermediate 14336, 32 query / 8 KV heads), bf16, rank 16,
-64 slots. Per layer: the LoRA work of qkv, o, gate-up and down (one shrink and one expand each,
-8 launches) against the four base GEMMs (cuBLAS). The LoRA weights of 32 layers are cycled, as in
-a real forward, so they come from HBM rather than L2. For 1, 64 and 256 tokens spread over 1, 4
-and 64 distinct adapters, it checks every kernel variant against the fp32 torch reference, times
-each variant as a replayed CUDA graph, and times the default one eagerly too, plus the per-step
-`LoRABatchMeta.set` (eager) and its token grouping (in a graph).
+Llama-3.1-8B shapes (hidden 4096, intermediate 14336, 32 query / 8 KV heads), bf16, rank 16 on
+all seven projections, 64 slots; the LoRA weights of 32 layers are cycled as in a forward, so
+they come from HBM rather than L2. For each case (tokens, distinct adapters; token i runs adapter
+i mod adapters):
 
-    python -m benchmarks.lora_kernels [--out h200_lora_kernels.json] [--profile]
+1. every kernel variant (each regime of `LoRAKernelConfig` forced, the default dispatch, and
+   the per-token pair with its shrink on a side stream beside the base GEMM) against the fp32
+   torch reference on the first layer; a variant that misses is dropped from the case;
+2. each variant's LoRA time per layer (qkv, o, gate-up and down), replayed from a CUDA graph,
+   and eagerly for the default (and for every variant of the prefill cases, which run eager);
+3. the layer's four base GEMMs (cuBLAS) alone and interleaved with each variant's LoRA, in a
+   graph: the difference is the time LoRA adds in place, where a programmatic dependent launch
+   (`decode_pdl`) or the side stream can hide work behind the GEMM;
+4. the bytes LoRA must move per layer (each distinct adapter's A and B once, x read, the output
+   read and written) over the copy bandwidth measured in the run: the floor.
+
+Then the device time of each kernel of the default at a few cases (torch profiler). The record
+is rewritten after every case, so a run cut short keeps what it measured (`--budget-s` stops
+starting new cases past that many seconds).
+
+    python -m benchmarks.lora_kernels [--out h200_lora_kernels.json] [--budget-s 270]
+    python -m benchmarks.lora_kernels --smoke   # CPU, Triton interpreter, tiny shapes
+
+(from the repository root, so that `loraplex` imports from the working tree). `--smoke` walks
+every step on the CPU (no graphs, no streams, no profiler) and writes nothing: a check that a
+GPU run will not fail on the way.
 """
 
 from __future__ import annotations
@@ -16,205 +33,467 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from benchmarks.common.lora_layers import (
-    MAX_LORAS,
-    NUM_LAYERS,
-    PROJECTIONS,
-    RANK,
-    build_layers,
-    reference_delta,
-)
-from benchmarks.common.timing import event_seconds_per_call
 from benchmarks.record import write_result
-from loraplex.adapters.lora_layer import LoRABatchMeta, LoRALayer
-from loraplex.kernels.lora import DEFAULT_KERNEL_CONFIG, LoRAKernelConfig, add_lora
+from loraplex.kernels.lora import (
+    DEFAULT_KERNEL_CONFIG,
+    LoRAKernelConfig,
+    LoRAKernelMeta,
+    LoRAStack,
+    add_lora,
+    fill_kernel_meta,
+    lora_expand_ref,
+    lora_shrink_ref,
+    lora_triton,
+    new_counters,
+)
 
-CASES = ((1, 1), (64, 1), (64, 4), (64, 64), (256, 1), (256, 4), (256, 64))  # (tokens, adapters)
+RANK = 16
 _D = DEFAULT_KERNEL_CONFIG
+_ALWAYS = 1 << 20
 VARIANTS = {
     "default": _D,
-    "token_kernels": dataclasses.replace(_D, token_kernels_max_tokens=1 << 20),
-    "group_kernels": dataclasses.replace(_D, token_kernels_max_tokens=0),
-    "group_bm32_bn256": dataclasses.replace(
-        _D, token_kernels_max_tokens=0, group_block_m=32, group_block_n=256
+    "decode": dataclasses.replace(_D, decode_max_tokens=_ALWAYS),
+    "decode_pdl": dataclasses.replace(_D, decode_max_tokens=_ALWAYS, decode_pdl=True),
+    "decode_n128": dataclasses.replace(_D, decode_max_tokens=_ALWAYS, decode_block_n=128),
+    "decode_k512": dataclasses.replace(_D, decode_max_tokens=_ALWAYS, decode_k_per_split=512),
+    "token": dataclasses.replace(_D, decode_max_tokens=0, token_kernels_max_tokens=_ALWAYS),
+    "group": dataclasses.replace(
+        _D, decode_max_tokens=0, token_kernels_max_tokens=0, prefill_min_tokens=_ALWAYS
     ),
-    "expand_bn128": dataclasses.replace(_D, expand_block_n=128),
-    "expand_bn512": dataclasses.replace(_D, expand_block_n=512),
-    "shrink_bk64_splits64": dataclasses.replace(_D, shrink_block_k=64, max_splits=64),
-    "programs_256": dataclasses.replace(_D, target_programs=256),
-    "expand_chunks_1": dataclasses.replace(_D, group_expand_max_chunks=1),
-    "expand_chunks_4": dataclasses.replace(_D, group_expand_max_chunks=4),
-    "expand_chunks_8_always": dataclasses.replace(_D, group_expand_programs=1),
-    "expand_programs_512": dataclasses.replace(_D, group_expand_programs=512),
-    "expand_programs_2048": dataclasses.replace(_D, group_expand_programs=2048),
-    "programs_1024": dataclasses.replace(_D, target_programs=1024),
+    "prefill_tiles": dataclasses.replace(
+        _D, decode_max_tokens=0, token_kernels_max_tokens=0, prefill_min_tokens=0
+    ),
 }
+SIDE_STREAM = "side_stream"  # the "token" pair, its shrink on a second stream beside the GEMM
+TOLERANCE = 3e-2  # max |error| / max |reference| in bf16
 
 
-def _us(fn: Callable[[], None], graph: bool, iters: int) -> float:
-    """Mean microseconds per call, replayed from a CUDA graph or launched eagerly."""
-    return event_seconds_per_call(fn, iters, warmup=2, graph=graph) * 1e6
+@dataclass(frozen=True)
+class Setup:
+    """The shapes and cases of one run."""
+
+    hidden: int
+    intermediate: int
+    q_size: int
+    kv_size: int
+    num_layers: int
+    num_slots: int
+    decode_cases: tuple[tuple[int, int], ...]
+    prefill_cases: tuple[tuple[int, int], ...]
+    profile_cases: tuple[tuple[int, int], ...]
+    graph_iters: int
+    eager_iters: int
+
+    @property
+    def projections(self) -> dict[str, tuple[int, tuple[str, ...], list[int]]]:
+        """name: (input size, shard names, shard output sizes)"""
+        h, i, q, kv = self.hidden, self.intermediate, self.q_size, self.kv_size
+        return {
+            "qkv_proj": (h, ("q_proj", "k_proj", "v_proj"), [q, kv, kv]),
+            "o_proj": (q, ("o_proj",), [h]),
+            "gate_up_proj": (h, ("gate_proj", "up_proj"), [i, i]),
+            "down_proj": (i, ("down_proj",), [h]),
+        }
 
 
-_BIG_WORKSPACE: dict[torch.device, torch.Tensor] = {}
+H200 = Setup(
+    4096, 14336, 4096, 1024, num_layers=32, num_slots=64,
+    decode_cases=((1, 1), (8, 8), (64, 64), (256, 64), (8, 1), (64, 8), (256, 8), (64, 1),
+                  (256, 1)),
+    prefill_cases=((2048, 8), (8192, 64)),
+    profile_cases=((1, 1), (64, 64), (256, 64), (8192, 64)),
+    graph_iters=20, eager_iters=3,
+)  # fmt: skip
+SMOKE = Setup(
+    64, 96, 64, 32, num_layers=2, num_slots=8,
+    decode_cases=((1, 1), (5, 3)), prefill_cases=((40, 4),), profile_cases=(),
+    graph_iters=1, eager_iters=1,
+)  # fmt: skip
 
 
-def _workspace(name: str, meta: LoRABatchMeta) -> torch.Tensor:
-    if not name.startswith("ws16k_"):
-        return meta.workspace
-    device = meta.workspace.device
-    if device not in _BIG_WORKSPACE:
-        _BIG_WORKSPACE[device] = torch.zeros(16384, meta.workspace.shape[1], device=device)
-    return _BIG_WORKSPACE[device]
+class _Batch:
+    """The per-step buffers every LoRA layer of a forward shares (the engine's
+    `LoRABatchMeta`): the tokens' slots grouped by slot, the shrink's workspace, the decode
+    kernel's counters."""
+
+    def __init__(self, num_slots: int, max_tokens: int, width: int, device: torch.device):
+        self.num_slots = num_slots
+        self._slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
+        self._order = torch.zeros(max_tokens, dtype=torch.int32, device=device)
+        self._start = torch.zeros(num_slots, dtype=torch.int32, device=device)
+        self._count = torch.zeros(num_slots, dtype=torch.int32, device=device)
+        self.workspace = torch.zeros(max(max_tokens, 4096), width, device=device)  # fp32
+        self.counters = new_counters(device)
+        self.kernel_meta = self._view(0)
+
+    def _view(self, n: int) -> LoRAKernelMeta:
+        return LoRAKernelMeta(self._slots[:n], self._order[:n], self._start, self._count)
+
+    def set(self, slots: torch.Tensor) -> None:  # [num_tokens] int32 on the device
+        self._slots[: slots.shape[0]].copy_(slots)
+        self.kernel_meta = self._view(slots.shape[0])
+        self.regroup()
+
+    def regroup(self) -> None:
+        fill_kernel_meta(self.kernel_meta, self.num_slots)
 
 
-def _rel_error(
-    layers: list[LoRALayer],
-    xs: list[torch.Tensor],
-    meta: LoRABatchMeta,
-    config: LoRAKernelConfig,
-    workspace: torch.Tensor,
-) -> float:
-    worst = 0.0
-    for layer, x in zip(layers, xs):
-        out = torch.zeros(x.shape[0], layer.offsets[-1], dtype=x.dtype, device=x.device)
-        add_lora(x, out, layer.weights, meta.kernel_meta, workspace, config)
-        ref = reference_delta(layer, x, meta)
-        worst = max(worst, float((out.float() - ref).abs().max() / ref.abs().max()))
-    return worst
+def _stack(in_size: int, sizes: list[int], num_slots: int, device, dtype) -> LoRAStack:
+    """Random rank-RANK weights of one projection for every slot, scaling 2."""
+    offsets = [0]
+    for size in sizes:
+        offsets.append(offsets[-1] + size)
+    s = len(sizes)
+    a = torch.empty(num_slots, s * RANK, in_size, device=device, dtype=dtype)
+    b_t = torch.empty(num_slots, RANK, offsets[-1], device=device, dtype=dtype)
+    return LoRAStack(
+        a=a.normal_(std=in_size**-0.5),
+        b_t=b_t.normal_(std=RANK**-0.5),
+        ranks=torch.full((s, num_slots), RANK, dtype=torch.int32, device=device),
+        scaling=torch.full((s, num_slots), 2.0, device=device),
+        slice_offsets=tuple(offsets),
+    )
 
 
-def _measure(
-    num_tokens: int,
-    num_adapters: int,
-    meta: LoRABatchMeta,
-    layers: list[list[LoRALayer]],
-    weights: list[torch.Tensor],
-) -> dict[str, float | str]:
-    """Per-layer numbers at one batch size: every variant in a graph, the default eagerly."""
-    device, dtype = weights[0].device, weights[0].dtype
-    slots = (torch.arange(num_tokens) % num_adapters).to(torch.int32)
-    meta.set(slots)
-    xs = [torch.randn(num_tokens, w.shape[1], device=device, dtype=dtype) for w in weights]
-    outs = [torch.zeros(num_tokens, w.shape[0], device=device, dtype=dtype) for w in weights]
+class Timer:
+    """Mean microseconds per call: CUDA events around replays of a captured graph or eager
+    calls; on the CPU (smoke) a host clock, no graph."""
 
-    def lora_step(config: LoRAKernelConfig, name: str = "default") -> Callable[[], None]:
-        workspace = _workspace(name, meta)
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+
+    def us(self, fn: Callable[[], None], graph: bool, iters: int) -> float:
+        if not self.cuda:
+            start = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            return (time.perf_counter() - start) * 1e6 / iters
+        for _ in range(2):
+            fn()
+        torch.cuda.synchronize()
+        run = fn
+        if graph:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            run = g.replay
+            run()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            run()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) * 1000 / iters
+
+
+class Bench:
+    """The layers, their base weights and the step functions of one run."""
+
+    def __init__(self, setup: Setup, device: torch.device, dtype: torch.dtype) -> None:
+        self.setup, self.device, self.dtype = setup, device, dtype
+        self.cuda = device.type == "cuda"
+        self.timer = Timer(self.cuda)
+        max_tokens = max(n for n, _ in setup.decode_cases + setup.prefill_cases)
+        self.meta = _Batch(setup.num_slots, max_tokens, 3 * RANK, device)
+        self.side_workspace = torch.zeros_like(self.meta.workspace)
+        self.side = torch.cuda.Stream() if self.cuda else None
+        # NOTE: every layer's own adapter weights (from HBM, as in a forward); one layer's base
+        # weights, [out, in] each
+        self.layers = [
+            [_stack(in_size, sizes, setup.num_slots, device, dtype)
+             for in_size, _, sizes in setup.projections.values()]
+            for _ in range(setup.num_layers)
+        ]  # fmt: skip
+        self.weights = [
+            torch.randn(sum(sizes), in_size, device=device, dtype=dtype) * in_size**-0.5
+            for in_size, _, sizes in setup.projections.values()
+        ]
+
+    def set_case(self, num_tokens: int, num_adapters: int) -> None:
+        slots = (torch.arange(num_tokens) % num_adapters).to(torch.int32)
+        self.meta.set(slots.to(self.device))
+        self.xs = [torch.randn(num_tokens, w.shape[1], device=self.device, dtype=self.dtype)
+                   for w in self.weights]  # fmt: skip
+        self.outs = [torch.zeros(num_tokens, w.shape[0], device=self.device, dtype=self.dtype)
+                     for w in self.weights]  # fmt: skip
+
+    # -- one projection ------------------------------------------------------------------
+
+    def lora(self, config: LoRAKernelConfig) -> Callable[[LoRAStack, torch.Tensor, torch.Tensor], None]:  # fmt: skip
+        meta = self.meta
+        # NOTE: off CUDA (smoke) add_lora would run the torch reference: the kernels, interpreted
+        run = add_lora if self.cuda else lora_triton
+
+        def apply(layer: LoRAStack, x: torch.Tensor, out: torch.Tensor) -> None:
+            run(x, out, layer, meta.kernel_meta, meta.workspace, config, meta.counters)
+
+        return apply
+
+    def side_stream_pair(self, layer: LoRAStack, x, out, gemm: Callable[[], None]) -> None:
+        """The per-token shrink on the side stream while `gemm` writes `out`, then the expand."""
+        from loraplex.kernels.lora.triton_token import expand_tokens, shrink_tokens
+
+        config, kmeta, ws = VARIANTS["token"], self.meta.kernel_meta, self.side_workspace
+        if self.side is None:
+            splits = shrink_tokens(x, layer, kmeta, ws, config)
+            gemm()
+        else:
+            main = torch.cuda.current_stream()
+            self.side.wait_stream(main)
+            with torch.cuda.stream(self.side):
+                splits = shrink_tokens(x, layer, kmeta, ws, config)
+            gemm()
+            main.wait_stream(self.side)
+        expand_tokens(ws, splits, out, layer, kmeta, config)
+
+    # -- whole steps (every layer) ---------------------------------------------------------
+
+    def lora_step(self, variant: str) -> Callable[[], None]:
+        apply = self.lora(VARIANTS[variant])
 
         def step() -> None:
-            for per_layer in layers:
-                for layer, x, out in zip(per_layer, xs, outs):
-                    add_lora(x, out, layer.weights, meta.kernel_meta, workspace, config)
+            for per_layer in self.layers:
+                for layer, x, out in zip(per_layer, self.xs, self.outs):
+                    apply(layer, x, out)
 
         return step
 
-    def base_step() -> None:
-        for w, x, out in zip(weights, xs, outs):
+    def base_step(self) -> None:
+        for w, x, out in zip(self.weights, self.xs, self.outs):
             torch.matmul(x, w.T, out=out)
 
-    row: dict[str, float | str] = {
-        "base_gemm_us_graph": _us(base_step, graph=True, iters=100),
-        "base_gemm_us_eager": _us(base_step, graph=False, iters=100),
-        "lora_us_eager": _us(lora_step(_D), graph=False, iters=5) / NUM_LAYERS,
-        "set_batch_us_eager": _us(lambda: meta.set(slots), graph=False, iters=100),
-        "regroup_us_graph": _us(meta.regroup, graph=True, iters=100),
-    }
-    best = ("", float("inf"))
-    for name, config in VARIANTS.items():
-        row[f"{name}_max_rel_error"] = _rel_error(
-            layers[0], xs, meta, config, _workspace(name, meta)
-        )
-        us = _us(lora_step(config, name), graph=True, iters=20) / NUM_LAYERS
-        row[f"{name}_lora_us_graph"] = us
-        if us < best[1] and row[f"{name}_max_rel_error"] < 2e-2:
-            best = (name, us)
-    row["lora_us_graph"] = row["default_lora_us_graph"]
-    row["lora_over_base_graph"] = row["lora_us_graph"] / row["base_gemm_us_graph"]
-    row["best_variant"] = best[0]
-    row["best_lora_us_graph"] = best[1]
-    row["best_over_base_graph"] = best[1] / row["base_gemm_us_graph"]
+    def layer_step(self, variant: str | None) -> Callable[[], None]:
+        """Every layer's base GEMMs, each followed by its LoRA (None: the base alone)."""
+        apply = self.lora(VARIANTS[variant]) if variant in VARIANTS else None
+
+        def step() -> None:
+            for per_layer in self.layers:
+                for layer, w, x, out in zip(per_layer, self.weights, self.xs, self.outs):
+
+                    def gemm(x=x, w=w, out=out) -> None:
+                        torch.matmul(x, w.T, out=out)
+
+                    if variant == SIDE_STREAM:
+                        self.side_stream_pair(layer, x, out, gemm)
+                        continue
+                    gemm()
+                    if apply is not None:
+                        apply(layer, x, out)
+
+        return step
+
+    # -- checks ---------------------------------------------------------------------------
+
+    def reference(self, w: LoRAStack, x: torch.Tensor) -> torch.Tensor:
+        """The fp32 torch reference of one projection's delta."""
+        w32 = LoRAStack(w.a.float(), w.b_t.float(), w.ranks, w.scaling, w.slice_offsets)
+        t = torch.zeros(x.shape[0], w.num_slices * RANK, device=x.device)
+        ref = torch.zeros(x.shape[0], w.slice_offsets[-1], device=x.device)
+        lora_shrink_ref(x.float(), w32, t, self.meta.kernel_meta)
+        lora_expand_ref(t, w32, ref, self.meta.kernel_meta)
+        return ref
+
+    def error(self, variant: str) -> float:
+        """Worst relative error of the variant's delta on the first layer's projections; the
+        decode kernel's counters must be back at zero."""
+        worst = 0.0
+        for layer, x in zip(self.layers[0], self.xs):
+            out = torch.zeros(x.shape[0], layer.slice_offsets[-1], dtype=x.dtype, device=x.device)
+            if variant == SIDE_STREAM:
+                self.side_stream_pair(layer, x, out, out.zero_)
+            else:
+                self.lora(VARIANTS[variant])(layer, x, out)
+            ref = self.reference(layer, x)
+            err = float((out.float() - ref).abs().max() / ref.abs().max())
+            worst = max(worst, err if err == err else float("inf"))  # NaN fails
+        if self.meta.counters.tolist() != [0, 0, 0, 0]:
+            return float("inf")
+        return worst
+
+
+def layer_bytes(setup: Setup, num_tokens: int, num_adapters: int) -> int:
+    """The fewest bytes LoRA moves per layer (bf16): each distinct adapter's A and B once, every
+    token's input read and its output read and written."""
+    total = 0
+    for in_size, shards, sizes in setup.projections.values():
+        adapter = len(shards) * RANK * in_size + RANK * sum(sizes)
+        total += 2 * (num_adapters * adapter + num_tokens * (in_size + 2 * sum(sizes)))
+    return total
+
+
+def copy_bandwidth_gbs(cuda: bool) -> float:
+    """Device-to-device copy, bytes read plus written per second (GB/s); 0 off CUDA."""
+    if not cuda:
+        return 0.0
+    buffers = torch.empty(2, 1 << 30, dtype=torch.uint8, device="cuda").random_(0, 255)
+    us = Timer(True).us(lambda: buffers[1].copy_(buffers[0]), graph=False, iters=10)
+    return 2 * (1 << 30) / us / 1e3
+
+
+def measure_case(
+    bench: Bench, num_tokens: int, num_adapters: int, prefill: bool, bandwidth: float
+) -> dict[str, float | str]:
+    setup, timer = bench.setup, bench.timer
+    bench.set_case(num_tokens, num_adapters)
+    row: dict[str, float | str] = {}
+    variants = ["default", "group", "prefill_tiles"] if prefill else [*VARIANTS, SIDE_STREAM]
+    if num_tokens > 64:
+        variants = [v for v in variants if v != SIDE_STREAM]
+    ok = []
+    for name in variants:
+        try:
+            err = bench.error(name)
+        except Exception as exc:  # a variant that cannot run here (e.g. no PDL) is reported
+            row[f"{name}_failed"] = f"{type(exc).__name__}: {exc}"[:300]
+            continue
+        row[f"{name}_max_rel_error"] = err
+        if err <= TOLERANCE:
+            ok.append(name)
+        else:
+            row[f"{name}_failed"] = "error above tolerance"
+    graph = not prefill
+    iters = setup.eager_iters if prefill else setup.graph_iters
+    row["base_gemm_us"] = timer.us(bench.base_step, graph=graph, iters=iters)
+    if not prefill:
+        row["base_gemm_us_eager"] = timer.us(bench.base_step, graph=False, iters=iters)
+        row["regroup_us_graph"] = timer.us(bench.meta.regroup, graph=True, iters=iters)
+    layers = setup.num_layers
+    for name in ok:
+        try:
+            if name != SIDE_STREAM:
+                row[f"{name}_lora_us"] = timer.us(bench.lora_step(name), graph, iters) / layers
+            if prefill:
+                continue
+            if name == "default":
+                us = timer.us(bench.lora_step(name), graph=False, iters=setup.eager_iters)
+                row["default_lora_us_eager"] = us / layers
+            combined = timer.us(bench.layer_step(name), graph=True, iters=iters) / layers
+            row[f"{name}_layer_us"] = combined
+        except Exception as exc:  # e.g. a launch a graph cannot capture: reported, not fatal
+            row[f"{name}_failed"] = f"timing: {type(exc).__name__}: {exc}"[:300]
+    if not prefill and ok:
+        base_layer = timer.us(bench.layer_step(None), graph=True, iters=iters) / layers
+        row["base_layer_us"] = base_layer
+        for name in ok:
+            if f"{name}_layer_us" in row:
+                row[f"{name}_added_us"] = row[f"{name}_layer_us"] - base_layer
+    nbytes = layer_bytes(setup, num_tokens, num_adapters)
+    row["lora_bytes_per_layer"] = nbytes
+    if bandwidth:
+        row["lora_floor_us"] = nbytes / bandwidth / 1e3
+    timed = [n for n in ok if f"{n}_lora_us" in row]
+    if timed:
+        best = min(timed, key=lambda n: row[f"{n}_lora_us"])
+        row["best_variant"] = best
+        row["best_lora_us"] = row[f"{best}_lora_us"]
+        row["default_over_base"] = row.get("default_lora_us", float("nan")) / row["base_gemm_us"]
+        if bandwidth:
+            row["default_over_floor"] = (
+                row.get("default_lora_us", float("nan")) / row["lora_floor_us"]
+            )
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
 
 
-PROFILE_CASES = ((256, 1), (256, 64), (64, 64))
-
-
-def profile(meta: LoRABatchMeta, layers: list[list[LoRALayer]]) -> dict[str, float]:
-    """Device time per layer of each kernel (by name) of each projection, default config,
-    launched eagerly under the torch profiler (kernel durations, no launch gaps)."""
+def profile(bench: Bench) -> dict[str, float]:
+    """Device time per layer of each kernel of the default, by case and projection (eager,
+    under the torch profiler: kernel durations without launch gaps)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     out: dict[str, float] = {}
-    device, dtype = meta.workspace.device, layers[0][0].weights.a.dtype
-    for num_tokens, num_adapters in PROFILE_CASES:
-        meta.set((torch.arange(num_tokens) % num_adapters).to(torch.int32))
-        for p, name in enumerate(PROJECTIONS):
-            x = torch.randn(num_tokens, layers[0][p].weights.a.shape[2], device=device, dtype=dtype)
-            y = torch.zeros(num_tokens, layers[0][p].offsets[-1], device=device, dtype=dtype)
-            for per_layer in layers:  # compile and warm
-                add_lora(x, y, per_layer[p].weights, meta.kernel_meta, meta.workspace, _D)
+    apply = bench.lora(DEFAULT_KERNEL_CONFIG)
+    for num_tokens, num_adapters in bench.setup.profile_cases:
+        bench.set_case(num_tokens, num_adapters)
+        for p, name in enumerate(bench.setup.projections):
+            x, y = bench.xs[p], bench.outs[p]
+            for per_layer in bench.layers:  # compile and warm
+                apply(per_layer[p], x, y)
             torch.cuda.synchronize()
             with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for per_layer in layers:
-                    add_lora(x, y, per_layer[p].weights, meta.kernel_meta, meta.workspace, _D)
+                for per_layer in bench.layers:
+                    apply(per_layer[p], x, y)
                 torch.cuda.synchronize()
             for event in prof.key_averages():
-                us = event.self_device_time_total / NUM_LAYERS
+                us = event.self_device_time_total / bench.setup.num_layers
                 if us > 0:
                     key = f"profile_t{num_tokens}_a{num_adapters}_{name}_{event.key[:40]}_us"
                     out[key] = round(us, 2)
     return out
 
 
-def measure_all(with_profile: bool = False) -> dict[str, float | str]:
-    """Every case's per-layer figures (and each kernel's, with `with_profile`)."""
-    device, dtype = torch.device("cuda"), torch.bfloat16
-    torch.manual_seed(0)
-    meta, layers, weights = build_layers(device, dtype)
-    metrics: dict[str, float | str] = {"launches_per_layer": 2 * len(PROJECTIONS)}
-    for num_tokens, num_adapters in CASES:
-        row = _measure(num_tokens, num_adapters, meta, layers, weights)
-        metrics.update({f"t{num_tokens}_a{num_adapters}_{k}": v for k, v in row.items()})
-    if with_profile:
-        metrics.update(profile(meta, layers))
-    return metrics
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="h200_lora_kernels.json", help="in benchmarks/results/")
-    parser.add_argument(
-        "--profile", action="store_true", help="also each kernel's time per projection"
-    )
+    parser.add_argument("--out", default="h200_lora_kernels.json",
+                        help="file name in benchmarks/results/, or a path")  # fmt: skip
+    parser.add_argument("--budget-s", type=float, default=270.0,
+                        help="start no new case after this many seconds")  # fmt: skip
+    parser.add_argument("--smoke", action="store_true",
+                        help="CPU, Triton interpreter, tiny shapes; writes nothing")  # fmt: skip
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    start = time.monotonic()
+    if args.smoke:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            print("--smoke needs TRITON_INTERPRET=1", file=sys.stderr)
+            return 2
+        setup, device, dtype = SMOKE, torch.device("cpu"), torch.float32
+    elif not torch.cuda.is_available():
         print("lora_kernels: no CUDA device; nothing to measure", file=sys.stderr)
         return 0
-    metrics = measure_all(args.profile)
-    summary = {k: v for k, v in metrics.items() if "_default_" not in k and "rel_error" not in k}
-    print(json.dumps(summary, indent=1))
-    write_result(
-        args.out,
-        "lora_kernels",
-        metrics,
-        {"what": "the same layer's four base projection GEMMs (torch.matmul, cuBLAS, bf16)"},
-        config={
-            "shapes": "Llama-3.1-8B",
-            "dtype": "bfloat16",
-            "rank": RANK,
-            "max_loras": MAX_LORAS,
-            "lora_layers_cycled": NUM_LAYERS,
-            "cases_tokens_adapters": CASES,
-            "variants": {name: dataclasses.asdict(c) for name, c in VARIANTS.items()},
-        },
-    )
+    else:
+        setup, device, dtype = H200, torch.device("cuda"), torch.bfloat16
+    torch.manual_seed(0)
+    bandwidth = copy_bandwidth_gbs(device.type == "cuda")
+    bench = Bench(setup, device, dtype)
+    metrics: dict[str, float | str] = {"copy_gbs": round(bandwidth, 1)}
+    cases = [(c, False) for c in setup.decode_cases] + [(c, True) for c in setup.prefill_cases]
+    for (num_tokens, num_adapters), prefill in cases:
+        if time.monotonic() - start > args.budget_s:
+            metrics.setdefault("skipped_cases", "")
+            metrics["skipped_cases"] = f"{metrics['skipped_cases']} t{num_tokens}_a{num_adapters}"
+            continue
+        row = measure_case(bench, num_tokens, num_adapters, prefill, bandwidth)
+        metrics.update({f"t{num_tokens}_a{num_adapters}_{k}": v for k, v in row.items()})
+        summary = {k: v for k, v in row.items() if k.endswith(("lora_us", "added_us", "floor_us",
+                   "base_gemm_us", "failed", "best_variant"))}  # fmt: skip
+        print(f"t{num_tokens} a{num_adapters} ({time.monotonic() - start:.0f} s): {summary}",
+              flush=True)  # fmt: skip
+        if not args.smoke:
+            _write(args.out, metrics, setup)
+    if not args.smoke and time.monotonic() - start < args.budget_s + 20:
+        metrics.update(profile(bench))
+        _write(args.out, metrics, setup)
+    print(json.dumps({k: v for k, v in metrics.items() if "best" in k or "floor" in k}, indent=1))
     return 0
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
+def _write(out: str, metrics: dict, setup: Setup) -> Path:
+    return write_result(
+        out, "lora_kernels", metrics,
+        {"previous": "h200_lora_kernels.json at b945ecd (the pair of two launches per "
+                     "projection): 26.6 / 60.2 / 80.6 / 89.2 / 182.9 us per layer in a graph at "
+                     "t1_a1 / t64_a1 / t64_a64 / t256_a4 / t256_a64"},
+        config={"shapes": "Llama-3.1-8B", "dtype": "bfloat16", "rank": RANK,
+                "max_loras": setup.num_slots, "lora_layers_cycled": setup.num_layers,
+                "variants": {name: dataclasses.asdict(c) for name, c in VARIANTS.items()},
+                "side_stream": "the token pair, its shrink on a second stream beside the GEMM",
+                "torch": torch.__version__, "triton": _triton_version()},
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

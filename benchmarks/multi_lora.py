@@ -1,33 +1,38 @@
 """Multi-LoRA serving: output tokens/s with 8 and 64 adapters on 64 GPU slots and
-256 adapters churning through them, against base-only serving of the same requests; TPOT at
-batch 1 with an adapter against without; and the time from an adapter's registration to its
-first token while 256 other sequences decode, with those sequences' ITL p99 meanwhile.
+256 adapters churning through them, against base-only serving of the same requests; the same
+requests with no adapter on the LoRA engine against an engine without LoRA; TPOT at batch 1 with
+an adapter against without; and the time from an adapter's registration to its first token while
+256 other sequences decode, with those sequences' ITL p99 meanwhile. On the bf16 base and, with
+`--base awq` (or `bf16,awq`), on the AWQ base against the AWQ base without LoRA.
 
-    python -m benchmarks.multi_lora                         # H200: Llama-3.1-8B shape
+    python -m benchmarks.multi_lora                         # H200: Llama-3.1-8B shape, bf16
+    python -m benchmarks.multi_lora --base awq --adapters 8,64 --no-registration
     python -m benchmarks.multi_lora --device cpu            # tiny run, embedded model
 
-Workload (cuda): 256 requests, input and output lengths uniform in [128, 512] and [64, 256],
-ignore_eos, greedy, again at temperature 1.0 (the openai SDK's default; metrics with a `_t1`
-suffix) and as a mixed-sampling batch (request i takes mix i mod 9 of `benchmarks.common.sampling_mixes`:
-penalties, top-k/p, min-p, seeds, logprobs; `_mixed` suffix). With 8 and 64 adapters request i
-runs adapter i mod k; with 256 adapters on 64 slots each request draws its adapter from a Zipf
-(s = 1) popularity over the 256, as tenants' traffic is: hot adapters stay resident while the
-tail churns through the slots (one request per adapter would cap the batch at the slot count,
-64 of 256 sequences, whatever the engine did). Adapters are random, rank 16 on all seven projections,
-written as PEFT folders (kept in `--adapter-dir` between runs) and registered like the API does
-(`AddAdapter` with their content digest). The base model is measured in the same run, on an
-engine with LoRA disabled. Before each timed run every adapter of the run is read into the
-host cache (`max_cpu_loras` holds them all), so the 256-adapter run measures slot churn (host
--> GPU copies on the side stream, requests waiting in the queue for their slot), not disk.
+Workload (cuda): 256 requests (`--num-prompts`), input and output lengths uniform in [128, 512]
+and [64, 256], ignore_eos, greedy, again at temperature 1.0 (the openai SDK's default; metrics
+with a `_t1` suffix) and as a mixed-sampling batch (request i takes mix i mod 9 of
+`benchmarks.sampling`: penalties, top-k/p, min-p, seeds, logprobs; `_mixed` suffix;
+`--samplings` picks a subset). With 8 and 64 adapters request i runs adapter i mod k; with 256
+adapters on 64 slots each request draws its adapter from a Zipf (s = 1) popularity over the 256,
+as tenants' traffic is: hot adapters stay resident while the tail churns through the slots (one
+request per adapter would cap the batch at the slot count, 64 of 256 sequences, whatever the
+engine did). Adapters are random, rank 16 on all seven projections, written as PEFT folders
+(kept in `--adapter-dir` between runs and bases) and registered like the API does (`AddAdapter`
+with their content digest). The base model is measured in the same run, on an engine with LoRA
+disabled. Before each timed run every adapter of the run is read into the host cache
+(`max_cpu_loras` holds them all), so the 256-adapter run measures slot churn (host -> GPU copies
+on the side stream, requests waiting in the queue for their slot), not disk.
 
-Registration to first token: 256 sequences on 63 adapters (one of the 64 slots left idle) decode
-long outputs; after a few steps a fresh adapter (written beforehand, never read) is registered and one request on it
-added at once; we step until its first token. Step times are the other sequences' inter-token
-latency (each decodes one token a step): their p99 during the load is recorded beside the p99
-of as many steps before it.
+Registration to first token (skipped with `--no-registration`): 256 sequences on 63 adapters
+(one of the 64 slots left idle) decode long outputs; after a few steps a fresh adapter (written
+beforehand, never read) is registered and one request on it added at once; we step until its
+first token. Step times are the other sequences' inter-token latency (each decodes one token a
+step): their p99 during the load is recorded beside the p99 of as many steps before it.
 
-Metrics: ratio_vs_base_8, ratio_vs_base_64, ratio_vs_base_256_on_64_slots (greedy) and their
-`_t1` twins, tpot_bs1_lora_over_base, registration_to_first_token_s, itl_p99_during_load_ms,
+Metrics (awq_-prefixed on the AWQ base): ratio_vs_base_8, ratio_vs_base_64,
+ratio_vs_base_256_on_64_slots and ratio_lora_engine_no_adapters (greedy) with their `_t1` and
+`_mixed` twins, tpot_bs1_lora_over_base, registration_to_first_token_s, itl_p99_during_load_ms,
 itl_p99_before_load_ms, the engine thread's time per slot write from the first load on
 (slot_write_host_us_mean / _p99, slot_writes), and the tok/s and TPOT figures behind them.
 
@@ -90,8 +95,8 @@ def build_engine(args, enable_lora: bool) -> LLM:
                   max_model_len=512, max_num_seqs=args.running + 4, async_scheduling=True,
                   **lora)  # fmt: skip
     else:
-        llm = bench_llm(args.model, max_model_len=2048, max_num_batched_tokens=8192,
-                        max_num_seqs=args.running + 8,
+        llm = bench_llm(args.model, dtype=args.dtype, max_model_len=2048,
+                        max_num_batched_tokens=8192, max_num_seqs=args.running + 8,
                         gpu_memory_utilization=0.7, **lora)  # fmt: skip
     print(f"engine (lora={enable_lora}) ready in {time.perf_counter() - start:.1f} s")
     return llm
@@ -335,11 +340,102 @@ def run_forms(args, folder: Path) -> int:
     return 0
 
 
+BASES = {  # name: (model config, dtype) on CUDA; metric prefix "<name>_" except bf16
+    "bf16": (LLAMA_8B, "bfloat16"),
+    "awq": ("configs/models/llama-3.1-8b-awq.json", "auto"),
+}
+
+
+def run_base(args, folder: Path, base: str) -> tuple[dict[str, float], dict[str, float]]:
+    """One base model's figures: base-only serving on an engine without LoRA, then on a LoRA
+    engine the same requests with no adapter and on k adapters, batch-1 TPOT, and (unless
+    `--no-registration`) registration to first token; names prefixed `<base>_` but for bf16."""
+    cpu, pre = args.device == "cpu", "" if base == "bf16" else f"{base}_"
+    if not cpu:
+        args.model, args.dtype = BASES[base]
+    metrics: dict[str, float] = {}
+    baseline: dict[str, float] = {}
+    k_max, slots = max(args.adapters), args.slots
+
+    llm = build_engine(args, enable_lora=False)
+    prompts, outputs = workload(args, llm.engine.runner.arch.vocab_size)
+    # NOTE: warm-ups run every prompt (short outputs): each prefill shape and batch size the
+    # timed runs meet, so no timed run pays a first-time cost the others do not.
+    short = [max(4, o // 4) for o in outputs]
+    serve(llm, prompts, short)
+    for suffix in args.samplings:
+        baseline[f"{pre}base_out_tok_s{suffix}"] = serve(llm, prompts, outputs, suffix=suffix)
+    baseline[f"{pre}tpot_bs1_base_s"] = tpot(llm, args.tpot_steps, args.prompt_len, None)
+    print(f"{base} base (LoRA disabled): {baseline}")
+    del llm
+    gc.collect()
+    if not cpu:
+        torch.cuda.empty_cache()
+
+    llm = build_engine(args, enable_lora=True)
+    # NOTE: the same requests on the LoRA engine with no adapter: the graphs without LoRA
+    # kernels and the eager steps that skip LoRA (target >= 0.99x)
+    serve(llm, prompts, short)
+    for suffix in args.samplings:
+        tok_s = serve(llm, prompts, outputs, suffix=suffix)
+        metrics[f"{pre}lora_engine_no_adapters_out_tok_s{suffix}"] = tok_s
+        metrics[f"{pre}ratio_lora_engine_no_adapters{suffix}"] = (
+            tok_s / baseline[f"{pre}base_out_tok_s{suffix}"]
+        )
+    commands = write_adapters(args, llm, folder, k_max + 1)
+    fresh = _add_command("fresh", Path(commands[-1].path))
+    commands = commands[:-1]
+    pool = llm.engine.lora_manager.pool
+    timed = pool._writer = TimedSlotWriter(pool._writer)
+    warm_host_cache(llm.engine, commands)
+    loras = [LoRARequest(c.name, "/registered") for c in commands]
+    serve(llm, prompts, short, [loras[i % slots] for i in range(len(prompts))])
+    for k in args.adapters:
+        label = f"{k}" if k <= slots else f"{k}_on_{slots}_slots"
+        if k <= slots:
+            mix = [loras[i % k] for i in range(len(prompts))]
+        else:
+            mix = [loras[j] for j in zipf_choices(k, len(prompts))]
+        for suffix in args.samplings:
+            tok_s = serve(llm, prompts, outputs, mix, suffix)
+            metrics[f"{pre}lora_{label}_out_tok_s{suffix}"] = tok_s
+            metrics[f"{pre}ratio_vs_base_{label}{suffix}"] = (
+                tok_s / baseline[f"{pre}base_out_tok_s{suffix}"]
+            )
+        stats = llm.engine.handle_command(GetAdapterStats())
+        evictions = sum(a.evictions for a in stats.adapters)
+        figures = ", ".join(f"{metrics[f'{pre}lora_{label}_out_tok_s{x}']:.0f} {x or '_greedy'}"
+                            for x in args.samplings)  # fmt: skip
+        print(f"{base}: {k} adapters on {slots} slots: {figures} tok/s; {evictions} evictions")
+    if timed.seconds:
+        metrics[f"{pre}slot_writes"] = len(timed.seconds)
+        metrics[f"{pre}slot_write_host_us_mean"] = statistics.mean(timed.seconds) * 1e6
+        metrics[f"{pre}slot_write_host_us_p99"] = quantile(timed.seconds, 0.99) * 1e6
+    tpot_lora = tpot(llm, args.tpot_steps, args.prompt_len, loras[0])
+    metrics[f"{pre}tpot_bs1_lora_s"] = tpot_lora
+    metrics[f"{pre}tpot_bs1_lora_over_base"] = tpot_lora / baseline[f"{pre}tpot_bs1_base_s"]
+    if not args.no_registration:
+        first, during, before = registration_to_first_token(args, llm, commands, fresh)
+        metrics[f"{pre}registration_to_first_token_s"] = first
+        metrics[f"{pre}itl_p99_during_load_ms"] = during
+        metrics[f"{pre}itl_p99_before_load_ms"] = before
+        print(f"registration -> first token {first:.3f} s under {args.running} sequences; ITL "
+              f"p99 {during:.1f} ms during the load, {before:.1f} ms before")  # fmt: skip
+    del llm
+    gc.collect()
+    if not cpu:
+        torch.cuda.empty_cache()
+    return metrics, baseline
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--model", default=None, help="default: llama-3.1-8b (cuda), the "
-                        "embedded model (cpu)")  # fmt: skip
+    parser.add_argument("--model", default=None, help="cpu only (default: the embedded model); "
+                        "on cuda --base picks the Llama-3.1-8B config")  # fmt: skip
+    parser.add_argument("--base", default="bf16",
+                        help=f"comma list of {list(BASES)} (cuda): each base's figures, the "
+                        "awq ones prefixed awq_ (against the AWQ base without LoRA)")  # fmt: skip
     parser.add_argument("--adapter-dir", default=None, help="where adapters are kept")
     parser.add_argument("--out", default=None, help="h200_multi_lora.json / cpu_multi_lora.json")
     parser.add_argument(
@@ -362,6 +458,10 @@ def main() -> int:
         help="comma list of adapter counts (default 8,64,256 on cuda; counts beyond the slots "
         "churn through them)",
     )
+    parser.add_argument("--samplings", default="greedy,t1,mixed",
+                        help="comma list of greedy, t1, mixed")  # fmt: skip
+    parser.add_argument("--no-registration", action="store_true",
+                        help="skip registration-to-first-token under load")  # fmt: skip
     args = parser.parse_args()
     cpu = args.device == "cpu"
     if not cpu and not torch.cuda.is_available():
@@ -375,74 +475,34 @@ def main() -> int:
         args.adapters = [int(k) for k in args.adapter_counts.split(",") if k]
         if not args.adapters or min(args.adapters) < 1:
             raise SystemExit("--adapters: a comma list of positive counts")
+    names = {"greedy": "", "t1": "_t1", "mixed": "_mixed"}
+    samplings = [x for x in args.samplings.split(",") if x]
+    if not samplings or set(samplings) - set(names):
+        raise SystemExit(f"--samplings: a comma list of {list(names)}")
+    args.samplings = [names[x] for x in samplings]
+    bases = [b for b in args.base.split(",") if b]
+    if not bases or set(bases) - set(BASES) or (cpu and bases != ["bf16"]):
+        raise SystemExit(f"--base: a comma list of {list(BASES)} (cpu: bf16 only)")
     if args.form_adapters is None:
         args.form_adapters = 4 if cpu else FORM_ADAPTERS
+    args.dtype = "bfloat16"
     if args.model is None:
         if cpu:
             from loraplex.platform.models.model_store import ensure_default_model
 
             args.model = str(ensure_default_model(progress=False))
         else:
-            args.model = LLAMA_8B
+            args.model = BASES["bf16"][0]
     folder = Path(args.adapter_dir or tempfile.mkdtemp(prefix="loraplex-multi-lora-"))
     folder.mkdir(parents=True, exist_ok=True)
     if args.forms:
         return run_forms(args, folder)
     metrics: dict[str, float] = {}
     baseline: dict[str, float] = {}
-    k_max, slots = max(args.adapters), args.slots
-
-    llm = build_engine(args, enable_lora=False)
-    prompts, outputs = workload(args, llm.engine.runner.arch.vocab_size)
-    # NOTE: warm-ups run every prompt (short outputs): each prefill shape and batch size the
-    # timed runs meet, so no timed run pays a first-time cost the others do not.
-    short = [max(4, o // 4) for o in outputs]
-    serve(llm, prompts, short)
-    for suffix in SAMPLINGS:
-        baseline[f"base_out_tok_s{suffix}"] = serve(llm, prompts, outputs, suffix=suffix)
-    baseline["tpot_bs1_base_s"] = tpot(llm, args.tpot_steps, args.prompt_len, None)
-    print(f"base (LoRA disabled): {baseline}")
-    del llm
-    gc.collect()
-    if not cpu:
-        torch.cuda.empty_cache()
-
-    llm = build_engine(args, enable_lora=True)
-    commands = write_adapters(args, llm, folder, k_max + 1)
-    fresh = _add_command("fresh", Path(commands[-1].path))
-    commands = commands[:-1]
-    pool = llm.engine.lora_manager.pool
-    timed = pool._writer = TimedSlotWriter(pool._writer)
-    warm_host_cache(llm.engine, commands)
-    loras = [LoRARequest(c.name, "/registered") for c in commands]
-    serve(llm, prompts, short, [loras[i % slots] for i in range(len(prompts))])
-    for k in args.adapters:
-        label = f"{k}" if k <= slots else f"{k}_on_{slots}_slots"
-        if k <= slots:
-            mix = [loras[i % k] for i in range(len(prompts))]
-        else:
-            mix = [loras[j] for j in zipf_choices(k, len(prompts))]
-        for suffix in SAMPLINGS:
-            tok_s = serve(llm, prompts, outputs, mix, suffix)
-            metrics[f"lora_{label}_out_tok_s{suffix}"] = tok_s
-            metrics[f"ratio_vs_base_{label}{suffix}"] = tok_s / baseline[f"base_out_tok_s{suffix}"]
-        stats = llm.engine.handle_command(GetAdapterStats())
-        evictions = sum(a.evictions for a in stats.adapters)
-        print(f"{k} adapters on {slots} slots: {metrics[f'lora_{label}_out_tok_s']:.0f} tok/s "
-              f"greedy, {metrics[f'lora_{label}_out_tok_s_t1']:.0f} t1, "
-              f"{metrics[f'lora_{label}_out_tok_s_mixed']:.0f} mixed; {evictions} evictions")  # fmt: skip
-    if timed.seconds:
-        metrics["slot_writes"] = len(timed.seconds)
-        metrics["slot_write_host_us_mean"] = statistics.mean(timed.seconds) * 1e6
-        metrics["slot_write_host_us_p99"] = quantile(timed.seconds, 0.99) * 1e6
-    metrics["tpot_bs1_lora_s"] = tpot(llm, args.tpot_steps, args.prompt_len, loras[0])
-    metrics["tpot_bs1_lora_over_base"] = metrics["tpot_bs1_lora_s"] / baseline["tpot_bs1_base_s"]
-    first, during, before = registration_to_first_token(args, llm, commands, fresh)
-    metrics["registration_to_first_token_s"] = first
-    metrics["itl_p99_during_load_ms"] = during
-    metrics["itl_p99_before_load_ms"] = before
-    print(f"registration -> first token {first:.3f} s under {args.running} sequences; ITL p99 "
-          f"{during:.1f} ms during the load, {before:.1f} ms before")  # fmt: skip
+    for base in bases:
+        base_metrics, base_baseline = run_base(args, folder, base)
+        metrics.update(base_metrics)
+        baseline.update(base_baseline)
     write_result(
         args.out or ("cpu_multi_lora.json" if cpu else "h200_multi_lora.json"),
         "multi_lora",
@@ -450,10 +510,12 @@ def main() -> int:
         baseline,
         workload={
             **_workload(args),
+            "bases": {b: BASES[b] for b in bases} if not cpu else {"bf16": args.model},
             "target_modules": "q,k,v,o,gate,up,down",
             "adapters": args.adapters,
             "adapter_choice": f"i mod k for k <= slots; Zipf(s={ZIPF_S}) over k beyond",
-            "gpu_slots": slots,
+            "gpu_slots": args.slots,
+            "samplings": samplings,
             "running_sequences_for_registration": args.running,
         },
     )

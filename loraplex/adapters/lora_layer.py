@@ -4,8 +4,8 @@ Every adapted `Linear` gets a `LoRALayer` as its `lora` hook. It keeps one `LoRA
 its shards (q/k/v of a merged QKV, gate/up of gate-up, or the single o/down projection), padded
 to `max_lora_rank`: `A [max_loras, num_shards * max_rank, in]` (shard `i` in rows
 `i * max_rank:`), `B^T [max_loras, max_rank, out]` (shard `i` in its output columns), plus each
-shard's and slot's used rank and scaling, so a forward costs two kernel launches per layer
-(one, fused, for the smallest batches). Mixed ranks: a slot holding a rank-8 adapter computes
+shard's and slot's used rank and scaling, so a forward costs one kernel launch per layer for
+a decode batch and two (shrink, expand) for larger ones. Mixed ranks: a slot holding a rank-8 adapter computes
 only its first 8 rows (the kernels stop at `ranks[shard, slot]`); only the memory is reserved
 at the maximum, so any slot can take any adapter and loads never fragment.
 
@@ -48,10 +48,18 @@ from loraplex.adapters.saved_modules import SavedModules
 from loraplex.adapters.slot_memory import SlotImage, SlotMemory, SlotShapes
 from loraplex.adapters.vocab_lora import EmbeddingLoRA, LMHeadLoRA
 from loraplex.config import LoRAConfig
-from loraplex.kernels.lora import LoRAKernelMeta, LoRAStack, add_lora, fill_kernel_meta
+from loraplex.kernels.lora import (
+    DEFAULT_KERNEL_CONFIG,
+    LoRAKernelConfig,
+    LoRAKernelMeta,
+    LoRAStack,
+    add_lora,
+    fill_kernel_meta,
+    new_counters,
+)
 
 _LAYER_PREFIX = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.\w+$")
-_MIN_WORKSPACE_ROWS = 2048  # room for a decode batch's split shrink (tokens x splits)
+_MIN_WORKSPACE_ROWS = 4096  # room for a small batch's split shrink (tokens x splits)
 
 
 class BaseWeightMethod(Protocol):
@@ -112,6 +120,9 @@ class LoRABatchMeta:
             dtype=torch.float32,
             device=device,
         )  # [rows, max_slices * max_rank]
+        # NOTE: the one-launch decode kernel's arrival counters, zero between launches; the
+        # LoRA layers of a forward run one after another on one stream, so they share them.
+        self.counters = new_counters(device)  # [SYNC_COUNTERS] int32
         self.kernel_meta = self._view(0)
 
     def _view(self, n: int) -> LoRAKernelMeta:
@@ -201,7 +212,8 @@ class LoRALayer:
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:
         # x: [num_tokens, in], out: [num_tokens, sum(output_sizes)]
         if self.meta.active:
-            add_lora(x, out, self.weights, self.meta.kernel_meta, self.meta.workspace)
+            meta = self.meta
+            add_lora(x, out, self.weights, meta.kernel_meta, meta.workspace, counters=meta.counters)
 
     def stage(self, image: SlotImage, weights: LoRAWeights) -> None:
         """Write this layer's modules of `weights` into its part of a host slot image (any
@@ -324,6 +336,40 @@ class LoRAModelState:
     def load_slot(self, slot: int, weights: LoRAWeights) -> None:
         """`stage`, then `write_slot`, on the calling thread."""
         self.write_slot(slot, self.stage(weights))
+
+    @torch.no_grad()
+    def warm_up(self, config: LoRAKernelConfig = DEFAULT_KERNEL_CONFIG) -> int:
+        """Run every decoder LoRA layer and the embedding hook once at a token count of each
+        kernel regime (within the buffers, on scratch inputs and outputs), so that no step
+        compiles a LoRA kernel mid-run: CUDA-graph capture meets the decode sizes, this the
+        eager prefill sizes. Leaves the layers off until the next step's slots; returns the
+        number of hook calls."""
+        meta = self.meta
+        device = meta.workspace.device
+        counts = {1, config.decode_max_tokens + 1, config.token_kernels_max_tokens + 1,
+                  config.prefill_min_tokens}  # fmt: skip
+        embeds = [h for h in self.vocab if isinstance(h, EmbeddingLoRA)]
+        calls = 0
+        for n in sorted(c for c in counts if 0 < c <= meta.max_num_tokens):
+            meta.set(torch.zeros(n, dtype=torch.int32, device=device))
+            scratch: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+            for layer in self.layers:
+                shape = (layer.input_size, layer.offsets[-1])
+                if shape not in scratch:
+                    dtype = layer.weights.a.dtype
+                    scratch[shape] = (
+                        torch.zeros(n, shape[0], dtype=dtype, device=device),
+                        torch.zeros(n, shape[1], dtype=dtype, device=device),
+                    )
+                layer(*scratch[shape])
+                calls += 1
+            for hook in embeds:
+                hidden = torch.zeros(n, hook.weights.b_t.shape[2], dtype=hook.weights.a.dtype,
+                                     device=device)  # fmt: skip
+                hook(torch.zeros(n, dtype=torch.long, device=device), hidden)
+                calls += 1
+        meta.active = False
+        return calls
 
     def check_spec(self, spec: BaseModelSpec) -> None:
         """Raise `ValueError` if the attached layers disagree with the adapters' base spec."""

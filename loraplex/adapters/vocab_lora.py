@@ -98,7 +98,8 @@ class EmbeddingLoRA:
         kernel_meta = self.meta.kernel_meta
         slots = kernel_meta.lora_slots.clamp_min(0).long()  # base tokens: masked by the kernels
         rows = self.a_t[slots, input_ids]  # [num_tokens, max_rank]
-        add_lora(rows, hidden, self.weights, kernel_meta, self.meta.workspace)
+        add_lora(rows, hidden, self.weights, kernel_meta, self.meta.workspace,
+                 counters=self.meta.counters)  # fmt: skip
 
     def stage(self, image: SlotImage, weights: LoRAWeights) -> None:
         """Write the adapter's embedding LoRA (if any) into a host slot image."""
@@ -137,7 +138,8 @@ class LMHeadLoRA:
         if token_rows is not None:
             slots = kernel_meta.lora_slots[token_rows.long()]  # [num_rows]
             kernel_meta = lora_kernel_meta(slots, self.meta.num_slots)
-        add_lora(hidden, logits, self.weights, kernel_meta, self.meta.workspace)
+        add_lora(hidden, logits, self.weights, kernel_meta, self.meta.workspace,
+                 counters=self.meta.counters)  # fmt: skip
 
     def stage(self, image: SlotImage, weights: LoRAWeights) -> None:
         """Write the adapter's lm_head LoRA (if any) into a host slot image."""

@@ -90,6 +90,47 @@ def test_every_form_mixed_in_one_batch_equals_peft(llm, peft):
             assert out.outputs[0].token_ids != peft.greedy(None, out.prompt_token_ids), name
 
 
+#: Small regime bounds, so that the tiny batches below meet all four kernel regimes.
+SMALL_REGIMES = dict(decode_max_tokens=4, token_kernels_max_tokens=8, prefill_min_tokens=40)
+
+
+def _cuda_path_on_cpu(llm: LLM, monkeypatch) -> set[str]:
+    """Run `llm` as on CUDA, on the CPU: decode steps from graphs (their CPU stand-ins, with and
+    without LoRA) and every LoRA hook through the Triton kernels, interpreted. Returns the set
+    the kernel regimes met are added to."""
+    from loraplex.kernels.lora import LoRAKernelConfig, check_lora_args, lora_triton
+
+    config = LoRAKernelConfig(**SMALL_REGIMES)
+    regimes: set[str] = set()
+
+    def triton_path(x, out, lora, meta, workspace, config_=None, counters=None):
+        check_lora_args(x, out, lora, meta, workspace)
+        regimes.add(config.regime(x.shape[0], counters is not None))
+        lora_triton(x, out, lora, meta, workspace, config, counters)
+
+    for module in ("lora_layer", "vocab_lora"):
+        monkeypatch.setattr(f"loraplex.adapters.{module}.add_lora", triton_path)
+    runner = llm.engine.runner
+    runner.graphs = runner.build_graph_runner()
+    runner.graphs.capture()
+    return regimes
+
+
+def test_every_form_on_graphs_through_the_triton_kernels_equals_peft(
+    tiny_llama_dir, peft, monkeypatch
+):
+    """The mixed batch of every form through the CUDA path's pieces (`_cuda_path_on_cpu`), in
+    all four kernel regimes, under async scheduling: each token equals PEFT's."""
+    llm = _llm(tiny_llama_dir, max_num_seqs=8)
+    regimes = _cuda_path_on_cpu(llm, monkeypatch)
+    names = ["embed-lm-head", None, "lm-head", "dora", "embed", "plain", "dora-qv"]
+    prompts = [PROMPTS[i % len(PROMPTS)] * (1 + i % 3) for i in range(len(names))]
+    outputs = _generate(llm, peft, names, prompts)
+    for name, out in zip(names, outputs):
+        assert out.outputs[0].token_ids == peft.greedy(name, out.prompt_token_ids), name
+    assert regimes == {"decode", "token", "group", "prefill"}
+
+
 def test_lm_head_lora_applies_to_prompt_logprobs(llm, peft):
     """Prompt logprobs come from the adapter's logits too (rows scored outside sampling)."""
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
@@ -252,12 +293,19 @@ def _dequantized_copy(llm: LLM, source: Path, folder: Path) -> Path:
     return folder
 
 
-def test_dora_on_an_awq_base_equals_peft_on_the_dequantized_base(tiny_llama_dir, tmp_path):
+@pytest.mark.parametrize("cuda_path", [False, True])
+def test_dora_on_an_awq_base_equals_peft_on_the_dequantized_base(
+    tiny_llama_dir, tmp_path, monkeypatch, cuda_path
+):
+    """DoRA rows beside base rows on an AWQ base; with `cuda_path` from graphs and through
+    the Triton kernels (`_cuda_path_on_cpu`)."""
     from loraplex.quant.quantize import quantize_model
 
     awq_dir = quantize_model(tiny_llama_dir, tmp_path / "awq", progress=False, method="awq",
                              group_size=32)  # fmt: skip
-    llm = _llm(awq_dir)
+    llm = _llm(awq_dir, max_num_seqs=4)
+    if cuda_path:
+        _cuda_path_on_cpu(llm, monkeypatch)
     dense_dir = _dequantized_copy(llm, tiny_llama_dir, tmp_path / "dequantized")
     specs = {"dora": {**SPECS["dora"], "lora_alpha": 64}}  # a strong delta: AWQ's text is flat
     peft = PeftReference(dense_dir, tmp_path / "adapters", NUM_TOKENS, specs)

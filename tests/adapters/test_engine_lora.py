@@ -155,6 +155,70 @@ def test_two_slots_serve_six_adapters_each_token_on_its_own_adapter(model_dir, p
     assert_idle(small)
 
 
+class _LoRACalls:
+    """Counts calls of the LoRA entry (`add_lora`) from every LoRA hook of the model."""
+
+    def __init__(self, monkeypatch) -> None:
+        from loraplex.kernels.lora import add_lora
+
+        self.count = 0
+
+        def counted(*args, **kwargs) -> None:
+            self.count += 1
+            add_lora(*args, **kwargs)
+
+        for module in ("lora_layer", "vocab_lora"):
+            monkeypatch.setattr(f"loraplex.adapters.{module}.add_lora", counted)
+
+
+def _count_replays(graphs: dict, replays: list[int]) -> None:
+    for bs, graph in graphs.items():
+        run = graph.replay
+
+        def counted(run=run, bs=bs) -> None:
+            replays.append(bs)
+            run()
+
+        graph.replay = counted
+
+
+def test_base_requests_on_a_lora_engine_run_no_lora_work(model_dir, peft, monkeypatch):
+    """A LoRA-enabled engine serving only base-model requests runs the base path: eager steps
+    and decode graphs (their CPU stand-ins) make no LoRA call, the graphs captured without LoRA
+    kernels replay, and the tokens are the LoRA-less engine's. A request on an adapter in the
+    batch brings the LoRA work (and the graphs with it) back, with PEFT's tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    prompts = [PROMPTS[None], LONG_PROMPT, PROMPTS["r8-all"]]
+    plain = LLM(str(model_dir), dtype="float32", device="cpu", num_kv_blocks=64,
+                enable_lora=False)  # fmt: skip
+    expected = [tokens(o) for o in plain.generate(prompts, params)]
+    small = LLM(str(model_dir), dtype="float32", device="cpu", num_kv_blocks=64, max_num_seqs=4,
+                max_loras=2, max_lora_rank=MAX_RANK, async_scheduling=True)  # fmt: skip
+    calls = _LoRACalls(monkeypatch)
+    assert [tokens(o) for o in small.generate(prompts, params)] == expected  # eager
+    assert calls.count == 0
+
+    runner = small.engine.runner
+    graphs = runner.build_graph_runner()
+    graphs.capture()
+    assert set(graphs.base_graphs) == set(graphs.graphs) == {1, 2, 4}
+    runner.graphs = graphs
+    lora_replays: list[int] = []
+    base_replays: list[int] = []
+    _count_replays(graphs.graphs, lora_replays)
+    _count_replays(graphs.base_graphs, base_replays)
+    calls.count = 0
+    assert [tokens(o) for o in small.generate(prompts, params)] == expected
+    assert calls.count == 0 and lora_replays == [] and len(base_replays) >= NUM_TOKENS - 1
+
+    requests = [None, None, lora(peft, "r8-all")]
+    outputs = small.generate(prompts, params, lora_request=requests)
+    assert [tokens(o) for o in outputs[:2]] == expected[:2]
+    assert tokens(outputs[2]) == peft.greedy("r8-all", outputs[2].prompt_token_ids)
+    assert calls.count > 0 and len(lora_replays) >= NUM_TOKENS - 1
+    assert_idle(small)
+
+
 BAD_ADAPTERS = {
     "pickle": (pickle_only, r"\[.adapter_model.bin.\] are pickle checkpoints and are refused"),
     "truncated": (truncated, r"unreadable safetensors file \(truncated or corrupt\)"),

@@ -248,3 +248,29 @@ def test_a_slot_image_of_another_model_is_refused(setup):
     )  # fmt: skip
     with pytest.raises(ValueError, match="does not fit"):
         other.write_slot(0, image)
+
+
+def test_warm_up_runs_every_layer_in_every_kernel_regime(setup, monkeypatch):
+    """Start-up runs each LoRA layer once per kernel regime (so no step compiles a kernel),
+    then leaves the layers off; a step after it serves its adapters as before."""
+    from loraplex.kernels.lora import LoRAKernelConfig, add_lora
+
+    model, state, peft_models, weights = setup
+    config = LoRAKernelConfig(decode_max_tokens=2, token_kernels_max_tokens=4, prefill_min_tokens=8)
+    seen = []
+
+    def record(x, out, lora, meta, workspace, config_=None, counters=None):
+        seen.append((id(lora), config.regime(x.shape[0], counters is not None)))
+        add_lora(x, out, lora, meta, workspace, config_, counters)
+
+    monkeypatch.setattr("loraplex.adapters.lora_layer.add_lora", record)
+    assert state.warm_up(config) == 4 * len(state.layers)
+    regimes = {"decode", "token", "group", "prefill"}
+    assert all({r for k, r in seen if k == id(layer.weights)} == regimes for layer in state.layers)
+    assert not state.meta.active
+    state.load_slot(0, weights[0])
+    state.meta.set(torch.zeros(3, dtype=torch.int32))
+    linear = model.linear(1, "self_attn.qkv_proj")
+    x = torch.randn(3, 64)
+    expected = peft_delta(peft_models[0], 1, "q_proj", x)
+    torch.testing.assert_close(our_delta(linear, x)[:, :64], expected, rtol=1e-5, atol=1e-5)

@@ -10,7 +10,7 @@ from loraplex.adapters.lora_layer import LoRABatchMeta, LoRAModelState
 from loraplex.adapters.peft_format import EMBED_KEY, LM_HEAD_KEY, LoRAModuleWeights, LoRAWeights
 from loraplex.adapters.slot_memory import SlotMemory
 from loraplex.adapters.vocab_lora import EmbeddingLoRA, LMHeadLoRA
-from loraplex.kernels.lora import LoRAKernelConfig
+from loraplex.kernels.lora import LoRAKernelConfig, lora_triton
 
 VOCAB, HIDDEN, MAX_RANK, SLOTS = 50, 24, 8, 3
 
@@ -49,18 +49,21 @@ def _expected(adapters, slots, ids, hidden, logits):
     return embed_out, logits_out
 
 
-@pytest.mark.parametrize(("triton", "token_kernels"), [(False, True), (True, True), (True, False)])
-def test_hooks_add_each_tokens_adapter_delta(hooks, monkeypatch, triton, token_kernels):
+@pytest.mark.parametrize("regime", [None, "decode", "token", "group", "prefill"])
+def test_hooks_add_each_tokens_adapter_delta(hooks, monkeypatch, regime):
     meta, embed, head, adapters = hooks
-    if triton:  # the CUDA path's kernels, interpreted
-        from loraplex.kernels import triton_lora
+    if regime is not None:  # the CUDA path's kernels, interpreted, in one regime
+        config = LoRAKernelConfig(
+            decode_max_tokens=64 if regime == "decode" else 0,
+            token_kernels_max_tokens=64 if regime == "token" else 0,
+            prefill_min_tokens=0 if regime == "prefill" else 64,
+            decode_block_k=16, decode_k_per_split=16, decode_block_n=16, shrink_block_k=16,
+            expand_block_n=16, group_block_m=16, group_block_n=16, prefill_block_m=16,
+            prefill_block_n=16, prefill_block_k=16,
+        )  # fmt: skip
 
-        config = LoRAKernelConfig(token_kernels_max_tokens=64 if token_kernels else 0,
-                                  shrink_block_k=16, expand_block_n=16, group_block_m=16,
-                                  group_block_n=16)  # fmt: skip
-
-        def run(x, out, lora, kernel_meta, workspace, config_=None):
-            triton_lora.lora_triton(x, out, lora, kernel_meta, workspace, config)
+        def run(x, out, lora, kernel_meta, workspace, config_=None, counters=None):
+            lora_triton(x, out, lora, kernel_meta, workspace, config, counters)
 
         monkeypatch.setattr("loraplex.adapters.vocab_lora.add_lora", run)
     gen = torch.Generator().manual_seed(9)

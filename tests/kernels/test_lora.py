@@ -12,11 +12,29 @@ from loraplex.kernels.lora import (
     LoRAStack,
     add_lora,
     lora_kernel_meta,
+    lora_triton,
+    new_counters,
 )
 
 # tiny tiles, so that odd sizes cross several column tiles and reduction splits
-TINY = dict(shrink_block_k=16, expand_block_n=16, group_block_m=16, group_block_n=16)
-TWO_KERNELS = dict(fused_max_tokens=0)  # the shrink + expand pair even for tiny batches
+TINY = dict(
+    decode_block_k=16, decode_k_per_split=32, decode_block_n=16, token_k_per_split=32,
+    shrink_block_k=16, expand_block_n=16, group_block_m=16, group_block_n=16,
+    prefill_block_m=16, prefill_block_n=16, prefill_block_k=16,
+)  # fmt: skip
+#: Each regime forced on every batch size.
+REGIMES = {
+    "decode": dict(decode_max_tokens=1 << 20),
+    "token": dict(decode_max_tokens=0, token_kernels_max_tokens=1 << 20),
+    "group": dict(decode_max_tokens=0, token_kernels_max_tokens=0, prefill_min_tokens=1 << 20),
+    "prefill": dict(decode_max_tokens=0, token_kernels_max_tokens=0, prefill_min_tokens=0),
+}
+
+
+def _config(regime: str, **fields) -> LoRAKernelConfig:
+    config = LoRAKernelConfig(**{**TINY, **REGIMES[regime], **fields})
+    assert config.regime(7, has_counters=True) == regime
+    return config
 
 
 def _stack(in_features, slice_sizes, num_slots, max_rank, seed, dtype=torch.float32, first=0):
@@ -77,7 +95,7 @@ def test_meta_groups_tokens_by_slot(slots, order, start, count):
 
 @pytest.mark.parametrize(("num_tokens", "num_slots"), [(1, 1), (5, 3), (150, 5)])
 def test_triton_meta_matches_torch(num_tokens, num_slots):
-    from loraplex.kernels.triton_lora import kernel_meta_triton
+    from loraplex.kernels.lora.triton_meta import kernel_meta_triton
 
     slots = torch.randint(-1, num_slots, (num_tokens,), dtype=torch.int32)
     expected = lora_kernel_meta(slots, num_slots)
@@ -118,48 +136,87 @@ def test_mismatched_shapes_are_refused():
         LoRAStack(lora.a[:, :6], lora.b_t, lora.ranks, lora.scaling, lora.slice_offsets)
 
 
-@pytest.mark.parametrize("expand_chunks", [1, 4])
-@pytest.mark.parametrize("token_kernels", [True, False])
+@pytest.mark.parametrize("regime", list(REGIMES))
 @pytest.mark.parametrize(
     ("num_tokens", "in_features", "slice_sizes", "num_slots", "max_rank", "max_splits"),
     [
         (1, 9, (11,), 2, 5, 1),
         (21, 70, (37, 9, 9), 3, 20, 1),
         (21, 70, (37, 9, 9), 3, 20, 4),
-        (5, 17, (130, 16), 2, 16, 2),
+        (5, 117, (130, 16), 2, 16, 32),
     ],
 )
 def test_triton_matches_reference(
-    expand_chunks, token_kernels, num_tokens, in_features, slice_sizes, num_slots, max_rank,
-    max_splits,
-):  # fmt: skip
-    from loraplex.kernels.triton_lora import expand_chunks as chunks_for
-    from loraplex.kernels.triton_lora import lora_triton, num_splits
-
-    # NOTE: group_expand_programs=1 makes every grouped-expand program take the most chunks,
-    # some of them past the end of a slice (masked).
-    config = LoRAKernelConfig(
-        token_kernels_max_tokens=64 if token_kernels else 0, max_splits=max_splits,
-        group_expand_max_chunks=expand_chunks, group_expand_programs=1, **TWO_KERNELS, **TINY,
-    )  # fmt: skip
-    assert chunks_for(1, slice_sizes, config) == expand_chunks
+    regime, num_tokens, in_features, slice_sizes, num_slots, max_rank, max_splits
+):
+    """Every regime's kernels, at odd sizes with mixed ranks (0 included) and base rows, equal
+    the reference; rows past the split shrink's partials hold NaN, which must not be read."""
+    config = _config(regime, max_splits=max_splits, prefill_max_splits=max_splits)
     lora = _stack(in_features, slice_sizes, num_slots, max_rank, 7, first=3)
     x, slots = _inputs(num_tokens, in_features, num_slots, 7)
+    slots[0] = 0
     meta = lora_kernel_meta(slots, num_slots)
-    workspace = torch.full((4 * num_tokens, len(slice_sizes) * max_rank), float("nan"))
-    assert num_splits(num_tokens, in_features, workspace.shape[0], config) <= max_splits
+    workspace = torch.full((64 * num_tokens, len(slice_sizes) * max_rank), float("nan"))
     base = torch.randn(num_tokens, lora.b_t.shape[2])
     out_ref, out_tri = base.clone(), base.clone()
     add_lora(x, out_ref, lora, meta, workspace.clone())
-    lora_triton(x, out_tri, lora, meta, workspace, config)
+    counters = new_counters("cpu")
+    lora_triton(x, out_tri, lora, meta, workspace, config, counters)
     torch.testing.assert_close(out_tri, out_ref, rtol=1e-4, atol=1e-4)
+    expected = base.double() + _dense_delta(x, lora, slots, base.shape[1])
+    torch.testing.assert_close(out_tri.double(), expected, rtol=1e-4, atol=1e-4)
     base_rows = slots < 0
     assert torch.equal(out_tri[base_rows], base[base_rows])
+    assert not torch.equal(out_tri[0], base[0])  # the adapter acted
+    assert counters.tolist() == [0, 0, 0, 0]  # ready for the next launch
+
+
+def test_decode_kernel_relaunches_on_the_same_counters():
+    """The one-launch kernel leaves its counters at zero, so launches in turn (a CUDA graph's
+    replays) see new slots and inputs each time; a wider input splits into several items."""
+    config = _config("decode")
+    lora = _stack(70, (37, 9, 9), 3, 8, 9)
+    counters = new_counters("cpu")
+    workspace = torch.zeros(64, 24)
+    for seed in (1, 2, 3):
+        x, slots = _inputs(4, 70, 3, seed)
+        meta = lora_kernel_meta(slots, 3)
+        out = torch.zeros(4, lora.b_t.shape[2])
+        lora_triton(x, out, lora, meta, workspace, config, counters)
+        expected = _dense_delta(x, lora, slots, out.shape[1])
+        torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
+        assert counters.tolist() == [0, 0, 0, 0]
+
+
+def test_decode_regime_needs_counters():
+    """Without counters a decode-sized batch runs the pair; bad counters are refused."""
+    config = _config("decode")
+    assert config.regime(3, has_counters=False) == "token"
+    lora = _stack(9, (11,), 2, 5, 1)
+    x, slots = _inputs(3, 9, 2, 1)
+    meta = lora_kernel_meta(slots, 2)
+    with pytest.raises(ValueError, match="counters"):
+        lora_triton(x, torch.zeros(3, 14), lora, meta, torch.zeros(64, 5), config,
+                    torch.zeros(4, dtype=torch.int64))  # fmt: skip
+
+
+def test_default_regimes_by_token_count():
+    """One launch up to 16 tokens (with counters), the per-token pair to 64, the grouped pair
+    with decode tiles below 512 and prefill tiles from there; bad tiles are refused."""
+    config = LoRAKernelConfig()
+    cases = {1: "decode", 16: "decode", 17: "token", 64: "token", 65: "group", 511: "group",
+             512: "prefill", 8192: "prefill"}  # fmt: skip
+    assert {n: config.regime(n, has_counters=True) for n in cases} == cases
+    assert config.regime(1, has_counters=False) == "token"
+    with pytest.raises(ValueError, match="power of two"):
+        LoRAKernelConfig(decode_block_n=96)
+    with pytest.raises(ValueError, match="decode_k_per_split"):
+        LoRAKernelConfig(decode_block_k=256, decode_k_per_split=384)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("num_tokens", [1, 8, 64, 300])  # 1, 8: the fused kernel
+@pytest.mark.parametrize("num_tokens", [1, 8, 40, 300, 700])  # decode, token, group, prefill
 def test_triton_bf16_on_gpu_replays_in_a_cuda_graph(num_tokens):
     lora = _stack(4096, (1024, 256, 256), 8, 16, 3, torch.bfloat16)
     lora = LoRAStack(
@@ -170,11 +227,12 @@ def test_triton_bf16_on_gpu_replays_in_a_cuda_graph(num_tokens):
     x = x.cuda()
     meta = lora_kernel_meta(slots.cuda(), 8)
     out = torch.zeros(num_tokens, lora.b_t.shape[2], dtype=torch.bfloat16, device="cuda")
-    workspace = torch.zeros(2048 + num_tokens, 48, device="cuda")
-    add_lora(x, out, lora, meta, workspace)  # compile outside the capture
+    workspace = torch.zeros(4096 + num_tokens, 48, device="cuda")
+    counters = new_counters("cuda")
+    add_lora(x, out, lora, meta, workspace, counters=counters)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        add_lora(x, out, lora, meta, workspace)
+        add_lora(x, out, lora, meta, workspace, counters=counters)
     cpu = LoRAStack(lora.a.cpu(), lora.b_t.cpu(), lora.ranks.cpu(), lora.scaling.cpu(),
                     lora.slice_offsets)  # fmt: skip
     for seed in (4, 5):  # new slots written in place, same graph
@@ -189,6 +247,7 @@ def test_triton_bf16_on_gpu_replays_in_a_cuda_graph(num_tokens):
         # bf16 (as Punica does): ~2^-8 relative error on the rank-16 intermediate.
         atol = 2e-2 if num_tokens <= 64 else 8e-2
         torch.testing.assert_close(out.cpu().double(), expected, rtol=2e-2, atol=atol)
+        assert counters.tolist() == [0, 0, 0, 0]
 
 
 def _with_dora(lora: LoRAStack, seed: int, bias: bool) -> LoRAStack:
@@ -204,18 +263,15 @@ def _with_dora(lora: LoRAStack, seed: int, bias: bool) -> LoRAStack:
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("token_kernels", [True, False])
 @pytest.mark.parametrize(
     ("num_tokens", "in_features", "slice_sizes", "num_slots", "max_rank"),
     [(1, 9, (11,), 2, 5), (21, 70, (37, 9, 9), 3, 20)],
 )
 def test_dora_rescales_base_and_delta_per_slot(
-    bias, token_kernels, num_tokens, in_features, slice_sizes, num_slots, max_rank
+    bias, num_tokens, in_features, slice_sizes, num_slots, max_rank
 ):
     """out = g * (base - bias + delta) + bias on DoRA slots, base + delta elsewhere, in the
-    reference and in both Triton variants."""
-    from loraplex.kernels.triton_lora import lora_triton
-
+    reference and in every Triton regime."""
     lora = _with_dora(_stack(in_features, slice_sizes, num_slots, max_rank, 5, first=2), 5, bias)
     x, slots = _inputs(num_tokens, in_features, num_slots, 5)
     slots[0] = 0  # a DoRA token in every case
@@ -237,50 +293,8 @@ def test_dora_rescales_base_and_delta_per_slot(
             expected[i, lo:hi] = g * (base[i, lo:hi].double() - bias_s + delta[i, lo:hi]) + bias_s
     torch.testing.assert_close(out_ref.double(), expected, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(out_ref.double(), base.double() + delta, atol=1e-3)  # DoRA acted
-    config = LoRAKernelConfig(token_kernels_max_tokens=64 if token_kernels else 0, **TINY)
-    for fused in (dict(fused_max_tokens=num_tokens), TWO_KERNELS):
+    for regime in REGIMES:
         out_tri = base.clone()
-        lora_triton(x, out_tri, lora, meta, torch.zeros(4 * num_tokens, width),
-                    replace(config, **fused))  # fmt: skip
+        lora_triton(x, out_tri, lora, meta, torch.zeros(64 * num_tokens, width), _config(regime),
+                    new_counters("cpu"))  # fmt: skip
         torch.testing.assert_close(out_tri, out_ref, rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("block_elems", [256, 32768])  # several reduction chunks / one
-@pytest.mark.parametrize("programs", [1, 10_000])  # widest tiles (chunks past a slice's end) / 1
-@pytest.mark.parametrize(
-    ("num_tokens", "in_features", "slice_sizes", "num_slots", "max_rank"),
-    [(1, 9, (11,), 2, 5), (3, 70, (37, 9, 9), 3, 20), (8, 33, (130, 16), 4, 16)],
-)
-def test_fused_kernel_matches_reference(
-    block_elems, programs, num_tokens, in_features, slice_sizes, num_slots, max_rank
-):
-    """One launch for shrink and expand: each slice of each token at its own slot's rank (0
-    included), base-model rows (slot -1) untouched, against the two-step reference."""
-    from loraplex.kernels.triton_lora import fused_tiles, lora_triton
-
-    config = LoRAKernelConfig(fused_max_tokens=num_tokens, fused_programs=programs,
-                              fused_block_elems=block_elems, **TINY)  # fmt: skip
-    assert config.use_fused_kernel(num_tokens, in_features)
-    assert not config.use_fused_kernel(num_tokens + 1, in_features)
-    assert not config.use_fused_kernel(num_tokens, config.fused_max_k + 1)
-    block_n, chunks = fused_tiles(num_tokens, slice_sizes, max_rank, config)
-    assert block_n == 16 and (chunks > 1) == (programs == 1 and max(slice_sizes) > 16)
-    lora = _stack(in_features, slice_sizes, num_slots, max_rank, 11, first=1)
-    if len(slice_sizes) > 1:
-        lora.ranks[-1, 1 % num_slots] = 0  # a slice with no adapter on a used slot
-    x, slots = _inputs(num_tokens, in_features, num_slots, 11)
-    slots[0] = 1 % num_slots
-    if num_tokens > 1:
-        slots[-1] = -1
-    meta = lora_kernel_meta(slots, num_slots)
-    base = torch.randn(num_tokens, lora.b_t.shape[2])
-    out_ref, out_tri = base.clone(), base.clone()
-    # NOTE: a NaN workspace: the fused kernel must not read the shrink's scratch
-    workspace = torch.full((num_tokens, len(slice_sizes) * max_rank), float("nan"))
-    add_lora(x, out_ref, lora, meta, torch.zeros_like(workspace))
-    lora_triton(x, out_tri, lora, meta, workspace, config)
-    torch.testing.assert_close(out_tri, out_ref, rtol=1e-4, atol=1e-4)
-    expected = base.double() + _dense_delta(x, lora, slots, base.shape[1])
-    torch.testing.assert_close(out_tri.double(), expected, rtol=1e-4, atol=1e-4)
-    assert torch.equal(out_tri[slots < 0], base[slots < 0])
-    assert not torch.equal(out_tri[0], base[0])  # the adapter acted

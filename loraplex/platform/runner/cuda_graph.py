@@ -13,6 +13,11 @@ drafts (or none) fills the front of its k + 1 slots with padding tokens (slot -1
 tokens stay the last of its query, where the attention kernels look for a sequence's new
 tokens; the padding queries attend to earlier context only and their logits are never read.
 
+With LoRA enabled every shape is captured twice: with the LoRA kernels (whatever slots the
+step holds; their work follows the adapters present) and without them, which a step with no
+adapter token replays, so base-model requests on a LoRA engine cost what they cost without
+LoRA.
+
 Off CUDA (tests) `_EagerGraph` stands in for a captured graph: replay re-runs the forward on
 the same persistent buffers, so the CPU walks the staging, padding and read-back of the GPU.
 """
@@ -101,7 +106,10 @@ class CudaGraphRunner:
         self.device = device
         self._cuda = device.type == "cuda"
         # Called with (padded token count, per-token LoRA slots or None) before capture / replay.
+        # NOTE: the slots are None for a step (or graph) with no adapter token: the LoRA layers
+        # skip their work; an array (-1 padded) records and replays the LoRA kernels.
         self.before_replay = before_replay
+        self.with_lora = before_replay is not None  # two graphs per shape, with and without
         self.verify_query_len = verify_query_len or 0
         if self.verify_query_len > 1 and verify_max_bs >= 1:
             self.verify_sizes = capture_sizes(min(verify_max_bs, self.max_bs))
@@ -140,6 +148,11 @@ class CudaGraphRunner:
         self.logits: dict[int, torch.Tensor] = {}
         self.verify_graphs: dict[int, torch.cuda.CUDAGraph | _EagerGraph] = {}
         self.verify_logits: dict[int, torch.Tensor] = {}  # [bs * query_len, vocab]
+        # With LoRA: the same shapes without the LoRA kernels (steps with no adapter token).
+        self.base_graphs: dict[int, torch.cuda.CUDAGraph | _EagerGraph] = {}
+        self.base_logits: dict[int, torch.Tensor] = {}
+        self.base_verify_graphs: dict[int, torch.cuda.CUDAGraph | _EagerGraph] = {}
+        self.base_verify_logits: dict[int, torch.Tensor] = {}
         self._verify_out: torch.Tensor | None = None  # CUDA: the buffer they all write
 
     def _forward(self, bs: int, query_len: int) -> torch.Tensor:
@@ -164,9 +177,12 @@ class CudaGraphRunner:
         shapes = [(bs, 1) for bs in self.sizes] + [
             (bs, self.verify_query_len) for bs in self.verify_sizes
         ]
-        for bs, q in sorted(shapes, key=lambda s: -s[0] * s[1]):
+        variants = (True, False) if self.with_lora else (False,)
+        for (bs, q), lora in (
+            (shape, lora) for shape in sorted(shapes, key=lambda s: -s[0] * s[1]) for lora in variants
+        ):  # fmt: skip
             if self.before_replay is not None:
-                self.before_replay(bs * q, None)
+                self.before_replay(bs * q, np.full(bs * q, -1, np.int32) if lora else None)
             graph: torch.cuda.CUDAGraph | _EagerGraph
             if self._cuda:
                 for _ in range(2):  # compile / autotune Triton kernels outside the capture
@@ -186,18 +202,41 @@ class CudaGraphRunner:
             else:
                 graph = _EagerGraph(lambda bs=bs, q=q: self._forward(bs, q))
                 logits = graph.output
-            graphs, outputs = (self.graphs, self.logits) if q == 1 else (
-                self.verify_graphs, self.verify_logits
-            )  # fmt: skip
+            graphs, outputs = self._set(q > 1, lora or not self.with_lora)
             graphs[bs], outputs[bs] = graph, logits
         if self._cuda:
             torch.cuda.synchronize(self.device)
         logger.info(
             "captured %d decode CUDA graphs (batch sizes %s) and %d verification graphs of %d "
-            "tokens a row (batch sizes %s) in %.1f s",
+            "tokens a row (batch sizes %s)%s in %.1f s",
             len(self.graphs), self.sizes, len(self.verify_graphs), self.verify_query_len,
-            self.verify_sizes, time.monotonic() - start,
+            self.verify_sizes, ", each with and without LoRA" if self.with_lora else "",
+            time.monotonic() - start,
         )  # fmt: skip
+
+    def _set(
+        self, verify: bool, lora: bool
+    ) -> tuple[dict[int, torch.cuda.CUDAGraph | _EagerGraph], dict[int, torch.Tensor]]:
+        """The graphs and their logits of one kind: decode or verification, with the LoRA
+        kernels (or on an engine without LoRA) or without them."""
+        if verify:
+            if lora:
+                return self.verify_graphs, self.verify_logits
+            return self.base_verify_graphs, self.base_verify_logits
+        return (self.graphs, self.logits) if lora else (self.base_graphs, self.base_logits)
+
+    def _lora_slots(
+        self, batch: Batch, num_tokens: int, rows: np.ndarray | None
+    ) -> np.ndarray | None:
+        """The padded per-token slots a replay installs (`rows`: the padded row of each real
+        token, None for the first rows in order), None when no token carries an adapter."""
+        if not batch.any_lora:
+            return None
+        if rows is None:
+            return batch.lora_slots
+        slots = np.full(num_tokens, -1, dtype=np.int32)
+        slots[rows] = batch.lora_slots
+        return slots
 
     def padded_size(self, num_seqs: int) -> int | None:
         return _padded(self.sizes, num_seqs)
@@ -258,10 +297,12 @@ class CudaGraphRunner:
             stage.done.record()
         if fill_input_ids is not None:
             fill_input_ids(self.input_ids)
+        lora = self._lora_slots(batch, bs, None)
         if self.before_replay is not None:
-            self.before_replay(bs, batch.lora_slots if batch.any_lora else None)
-        self.graphs[bs].replay()
-        return self.logits[bs][:n]
+            self.before_replay(bs, lora)
+        graphs, logits = self._set(False, lora is not None or not self.with_lora)
+        graphs[bs].replay()
+        return logits[bs][:n]
 
     def run_verify(self, batch: Batch) -> torch.Tensor:  # [sum(spec_lens + 1), vocab] fp32
         """Replay the verification graph for the batch (`verify_padded_size` must accept
@@ -293,14 +334,12 @@ class CudaGraphRunner:
         self.logits_index[:num_logits].copy_(stage.logits_index[:num_logits], non_blocking=True)
         if stage.done is not None:
             stage.done.record()
+        lora = self._lora_slots(batch, t, dest)
         if self.before_replay is not None:
-            lora = None
-            if batch.any_lora:
-                lora = np.full(t, -1, dtype=np.int32)
-                lora[dest] = batch.lora_slots
             self.before_replay(t, lora)
-        self.verify_graphs[bs].replay()
-        return self.verify_logits[bs][self.logits_index[:num_logits]]
+        graphs, logits = self._set(True, lora is not None or not self.with_lora)
+        graphs[bs].replay()
+        return logits[bs][self.logits_index[:num_logits]]
 
 
 def _padded(sizes: list[int], num_seqs: int) -> int | None:

@@ -64,3 +64,12 @@ class LoRASlotWriter:
         self.meta.set(self._staging[i][:total], always_apply=True, staged=True)
         if done is not None:
             done.record()
+
+    def for_graph(self, num_padded: int, lora_slots: np.ndarray | None) -> None:
+        """Before a CUDA graph's capture or replay (`CudaGraphRunner.before_replay`): None
+        switches the LoRA layers off (a graph without LoRA work, for steps with no adapter
+        token); slots are padded with -1 to `num_padded` and the LoRA kernels always run."""
+        if lora_slots is None:
+            self.meta.active = False
+            return
+        self.write(lora_slots, num_padded, always_apply=True)

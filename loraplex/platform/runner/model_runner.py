@@ -192,7 +192,9 @@ class ModelRunner:
             start = time.perf_counter()
             calls = warm_up_sampler(self.arch.vocab_size, self.device, max_seqs)
             calls += warm_up_bitmask(self.arch.vocab_size, self.device)
-            logger.info("sampler warmed up: %d calls in %.1f s", calls, time.perf_counter() - start)
+            if self.lora_state is not None:
+                calls += self.lora_state.warm_up()  # eager LoRA sizes (graphs met the others)
+            logger.info("kernels warmed up: %d calls in %.1f s", calls, time.perf_counter() - start)
         logger.info(
             "model on %s in %s; %d KV blocks of %d tokens",
             self.device,
@@ -232,7 +234,7 @@ class ModelRunner:
             max_bs,
             self.max_blocks_per_seq,
             self.device,
-            before_replay=self._lora_for_graph if self.lora_writer is not None else None,
+            before_replay=self.lora_writer.for_graph if self.lora_writer is not None else None,
             verify_query_len=query_len,
             verify_max_bs=verify_max_bs,
         )
@@ -255,11 +257,6 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.shutdown()
             destroy_tensor_parallel(getattr(self, "tp", SINGLE))
-
-    def _lora_for_graph(self, padded_bs: int, lora_slots: np.ndarray | None) -> None:
-        assert self.lora_writer is not None
-        slots = lora_slots if lora_slots is not None else np.empty(0, dtype=np.int32)
-        self.lora_writer.write(slots, padded_bs, always_apply=True)
 
     # -- one step ------------------------------------------------------------------------
 

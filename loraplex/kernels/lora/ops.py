@@ -1,0 +1,114 @@
+"""The LoRA family's public entry: checks one application's tensors and dispatches, on CUDA to
+the Triton kernel of the step's regime (`LoRAKernelConfig.regime`), elsewhere to the torch
+reference."""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex.kernels.lora.reference import lora_expand_ref, lora_kernel_meta, lora_shrink_ref
+from loraplex.kernels.lora.types import (
+    DEFAULT_KERNEL_CONFIG,
+    SYNC_COUNTERS,
+    LoRAKernelConfig,
+    LoRAKernelMeta,
+    LoRAStack,
+)
+
+
+def new_counters(device: torch.device | str) -> torch.Tensor:
+    """Arrival counters for the one-launch decode kernel: `[SYNC_COUNTERS]` int32 zeros. Launches
+    that may run at the same time (two streams) need counters of their own."""
+    return torch.zeros(SYNC_COUNTERS, dtype=torch.int32, device=device)
+
+
+def fill_kernel_meta(meta: LoRAKernelMeta, num_slots: int) -> None:
+    """Recompute `meta`'s order, starts and counts from its `lora_slots`, in place. On CUDA this
+    is one kernel launch with no host synchronisation, so it can be captured in a CUDA graph."""
+    if meta.lora_slots.is_cuda:
+        from loraplex.kernels.lora.triton_meta import kernel_meta_triton
+
+        kernel_meta_triton(meta, num_slots)
+        return
+    fresh = lora_kernel_meta(meta.lora_slots, num_slots)
+    meta.token_order.copy_(fresh.token_order)
+    meta.slot_start.copy_(fresh.slot_start)
+    meta.slot_count.copy_(fresh.slot_count)
+
+
+def check_lora_args(
+    x: torch.Tensor, out: torch.Tensor, lora: LoRAStack, meta: LoRAKernelMeta, t: torch.Tensor
+) -> None:
+    """Raise `ValueError` unless the tensors of one LoRA application fit together."""
+    if x.dim() != 2 or out.dim() != 2 or x.shape[0] != out.shape[0]:
+        raise ValueError(
+            f"lora: x {tuple(x.shape)} and out {tuple(out.shape)} must be 2-D, aligned"
+        )
+    if x.shape[1] != lora.a.shape[2] or x.dtype != lora.a.dtype:
+        raise ValueError(f"lora: x {tuple(x.shape)} {x.dtype} does not match A {lora.a.dtype}")
+    if lora.slice_offsets[-1] > out.shape[1] or x.stride(1) != 1 or out.stride(1) != 1:
+        raise ValueError(
+            f"lora: slices {lora.slice_offsets} outside out {tuple(out.shape)} "
+            "or a non-contiguous row"
+        )
+    if meta.lora_slots.shape[0] != x.shape[0]:
+        raise ValueError(f"lora: {meta.lora_slots.shape[0]} slots for {x.shape[0]} tokens")
+    width = lora.num_slices * lora.max_rank
+    if t.dtype != torch.float32 or t.dim() != 2 or t.shape[0] < x.shape[0] or t.shape[1] < width:
+        raise ValueError(
+            f"lora: workspace must be fp32 [>= {x.shape[0]}, >= {width}], "
+            f"got {tuple(t.shape)} {t.dtype}"
+        )
+    if t.stride(1) != 1:
+        raise ValueError("lora: workspace rows must be contiguous")
+
+
+def add_lora(
+    x: torch.Tensor,  # [num_tokens, in]
+    out: torch.Tensor,  # [num_tokens, >= slice_offsets[-1]], updated in place
+    lora: LoRAStack,
+    meta: LoRAKernelMeta,
+    workspace: torch.Tensor,  # [rows >= num_tokens, >= num_slices * max_rank] fp32
+    config: LoRAKernelConfig | None = None,
+    counters: torch.Tensor | None = None,  # [SYNC_COUNTERS] int32 (`new_counters`)
+) -> None:
+    """Add every token's adapter delta, all slices of one `Linear`: on CUDA the Triton kernels
+    (one launch for decode batches when `counters` are given, else a shrink and an expand; the
+    shrink may split its reduction over the workspace's spare rows), the torch reference
+    elsewhere."""
+    check_lora_args(x, out, lora, meta, workspace)
+    if x.is_cuda:
+        lora_triton(x, out, lora, meta, workspace, config or DEFAULT_KERNEL_CONFIG, counters)
+        return
+    t = workspace[: x.shape[0]]
+    lora_shrink_ref(x, lora, t, meta)
+    lora_expand_ref(t, lora, out, meta)
+
+
+def lora_triton(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    lora: LoRAStack,
+    meta: LoRAKernelMeta,
+    workspace: torch.Tensor,
+    config: LoRAKernelConfig,
+    counters: torch.Tensor | None = None,
+) -> None:
+    """`add_lora`'s Triton path on any device (CPU tensors run under `TRITON_INTERPRET=1`)."""
+    num_tokens = x.shape[0]
+    if num_tokens == 0:
+        return
+    regime = config.regime(num_tokens, counters is not None)
+    if regime == "decode":
+        from loraplex.kernels.lora.triton_decode import lora_decode
+
+        assert counters is not None
+        lora_decode(x, out, lora, meta, workspace, counters, config)
+    elif regime == "token":
+        from loraplex.kernels.lora.triton_token import lora_tokens
+
+        lora_tokens(x, out, lora, meta, workspace, config)
+    else:
+        from loraplex.kernels.lora.triton_grouped import lora_grouped
+
+        lora_grouped(x, out, lora, meta, workspace, config, prefill=regime == "prefill")

@@ -1,0 +1,125 @@
+"""Pieces every LoRA Triton kernel shares: where a column tile lies, the DoRA update, the
+slot block of a grouped program, the sum of a split shrink's partials, and host-side sizing."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tile_slice(offsets_ptr, pid_n, BLOCK_N: tl.constexpr, NUM_SLICES: tl.constexpr):
+    """Slice index, first column and end column of column tile `pid_n` (tiles never straddle
+    two slices)."""
+    tiles_before = 0
+    slice_idx = 0
+    col0 = 0
+    col_end = 0
+    for s in tl.static_range(NUM_SLICES):
+        lo = tl.load(offsets_ptr + s)
+        hi = tl.load(offsets_ptr + s + 1)
+        tiles = (hi - lo + BLOCK_N - 1) // BLOCK_N
+        inside = (pid_n >= tiles_before) & (pid_n < tiles_before + tiles)
+        slice_idx = tl.where(inside, s, slice_idx)
+        col0 = tl.where(inside, lo + (pid_n - tiles_before) * BLOCK_N, col0)
+        col_end = tl.where(inside, hi, col_end)
+        tiles_before += tiles
+    return slice_idx, col0, col_end
+
+
+@triton.jit
+def dora_update(cur, delta, g_ptrs, bias_ptrs, mask, DORA: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The new output of a tile: `cur + delta`, or DoRA's `g * (cur - bias + delta) + bias`
+    where the slot's column scale `g` is not 1 (fp32)."""
+    new = cur + delta
+    if DORA:
+        g = tl.load(g_ptrs, mask=mask, other=1.0)
+        bias = 0.0
+        if HAS_BIAS:
+            bias = tl.load(bias_ptrs, mask=mask, other=0.0).to(tl.float32)
+        new = tl.where(g == 1.0, new, g * (cur - bias + delta) + bias)
+    return new
+
+
+@triton.jit
+def group_block(count_ptr, start_ptr, pid, num_slots, BLOCK_M: tl.constexpr, SLOTS: tl.constexpr):
+    """The slot, first token position and end position of the `pid`-th `BLOCK_M` block of tokens
+    (blocks enumerate each slot's tokens in turn); slot >= num_slots when there is no such block."""
+    offs_s = tl.arange(0, SLOTS)
+    counts = tl.load(count_ptr + offs_s, mask=offs_s < num_slots, other=0)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    ends = tl.cumsum(blocks, 0)
+    slot = tl.sum((ends <= pid).to(tl.int32), 0)
+    first_block = tl.sum(tl.where(offs_s == slot, ends - blocks, 0), 0)
+    count = tl.sum(tl.where(offs_s == slot, counts, 0), 0)
+    start = tl.load(start_ptr + slot, mask=slot < num_slots, other=0)
+    return slot, start + (pid - first_block) * BLOCK_M, start + count
+
+
+@triton.jit
+def sum_partials(t_ptrs, mask, num_splits, split_stride, MAX_SPLITS: tl.constexpr):
+    """The sum over a split shrink's partials `t_ptrs + split * split_stride` (fp32, 0 where
+    masked). NOTE: unrolled with masks, so every partial's load is in flight at once."""
+    t = tl.load(t_ptrs, mask=mask, other=0.0)
+    zero = tl.zeros_like(mask.to(tl.int32))  # NOTE: the split test as a tensor, like the mask
+    for split in tl.static_range(1, MAX_SPLITS):
+        used = mask & (zero + split < num_splits)
+        t += tl.load(t_ptrs + split * split_stride, mask=used, other=0.0)
+    return t
+
+
+@triton.jit
+def sum_token_partials(t_ptr, tok, num_tokens, num_splits, stride_tm, col0, r_mask,
+                       SPLITS_PAD: tl.constexpr, RANK_PAD: tl.constexpr):  # fmt: skip
+    """One token's `t[col0 : col0 + RANK_PAD]` summed over the first `num_splits` partials
+    (`[num_splits, num_tokens, width]` rows), read as one `[SPLITS_PAD, RANK_PAD]` tile (fp32,
+    0 where `r_mask` is off)."""
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_r = tl.arange(0, RANK_PAD)
+    rows = (offs_s * num_tokens + tok).to(tl.int64) * stride_tm
+    ptrs = t_ptr + rows[:, None] + col0 + offs_r[None, :]
+    mask = (offs_s < num_splits)[:, None] & r_mask[None, :]
+    return tl.sum(tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg"), 0)
+
+
+def warps(tile_elements: int) -> int:
+    # NOTE: 4 warps hold a 4096-element fp32 tile plus its operands in about 150 registers;
+    # larger tiles get 8 warps so nothing spills (checked with an offline sm_90 compile).
+    return 8 if tile_elements >= 4096 else 4
+
+
+def precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def pad(n: int) -> int:
+    """The power of two (at least 16) a rank or width pads to inside the kernels."""
+    return max(16, triton.next_power_of_2(n))
+
+
+@functools.lru_cache(maxsize=64)
+def offsets_tensor(offsets: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    # NOTE: cached, so the tensor a CUDA graph captured stays alive and unchanged.
+    return torch.tensor(offsets, dtype=torch.int32, device=device)  # [num_slices + 1]
+
+
+def split_k(k: int, splits: int, block_k: int) -> tuple[int, int]:
+    """(splits, input features per split) for at most `splits` chunks of whole `block_k`
+    blocks, with no empty chunk."""
+    per_split = triton.cdiv(triton.cdiv(k, max(1, splits)), block_k) * block_k
+    return triton.cdiv(k, per_split), per_split
+
+
+def column_tiles(slice_sizes: tuple[int, ...], block_n: int) -> int:
+    return sum(triton.cdiv(n, block_n) for n in slice_sizes)
+
+
+def dora_args(lora) -> tuple[tuple[torch.Tensor, torch.Tensor], dict[str, bool]]:
+    """The DoRA scale and bias pointers (dummies without DoRA) and the kernels' flags."""
+    g = lora.dora_scale if lora.dora_scale is not None else lora.scaling  # a dummy without DoRA
+    bias = lora.base_bias if lora.base_bias is not None else g
+    flags = {"DORA": lora.dora_scale is not None, "HAS_BIAS": lora.base_bias is not None}
+    return (g, bias), flags

@@ -1,0 +1,165 @@
+"""The grouped LoRA pair: tokens visited by slot segment (`LoRAKernelMeta`), `BLOCK_M` tokens of
+one adapter per program, so they share weight loads and tensor-core tiles (S-LoRA / Punica's
+segmented GEMM).
+
+- shrink grid `(blocks, num_splits)`: block `i` is the i-th `BLOCK_M` run of one slot's tokens
+  (read through `token_order`); it computes `x @ A^T` for every slice over its chunk of the
+  input features with `tl.dot` and writes fp32 partials `[num_splits, num_tokens, width]`.
+- expand grid `(blocks, column tiles)`: the block's summed partials (bf16 into the tensor cores,
+  as Punica does) times the slot's `B^T` tile, scaled, added into the tokens' output rows.
+
+Two tile sets: decode-sized batches (`group_block_m`, a few tokens per adapter; the shrink
+splits its reduction to fill the GPU) and prefill steps (`prefill_block_m` rows per program,
+deeper reductions, fewer splits). Programs past the last block exit at once, so the grids
+depend on the token count only and replay from CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from loraplex.kernels.lora.triton_common import (
+    column_tiles,
+    dora_args,
+    dora_update,
+    group_block,
+    offsets_tensor,
+    pad,
+    precision,
+    split_k,
+    sum_partials,
+    tile_slice,
+    warps,
+)
+from loraplex.kernels.lora.types import LoRAKernelConfig, LoRAKernelMeta, LoRAStack
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _shrink_group_kernel(
+    x_ptr, a_ptr, t_ptr, order_ptr, start_ptr, count_ptr, rank_ptr,
+    num_tokens, num_slots, K, k_per_split,
+    stride_xm, stride_as, stride_ar, stride_tm, stride_rs,
+    MAX_RANK: tl.constexpr, NUM_SLICES: tl.constexpr, SLOTS: tl.constexpr,
+    BLOCK_M: tl.constexpr, WIDTH_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    split = tl.program_id(1)
+    slot, pos0, pos_end = group_block(count_ptr, start_ptr, tl.program_id(0), num_slots,
+                                      BLOCK_M, SLOTS)  # fmt: skip
+    if slot >= num_slots:
+        return
+    offs_m = pos0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < pos_end
+    rows = tl.load(order_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+    offs_n = tl.arange(0, WIDTH_PAD)
+    n_mask = offs_n < NUM_SLICES * MAX_RANK
+    a_cols = a_ptr + slot.to(tl.int64) * stride_as + offs_n[None, :] * stride_ar
+    acc = tl.zeros((BLOCK_M, WIDTH_PAD), dtype=tl.float32)
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_hi
+        x = tl.load(
+            x_ptr + rows[:, None] * stride_xm + offs_k[None, :],
+            mask=m_mask[:, None] & k_mask[None, :], other=0.0,
+        )  # fmt: skip
+        a = tl.load(a_cols + offs_k[:, None], mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+        acc += tl.dot(x, a, input_precision=PRECISION)
+    ranks = tl.load(rank_ptr + (offs_n // MAX_RANK) * stride_rs + slot, mask=n_mask, other=0)
+    acc = tl.where((offs_n % MAX_RANK < ranks)[None, :], acc, 0.0)
+    t_rows = t_ptr + (split * num_tokens + rows) * stride_tm
+    tl.store(t_rows[:, None] + offs_n[None, :], acc, mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
+def _expand_group_kernel(
+    t_ptr, b_ptr, out_ptr, order_ptr, start_ptr, count_ptr, rank_ptr, scaling_ptr, offsets_ptr,
+    g_ptr, bias_ptr,
+    num_tokens, num_slots, num_splits,
+    stride_tm, stride_bs, stride_br, stride_om, stride_rs, stride_gs,
+    MAX_RANK: tl.constexpr, RANK_PAD: tl.constexpr, NUM_SLICES: tl.constexpr,
+    SLOTS: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, DORA: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    slot, pos0, pos_end = group_block(count_ptr, start_ptr, tl.program_id(0), num_slots,
+                                      BLOCK_M, SLOTS)  # fmt: skip
+    if slot >= num_slots:
+        return
+    slice_idx, col0, col_end = tile_slice(offsets_ptr, tl.program_id(1), BLOCK_N, NUM_SLICES)
+    rank = tl.load(rank_ptr + slice_idx * stride_rs + slot)
+    if rank == 0:
+        return
+    offs_m = pos0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < pos_end
+    rows = tl.load(order_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+    offs_r = tl.arange(0, RANK_PAD)
+    r_mask = offs_r < rank
+    offs_n = col0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < col_end
+    b = tl.load(
+        b_ptr + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br + offs_n[None, :],
+        mask=r_mask[:, None] & n_mask[None, :], other=0.0,
+    )  # fmt: skip
+    mask = m_mask[:, None] & n_mask[None, :]
+    o_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
+    cur = tl.load(o_ptrs, mask=mask, other=0.0)
+    t_ptrs = t_ptr + rows[:, None] * stride_tm + (slice_idx * MAX_RANK + offs_r)[None, :]
+    t_mask = m_mask[:, None] & r_mask[None, :]
+    t = sum_partials(t_ptrs, t_mask, num_splits, num_tokens * stride_tm, MAX_SPLITS)
+    scaling = tl.load(scaling_ptr + slice_idx * stride_rs + slot)
+    acc = tl.dot(t.to(b.dtype), b, input_precision=PRECISION) * scaling
+    g_ptrs = g_ptr + slot.to(tl.int64) * stride_gs + offs_n[None, :]
+    new = dora_update(cur.to(tl.float32), acc, g_ptrs, bias_ptr + offs_n[None, :],
+                      n_mask[None, :], DORA, HAS_BIAS)  # fmt: skip
+    tl.store(o_ptrs, new.to(cur.dtype), mask=mask)
+
+
+def group_tiles(config: LoRAKernelConfig, prefill: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, shrink BLOCK_K, most splits) of one tile set."""
+    if prefill:
+        return (config.prefill_block_m, config.prefill_block_n, config.prefill_block_k,
+                config.prefill_max_splits)  # fmt: skip
+    return config.group_block_m, config.group_block_n, config.shrink_block_k, config.max_splits
+
+
+def lora_grouped(
+    x: torch.Tensor,  # [num_tokens, in]
+    out: torch.Tensor,  # [num_tokens, >= offsets[-1]]
+    lora: LoRAStack,
+    meta: LoRAKernelMeta,
+    workspace: torch.Tensor,  # [rows, >= num_slices * max_rank] fp32
+    config: LoRAKernelConfig,
+    prefill: bool,
+) -> None:
+    """Every token's delta of every slice into `out`, tokens grouped by slot: the shrink, then
+    the expand, with the decode-sized or the prefill tiles."""
+    num_tokens, k = x.shape
+    num_slots = lora.a.shape[0]
+    bm, bn, bk, max_splits = group_tiles(config, prefill)
+    blocks = triton.cdiv(num_tokens, bm) + min(num_slots, num_tokens)
+    wanted = min(triton.cdiv(config.target_programs, blocks), max_splits)
+    splits, k_per_split = split_k(k, min(wanted, workspace.shape[0] // num_tokens), bk)
+    width_pad = pad(lora.num_slices * lora.max_rank)
+    slots_pad = pad(num_slots)
+    a, b_t, t = lora.a, lora.b_t, workspace
+    stride_rs = lora.ranks.stride(0)
+    group = (meta.token_order, meta.slot_start, meta.slot_count)
+    _shrink_group_kernel[(blocks, splits)](
+        x, a, t, *group, lora.ranks, num_tokens, num_slots, k, k_per_split,
+        x.stride(0), a.stride(0), a.stride(1), t.stride(0), stride_rs,
+        MAX_RANK=lora.max_rank, NUM_SLICES=lora.num_slices, SLOTS=slots_pad, BLOCK_M=bm,
+        WIDTH_PAD=width_pad, BLOCK_K=bk, PRECISION=precision(x.dtype),
+        num_warps=warps(max(bm, width_pad) * bk),
+    )  # fmt: skip
+    (g, bias), flags = dora_args(lora)
+    _expand_group_kernel[(blocks, column_tiles(lora.slice_sizes, bn))](
+        t, b_t, out, *group, lora.ranks, lora.scaling,
+        offsets_tensor(lora.slice_offsets, out.device), g, bias, num_tokens, num_slots, splits,
+        t.stride(0), b_t.stride(0), b_t.stride(1), out.stride(0), stride_rs, g.stride(0),
+        MAX_RANK=lora.max_rank, RANK_PAD=pad(lora.max_rank), NUM_SLICES=lora.num_slices,
+        SLOTS=slots_pad, MAX_SPLITS=max_splits, BLOCK_M=bm, BLOCK_N=bn,
+        PRECISION=precision(b_t.dtype), num_warps=warps(bm * bn), **flags,
+    )  # fmt: skip

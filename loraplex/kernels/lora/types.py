@@ -1,0 +1,144 @@
+"""The LoRA kernel family's types: the stacked weights of one `Linear`, the per-step batch
+metadata, and the kernel configuration (see the package doc for the math and the layout)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: Arrival counters of the one-launch decode kernel (tickets, finished shrinks, finished
+#: expands, spare): `[SYNC_COUNTERS]` int32, zero between launches.
+SYNC_COUNTERS = 4
+
+
+@dataclass(frozen=True)
+class LoRAKernelMeta:
+    """Per-step batch metadata shared by every LoRA layer of one forward pass."""
+
+    lora_slots: torch.Tensor  # [num_tokens] int32, -1 = base model
+    token_order: torch.Tensor  # [num_tokens] int32, token indices sorted by slot (base last)
+    slot_start: torch.Tensor  # [num_slots] int32, first position of each slot in token_order
+    slot_count: torch.Tensor  # [num_slots] int32, tokens carrying each slot
+
+
+@dataclass(frozen=True)
+class LoRAKernelConfig:
+    """Which Triton kernels run for how many tokens, and with which tiles (powers of two).
+
+    Four regimes by the step's token count: up to `decode_max_tokens` one launch per `Linear`
+    (the decode kernel, needs sync counters), up to `token_kernels_max_tokens` the per-token
+    shrink + expand pair, up to `prefill_min_tokens` the grouped pair with `group_block_m`
+    tokens of one slot per program, beyond it the grouped pair with prefill tiles. Reduction
+    splits are run-time values and the constexprs depend on the shapes and the regime only, so
+    a step of a new size never compiles a kernel."""
+
+    # NOTE: picked by the H200 run of benchmarks.lora_kernels (results/h200_lora_kernels.json)
+    decode_max_tokens: int = 16
+    decode_pdl: bool = False  # launch it as a programmatic dependent of the base GEMM (sm90)
+    decode_block_k: int = 256  # shrink: input features per load
+    decode_k_per_split: int = 256  # shrink: input features per work item (a multiple of the above)
+    decode_block_n: int = 256  # expand: columns per work item
+    token_kernels_max_tokens: int = 64
+    token_k_per_split: int = 512
+    target_programs: int = 512  # grouped shrink: split the reduction until about this many programs
+    max_splits: int = 32
+    shrink_block_k: int = 128
+    expand_block_n: int = 256  # columns per program of the per-token expand
+    group_block_m: int = 16  # tokens per program of the grouped kernels
+    group_block_n: int = 128
+    prefill_min_tokens: int = 512
+    prefill_block_m: int = 64
+    prefill_block_n: int = 128
+    prefill_block_k: int = 64
+    prefill_max_splits: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("decode_block_k", "decode_block_n", "shrink_block_k", "expand_block_n",
+                     "group_block_m", "group_block_n", "prefill_block_m", "prefill_block_n",
+                     "prefill_block_k"):  # fmt: skip
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"LoRAKernelConfig.{name} must be a power of two >= 16")
+        if self.decode_k_per_split % self.decode_block_k:
+            raise ValueError("LoRAKernelConfig.decode_k_per_split must divide by decode_block_k")
+        for name in ("max_splits", "prefill_max_splits", "target_programs", "token_k_per_split"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"LoRAKernelConfig.{name} must be >= 1")
+        if min(self.decode_max_tokens, self.token_kernels_max_tokens) < 0:
+            raise ValueError("LoRAKernelConfig: token limits must be >= 0")
+
+    def regime(self, num_tokens: int, has_counters: bool) -> str:
+        """ "decode", "token", "group" or "prefill" for a step of `num_tokens` tokens."""
+        if has_counters and num_tokens <= self.decode_max_tokens:
+            return "decode"
+        if num_tokens <= self.token_kernels_max_tokens:
+            return "token"
+        return "group" if num_tokens < self.prefill_min_tokens else "prefill"
+
+
+DEFAULT_KERNEL_CONFIG = LoRAKernelConfig()
+
+
+@dataclass(frozen=True)
+class LoRAStack:
+    """One `Linear`'s adapter weights for every slot, its slices stacked (see the package doc)."""
+
+    a: torch.Tensor  # [num_slots, num_slices * max_rank, in]
+    b_t: torch.Tensor  # [num_slots, max_rank, >= slice_offsets[-1]]
+    ranks: torch.Tensor  # [num_slices, num_slots] int32
+    scaling: torch.Tensor  # [num_slices, num_slots] fp32
+    slice_offsets: tuple[int, ...]  # slice s owns output columns offsets[s]:offsets[s + 1]
+    dora_scale: torch.Tensor | None = None  # [num_slots, >= offsets[-1]] fp32, 1.0 = no DoRA
+    base_bias: torch.Tensor | None = None  # [>= offsets[-1]], the base layer's bias (DoRA)
+
+    def __post_init__(self) -> None:
+        s = len(self.slice_offsets) - 1
+        slots = self.a.shape[0] if self.a.dim() == 3 else -1
+        if (
+            s < 1
+            or self.a.dim() != 3
+            or self.b_t.dim() != 3
+            or self.a.shape[1] != s * self.b_t.shape[1]
+            or self.b_t.shape[0] != slots
+            or self.b_t.shape[2] < self.slice_offsets[-1]
+            or any(lo > hi for lo, hi in zip(self.slice_offsets, self.slice_offsets[1:]))
+        ):
+            raise ValueError(
+                f"LoRAStack: A {tuple(self.a.shape)} and B^T {tuple(self.b_t.shape)} do not fit "
+                f"slice offsets {self.slice_offsets}"
+            )
+        if self.ranks.shape != (s, slots) or self.ranks.dtype != torch.int32:
+            raise ValueError(f"LoRAStack: ranks must be int32 [{s}, {slots}]")
+        if self.scaling.shape != (s, slots) or self.scaling.dtype != torch.float32:
+            raise ValueError(f"LoRAStack: scaling must be fp32 [{s}, {slots}]")
+        if self.a.stride(2) != 1 or self.b_t.stride(2) != 1 or self.ranks.stride(1) != 1:
+            raise ValueError("LoRAStack: weights need a contiguous last dimension")
+        if self.ranks.stride() != self.scaling.stride():
+            raise ValueError("LoRAStack: ranks and scaling need the same strides")
+        g = self.dora_scale
+        if g is not None and (
+            g.dim() != 2
+            or g.shape[0] != slots
+            or g.shape[1] < self.slice_offsets[-1]
+            or g.dtype != torch.float32
+            or g.stride(1) != 1
+        ):
+            raise ValueError(f"LoRAStack: dora_scale must be contiguous fp32 [{slots}, >= out]")
+        bias = self.base_bias
+        if bias is not None and (
+            g is None or bias.dim() != 1 or bias.shape[0] < self.slice_offsets[-1]
+        ):
+            raise ValueError("LoRAStack: base_bias must be [>= out] beside a dora_scale")
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.slice_offsets) - 1
+
+    @property
+    def max_rank(self) -> int:
+        return self.b_t.shape[1]
+
+    @property
+    def slice_sizes(self) -> tuple[int, ...]:
+        return tuple(hi - lo for lo, hi in zip(self.slice_offsets, self.slice_offsets[1:]))
