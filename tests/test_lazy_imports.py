@@ -30,3 +30,20 @@ def test_the_public_names_still_import_from_the_root():
     assert loraplex.SamplingParams(temperature=0.0).greedy
     assert loraplex.LLM.__name__ == "LLM"
     assert set(loraplex.__all__) <= set(dir(loraplex))
+
+
+def test_the_api_and_the_engine_client_load_no_engine_internals():
+    # NOTE: an API process talks to an engine core elsewhere: it needs the client, the
+    # tokenizer and the typed messages, never the model, its kernels or the adapter manager.
+    loaded = _loaded_after(
+        "import loraplex.platform.api.app, loraplex.platform.engine.core_client, "
+        "loraplex.platform.engine.protocol"
+    )
+    internals = (
+        "loraplex.platform.runner",
+        "loraplex.platform.models",
+        "loraplex.kernels",
+        "loraplex.adapters.manager",
+    )
+    offenders = sorted(m for m in loaded if any(m == p or m.startswith(p + ".") for p in internals))
+    assert not offenders, f"the API and the engine client import {offenders}"

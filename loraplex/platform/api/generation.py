@@ -27,7 +27,8 @@ from loraplex.platform.api.logprobs import TokenLogprobs
 from loraplex.platform.core.errors import EngineDeadError
 from loraplex.platform.core.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from loraplex.platform.core.sampling_params import SamplingParams
-from loraplex.platform.engine.async_engine import AsyncEngine, RequestStream
+from loraplex.platform.engine.protocol import EngineClient
+from loraplex.platform.engine.request_stream import RequestStream
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -67,7 +68,7 @@ class Prompt:
 
 
 async def submit(
-    engine: AsyncEngine,
+    engine: EngineClient,
     prompts: list[Prompt],
     params: SamplingParams,
     request_id: str,

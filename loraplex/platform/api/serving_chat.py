@@ -48,8 +48,8 @@ from loraplex.platform.api.tool_calls import (
 from loraplex.platform.api.tool_parsers import ToolParser, get_tool_parser, parser_for_template
 from loraplex.platform.core.outputs import RequestOutput
 from loraplex.platform.core.sampling_params import SamplingParams
-from loraplex.platform.engine.async_engine import RequestStream
-from loraplex.platform.models.tokenizer import Tokenizer
+from loraplex.platform.engine.request_stream import RequestStream
+from loraplex.platform.tokenizer.tokenizer import Tokenizer
 
 router = APIRouter()
 

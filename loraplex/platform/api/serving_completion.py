@@ -39,8 +39,8 @@ from loraplex.platform.api.request_body import json_body, read_json_model
 from loraplex.platform.api.sampling import completion_sampling_params
 from loraplex.platform.api.state import ServerState, server_state
 from loraplex.platform.core.outputs import CompletionOutput, PromptLogprobs, RequestOutput
-from loraplex.platform.engine.async_engine import RequestStream
-from loraplex.platform.models.tokenizer import Tokenizer
+from loraplex.platform.engine.request_stream import RequestStream
+from loraplex.platform.tokenizer.tokenizer import Tokenizer
 
 router = APIRouter()
 

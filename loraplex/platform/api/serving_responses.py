@@ -51,7 +51,7 @@ from loraplex.platform.api.state import ServerState, server_state
 from loraplex.platform.api.tool_call_stream import ToolCallStream
 from loraplex.platform.api.tool_calls import new_call_id, tool_request_for
 from loraplex.platform.core.outputs import RequestOutput
-from loraplex.platform.engine.async_engine import RequestStream
+from loraplex.platform.engine.request_stream import RequestStream
 
 router = APIRouter()
 BODY_MODELS = (ResponsesRequest,)

@@ -25,7 +25,7 @@ from loraplex.platform.api.sampling import check_token_ids
 from loraplex.platform.api.serving_chat import render_chat_prompt, tool_parser
 from loraplex.platform.api.state import server_state
 from loraplex.platform.api.tool_calls import tool_request_for
-from loraplex.platform.models.tokenizer import TokenIdsOnlyTokenizer, Tokenizer
+from loraplex.platform.tokenizer.tokenizer import TokenIdsOnlyTokenizer, Tokenizer
 
 router = APIRouter()
 BODY_MODELS = (TokenizeRequest, DetokenizeRequest)

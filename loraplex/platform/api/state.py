@@ -20,8 +20,8 @@ from loraplex.platform.api.sampling import (
 from loraplex.platform.api.tenancy import Tenancy
 from loraplex.platform.api.tenants import OPEN_TENANT
 from loraplex.platform.api.tool_parsers import TOOL_PARSERS
-from loraplex.platform.engine.async_engine import AsyncEngine
-from loraplex.platform.models.tokenizer import TokenIdsOnlyTokenizer, Tokenizer
+from loraplex.platform.engine.protocol import EngineClient
+from loraplex.platform.tokenizer.tokenizer import TokenIdsOnlyTokenizer, Tokenizer
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_ADAPTER_BYTES = 512 * 1024 * 1024
@@ -114,7 +114,7 @@ class ModelResolver:
 
 @dataclass(frozen=True)
 class ServerState:
-    engine: AsyncEngine
+    engine: EngineClient
     settings: ServerSettings
     models: ModelResolver
     metrics: ServerMetrics

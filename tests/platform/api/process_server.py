@@ -84,7 +84,7 @@ def launch(
     num_kv_blocks: int = 512,
 ) -> ProcessServer:
     """Start `loraplex serve` and return once /health answers 200."""
-    from loraplex.platform.models.tokenizer import load_tokenizer
+    from loraplex.platform.tokenizer.tokenizer import load_tokenizer
 
     port = free_port()
     cmd = [sys.executable, "-m", "loraplex.cli", "serve", "--model", str(model_dir),

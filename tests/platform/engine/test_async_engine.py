@@ -1,4 +1,4 @@
-"""AsyncEngine: the engine on its own thread, driven from asyncio."""
+"""InprocClient: the engine on its own thread, driven from asyncio."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from loraplex import SamplingParams
 from loraplex.config import CacheConfig, EngineConfig, ModelConfig
 from loraplex.platform.core.errors import EngineDeadError, PromptTooLongError
 from loraplex.platform.core.sampling_params import RequestOutputKind
-from loraplex.platform.engine.async_engine import AsyncEngine
+from loraplex.platform.engine.inproc_client import InprocClient
 
 DELTA = RequestOutputKind.DELTA
 
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    engine = AsyncEngine(cpu_engine_config(model_dir, num_kv_blocks=128))
+    engine = InprocClient(cpu_engine_config(model_dir, num_kv_blocks=128))
     timings = []
     engine.add_timing_observer(timings.append)
     engine.timings = timings
@@ -28,7 +28,7 @@ def engine(model_dir):
     engine.shutdown()
 
 
-def _wait_idle(engine: AsyncEngine) -> None:
+def _wait_idle(engine: InprocClient) -> None:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         stats = engine.snapshot().stats
@@ -84,7 +84,7 @@ def test_stopping_early_aborts_and_frees_blocks(engine):
 
 
 def test_a_shut_down_engine_refuses_requests(model_dir):
-    engine = AsyncEngine(EngineConfig(model=ModelConfig(model=str(model_dir), device="cpu"),
+    engine = InprocClient(EngineConfig(model=ModelConfig(model=str(model_dir), device="cpu"),
                                       cache=CacheConfig(num_kv_blocks=16)))  # fmt: skip
     engine.start()
     engine.shutdown()
@@ -103,7 +103,7 @@ def test_starting_prepares_structured_output(model_dir, monkeypatch):
 
     calls: list[StructuredOutputManager] = []
     monkeypatch.setattr(StructuredOutputManager, "prepare", lambda self: calls.append(self))
-    engine = AsyncEngine(cpu_engine_config(model_dir, num_kv_blocks=32))
+    engine = InprocClient(cpu_engine_config(model_dir, num_kv_blocks=32))
     try:
         assert calls == []
         engine.start()
