@@ -125,8 +125,9 @@ def run_batch(
                 tokens += n
                 if outputs is not None:
                     outputs[ids[out.request_id]] = list(out.outputs[0].token_ids)
-                if n > 1:
-                    tpots.append((time.monotonic() - out.metrics["first_token_time"]) / (n - 1))
+                first = out.metrics.first_token_time
+                if n > 1 and first is not None:
+                    tpots.append((time.monotonic() - first) / (n - 1))
     wall = time.monotonic() - start
     result = {
         "tpot_ms": statistics.mean(tpots) * 1e3,

@@ -122,17 +122,20 @@ class EngineLoop:
 
     def _serve(self) -> None:
         engine, transport, handlers = self.engine, self.transport, self._handlers
+        # NOTE: only this thread changes the engine, so `idle` holds until a command runs.
+        idle = not engine.has_unfinished_requests()
         while True:
-            commands = transport.receive(block=not engine.has_unfinished_requests())
+            commands = transport.receive(block=idle)
             if commands:
                 for command in commands:
                     handlers[type(command)](command)
                 if not self._running:
                     return
+                idle = not engine.has_unfinished_requests()
                 # NOTE: acknowledgements and command results go out now, not after the step:
                 # a request of many prompts adds them one acknowledgement at a time.
-                transport.flush(self.snapshot, not engine.has_unfinished_requests())
-            if engine.has_unfinished_requests():
+                transport.flush(self.snapshot, idle)
+            if not idle:
                 start = time.perf_counter()
                 try:
                     self._route(engine.step(), time.monotonic())
@@ -143,7 +146,8 @@ class EngineLoop:
                 self.step_seconds_total += time.perf_counter() - start
             self._watchdog()
             self.snapshot = self._take_snapshot()
-            transport.flush(self.snapshot, not engine.has_unfinished_requests())
+            idle = not engine.has_unfinished_requests()
+            transport.flush(self.snapshot, idle)
 
     # -- commands --------------------------------------------------------------------------
 

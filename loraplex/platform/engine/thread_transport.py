@@ -31,7 +31,11 @@ class QueueSink:
         self._put(error)
 
     def output(self, output: RequestOutput) -> None:
-        self._put(output)
+        # NOTE: `_put` inlined: one call per output per step
+        try:
+            self._loop.call_soon_threadsafe(self._outputs.put_nowait, output)
+        except RuntimeError:
+            pass
 
     def failed(self, request_id: str, error: BaseException) -> None:
         self._put(error)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import pytest
 from engine_configs import cpu_engine_config
@@ -112,3 +113,37 @@ def test_starting_prepares_structured_output(model_dir, monkeypatch):
     finally:
         engine.shutdown()
         engine.engine.shutdown()
+
+
+def test_tenant_stats_count_each_tenants_sequences_and_blocks(engine):
+    long = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0, output_kind=DELTA)
+
+    async def run():
+        streams = [
+            await engine.add_request("a-1", "Count to a thousand:", long, tenant="alpha"),
+            await engine.add_request(
+                "a-2", "Name every river:", replace(long, n=2), tenant="alpha"
+            ),
+            await engine.add_request("b-1", "Spell the alphabet:", long, tenant="beta"),
+        ]
+        try:
+            for stream in streams:  # every request has its first token: all of them run
+                await anext(stream)
+            return await engine.tenant_stats()
+        finally:
+            for stream in streams:
+                stream.abort()
+
+    report = asyncio.run(run())
+    stats = {t.tenant: t for t in report.tenants}
+    assert set(stats) == {"alpha", "beta"}
+    # a request of n samples counts n sequences
+    assert (stats["alpha"].running_requests, stats["alpha"].waiting_requests) == (3, 0)
+    assert (stats["beta"].running_requests, stats["beta"].waiting_requests) == (1, 0)
+    assert stats["alpha"].kv_blocks > stats["beta"].kv_blocks > 0
+    _wait_idle(engine)
+
+    async def idle():
+        return await engine.tenant_stats()
+
+    assert asyncio.run(idle()).tenants == ()
