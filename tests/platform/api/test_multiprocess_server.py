@@ -9,6 +9,7 @@ The whole API suite runs against these processes with LORAPLEX_TEST_API_SERVER_C
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import random
 
@@ -179,19 +180,19 @@ def test_64_streams_with_random_disconnects_free_every_kv_block(proc_server):
 
 def test_the_dashboard_shows_each_tenants_queues_from_every_api_process(model_dir, tmp_path):
     # Two running sequences at most: of alpha's 3 streams and beta's 1, two run and two wait.
-    admin_key = "sk-admin-queues"
+    admin_key, keys = "sk-admin-queues", {"alpha": "sk-alpha-queues", "beta": "sk-beta-queues"}
+    tenants = [
+        {"name": name, "key_sha256": hashlib.sha256(key.encode()).hexdigest()}
+        for name, key in keys.items()
+    ]
+    tenants_file = tmp_path / "tenants.yaml"
+    tenants_file.write_text(json.dumps({"tenants": tenants}))  # JSON is YAML
     served = launch(
-        model_dir, tmp_path / "serve.log", 2, "--admin-key", admin_key, "--max-num-seqs", "2"
-    )
+        model_dir, tmp_path / "serve.log", 2, "--admin-key", admin_key, "--tenants",
+        str(tenants_file), "--max-num-seqs", "2", api_key=keys["alpha"],
+    )  # fmt: skip
     admin = {"Authorization": f"Bearer {admin_key}"}
     try:
-        keys = {}
-        for name in ("alpha", "beta"):
-            response = httpx.post(
-                f"{served.base_url}/admin/tenants", json={"name": name}, headers=admin, timeout=30
-            )
-            assert response.status_code == 201, response.text
-            keys[name] = response.json()["api_key"]
 
         def queues() -> dict[str, tuple[int, int]]:
             # a fresh connection: the kernel hands it to either API process
@@ -215,7 +216,7 @@ def test_the_dashboard_shows_each_tenants_queues_from_every_api_process(model_di
                 tasks = [asyncio.ensure_future(stream(client, t, i)) for i, t in enumerate(tenants)]
                 try:
                     seen = await asyncio.to_thread(queues)
-                    while sum(sum(seen.get(t, (0, 0))) for t in ("alpha", "beta")) < 4:
+                    while sum(sum(seen.get(t, (0, 0))) for t in keys) < 4:
                         await asyncio.sleep(0.1)
                         seen = await asyncio.to_thread(queues)
                     return [seen] + [await asyncio.to_thread(queues) for _ in range(4)]
