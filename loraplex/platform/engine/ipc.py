@@ -5,6 +5,8 @@ the `Hello` / `EngineInfo` handshake); nothing is pickled. API -> core: `Hello`,
 `Abort`, `Stop`, `CommandRequest`. Core -> API: `EngineInfo` (the handshake's answer), then one
 `CoreBatch` per client per engine step, holding every acknowledgement, output, command result,
 finished request's timing and (at most every `SNAPSHOT_INTERVAL_S`) the engine snapshot.
+The dataclasses inside them (`SamplingParams`, `RequestOutput`, stats) travel as themselves:
+msgspec encodes them by field and runs their own checks when it decodes them.
 
 Engine commands (`loraplex.platform.core.commands`) and their results travel generically: the
 class name plus the msgpack body of the frozen dataclass, decoded by name against the classes of
