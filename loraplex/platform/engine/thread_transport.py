@@ -11,7 +11,6 @@ import asyncio
 import queue
 from collections.abc import Sequence
 
-from loraplex.platform.core.outputs import RequestOutput
 from loraplex.platform.core.stats import EngineSnapshot
 from loraplex.platform.engine.loop_commands import LoopCommand, Shutdown
 from loraplex.platform.engine.request_stream import ACCEPTED, StreamItem
@@ -25,27 +24,21 @@ class QueueSink:
         self._outputs = outputs
 
     def accepted(self, request_id: str) -> None:
-        self._put(ACCEPTED)
+        self.output(ACCEPTED)
 
     def refused(self, request_id: str, error: BaseException) -> None:
-        self._put(error)
+        self.output(error)
 
-    def output(self, output: RequestOutput) -> None:
-        # NOTE: `_put` inlined: one call per output per step
+    def output(self, output: StreamItem) -> None:
+        """Put `output` on the request's queue: an output, or what the other methods pass."""
         try:
             self._loop.call_soon_threadsafe(self._outputs.put_nowait, output)
         except RuntimeError:
+            # NOTE: the caller's event loop has closed; nobody is left to read this answer.
             pass
 
     def failed(self, request_id: str, error: BaseException) -> None:
-        self._put(error)
-
-    def _put(self, item: StreamItem) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._outputs.put_nowait, item)
-        except RuntimeError:
-            # NOTE: the caller's event loop has closed; nobody is left to read this answer.
-            pass
+        self.output(error)
 
 
 class ThreadTransport:
