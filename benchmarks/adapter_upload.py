@@ -38,8 +38,8 @@ from safetensors.torch import save_file
 from benchmarks.record import write_result
 from loraplex.adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE, BaseModelSpec
 from loraplex.config import EngineConfig
-from loraplex.platform.engine.async_engine import AsyncEngine
-from loraplex.platform.models.tokenizer import TokenIdsOnlyTokenizer
+from loraplex.platform.engine.inproc_client import InprocClient
+from loraplex.platform.tokenizer.tokenizer import TokenIdsOnlyTokenizer
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROMPT = "Write one sentence about the sea."
@@ -155,7 +155,7 @@ class Client:
         raise RuntimeError("the completion streamed no token")
 
 
-def start_server(engine: AsyncEngine, data_dir: Path) -> tuple[Any, threading.Thread, int]:
+def start_server(engine: InprocClient, data_dir: Path) -> tuple[Any, threading.Thread, int]:
     """uvicorn on a free local port, on a daemon thread; returns (server, thread, port)."""
     import uvicorn
 
@@ -189,7 +189,7 @@ class Timings:
     text_prompt: bool
 
 
-def measure(engine: AsyncEngine, port: int, work: Path, rank: int, repeats: int,
+def measure(engine: InprocClient, port: int, work: Path, rank: int, repeats: int,
             adapter_dtype: torch.dtype) -> Timings:  # fmt: skip
     """Create a tenant, time base-model first tokens, then upload-and-query fresh adapters."""
     spec = engine.adapter_validator.spec
@@ -263,7 +263,7 @@ def main() -> int:
     )
     load_before = os.getloadavg()[0]  # other work on the host skews CPU figures
     t0 = time.perf_counter()
-    engine = AsyncEngine(config)
+    engine = InprocClient(config)
     startup_s = time.perf_counter() - t0
     work = Path(tempfile.mkdtemp(prefix="loraplex-upload-bench-"))
     server, thread, port = start_server(engine, work / "data")

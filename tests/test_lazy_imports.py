@@ -36,3 +36,20 @@ def test_the_api_imports_no_entrypoint():
     # NOTE: entrypoints (the serve CLI, the launcher, Ray Serve) sit on top of the API
     loaded = _loaded_after("import loraplex.platform.api.app")
     assert not {m for m in loaded if m.startswith("loraplex.entrypoints")}
+
+
+def test_the_api_and_the_engine_client_load_no_engine_internals():
+    # NOTE: an API process talks to an engine core elsewhere: it needs the client, the
+    # tokenizer and the typed messages, never the model, its kernels or the adapter manager.
+    loaded = _loaded_after(
+        "import loraplex.platform.api.app, loraplex.platform.engine.core_client, "
+        "loraplex.platform.engine.protocol"
+    )
+    internals = (
+        "loraplex.platform.runner",
+        "loraplex.platform.models",
+        "loraplex.kernels",
+        "loraplex.adapters.manager",
+    )
+    offenders = sorted(m for m in loaded if any(m == p or m.startswith(p + ".") for p in internals))
+    assert not offenders, f"the API and the engine client import {offenders}"

@@ -87,7 +87,7 @@ def run_batch(
                 if outputs is not None:
                     outputs[ids[out.request_id]] = list(out.outputs[0].token_ids)
                 if n > 1:
-                    tpots.append((time.monotonic() - out.metrics["first_token_time"]) / (n - 1))
+                    tpots.append((time.monotonic() - out.metrics.first_token_time) / (n - 1))
     wall = time.monotonic() - start
     result = {
         "tpot_ms": statistics.mean(tpots) * 1e3,

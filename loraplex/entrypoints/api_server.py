@@ -85,7 +85,7 @@ def run_api_server(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     _exit_with_parent(parent_pid)
     client = EngineCoreClient(address)
-    app = build_app(client, settings)  # type: ignore[arg-type]
+    app = build_app(client, settings)
     config = uvicorn.Config(
         app,
         timeout_graceful_shutdown=int(shutdown_timeout_s + DRAIN_MARGIN_S) + 1,

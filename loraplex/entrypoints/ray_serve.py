@@ -9,7 +9,7 @@ Two deployments form the application:
   adapter names are per tenant; the base model and the non-generation routes carry none). Ray
   Serve then prefers a replica that already holds that adapter, else the one holding the fewest.
 - `LoraplexReplica` (N replicas) runs the whole loraplex server in-process: the FastAPI app of
-  `build_app` over its own `AsyncEngine` (OpenAI, adapter, admin routes, /metrics), served to
+  `build_app` over its own `InprocClient` (OpenAI, adapter, admin routes, /metrics), served to
   the ingress through ASGI calls. `@serve.multiplexed` records which adapters the replica holds
   (`serve.get_multiplexed_model_id`), up to `max_loras`; the engine's slot pool does the
   actual loading and eviction.
@@ -136,10 +136,10 @@ def build_ray_app(
 
         async def __init__(self) -> None:
             from loraplex.platform.api.app import build_app
-            from loraplex.platform.engine.async_engine import AsyncEngine
+            from loraplex.platform.engine.inproc_client import InprocClient
 
             self.name = serve.get_replica_context().replica_tag
-            self.app = build_app(AsyncEngine(engine_config), settings)
+            self.app = build_app(InprocClient(engine_config), settings)
             self._lifespan = self.app.router.lifespan_context(self.app)
             await self._lifespan.__aenter__()  # starts the engine, registers stored adapters
 

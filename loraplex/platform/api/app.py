@@ -1,4 +1,4 @@
-"""`build_app`: the FastAPI app of the OpenAI-compatible server over one AsyncEngine."""
+"""`build_app`: the FastAPI app of the OpenAI-compatible server over one EngineClient."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from loraplex.platform.api.tenancy.adapter_service import AdapterService
 from loraplex.platform.api.tenancy.auth import AuthMiddleware
 from loraplex.platform.api.tenancy.model_resolver import ModelResolver, TenantModelResolver
 from loraplex.platform.api.tenancy.tenancy import Tenancy
-from loraplex.platform.engine.async_engine import AsyncEngine
+from loraplex.platform.engine.protocol import EngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ BODY_MODELS: tuple[type[BaseModel], ...] = (
 
 
 def build_app(
-    engine: AsyncEngine,
+    engine: EngineClient,
     settings: ServerSettings | None = None,
     models: ModelResolver | None = None,
 ) -> FastAPI:

@@ -12,13 +12,13 @@ from loraplex.platform.api.openai.sampling import RequestLimits
 from loraplex.platform.api.settings import ServerSettings
 from loraplex.platform.api.tenancy.model_resolver import ModelResolver, ServedModel
 from loraplex.platform.api.tenancy.tenancy import Tenancy
-from loraplex.platform.engine.async_engine import AsyncEngine
-from loraplex.platform.models.tokenizer import TokenIdsOnlyTokenizer, Tokenizer
+from loraplex.platform.engine.protocol import EngineClient
+from loraplex.platform.tokenizer.tokenizer import TokenIdsOnlyTokenizer, Tokenizer
 
 
 @dataclass(frozen=True)
 class ServerState:
-    engine: AsyncEngine
+    engine: EngineClient
     settings: ServerSettings
     models: ModelResolver
     metrics: ServerMetrics

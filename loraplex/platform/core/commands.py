@@ -2,10 +2,10 @@
 
 Nothing outside the engine touches its objects: the API (and anything else) asks for an adapter
 to be added, removed or pinned, a tenant's weight to change, or the adapter statistics, by
-handing one of these commands to `Engine.handle_command`, which runs it on the engine's step
-thread between steps (`AsyncEngine.command` submits one from asyncio). Every command and every
-result is a frozen dataclass of plain values (str, int, float, bool, tuples of those), so the
-same objects cross a process boundary unchanged (pickled by the engine-process client).
+handing one of these commands to `EngineClient.command`; the engine loop runs it on the step
+thread between steps (`Engine.handle_command`). Every command and every result is a frozen
+dataclass of plain values (str, int, float, bool, tuples of those), so the same objects cross a
+process boundary unchanged (as msgpack, by the engine-core client).
 
 The names of these classes and of their fields are stable: other parts (the engine-process IPC,
 the dashboard) depend on them.
@@ -21,6 +21,7 @@ Results, by command:
   (loaded now if it is not) and is never evicted while pinned.
 - `SetTenantWeight` -> None. The tenant's share in the scheduler's weighted fair queuing.
 - `GetAdapterStats` -> `AdapterStatsReport`.
+- `GetTenantStats` -> `TenantStatsReport`: each tenant's sequences in the scheduler now.
 
 Errors are raised, not returned: `ValueError` for a command the engine refuses (LoRA disabled, a
 bad value), `AdapterValidationError` (a `ValueError`) for an adapter that cannot be served.
@@ -110,7 +111,14 @@ class GetAdapterStats:
     """Ask for an `AdapterStatsReport`."""
 
 
-EngineCommand = AddAdapter | RemoveAdapter | PinAdapter | SetTenantWeight | GetAdapterStats
+@dataclass(frozen=True)
+class GetTenantStats:
+    """Ask for a `TenantStatsReport`."""
+
+
+EngineCommand = (
+    AddAdapter | RemoveAdapter | PinAdapter | SetTenantWeight | GetAdapterStats | GetTenantStats
+)
 
 
 @dataclass(frozen=True)
@@ -160,3 +168,20 @@ class AdapterStatsReport:
     cpu_cache_used: int  # adapters in the host cache
     cpu_cache_total: int  # max_cpu_loras
     loads_in_flight: int  # disk reads and GPU copies under way
+
+
+@dataclass(frozen=True)
+class TenantStat:
+    """One tenant's sequences in the scheduler (a request of n samples counts n)."""
+
+    tenant: str
+    running_requests: int  # in the running batch
+    waiting_requests: int  # queued: not admitted yet, preempted, or waiting for a grammar
+    kv_blocks: int  # KV-cache blocks its running sequences hold (shared prefix blocks once)
+
+
+@dataclass(frozen=True)
+class TenantStatsReport:
+    """The result of `GetTenantStats`: every tenant with a sequence running or waiting."""
+
+    tenants: tuple[TenantStat, ...]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 
@@ -23,6 +23,16 @@ class StopHit(NamedTuple):
     core_id: str
     stop: str  # the stop string
     num_tokens: int  # the tokens it keeps (those after the one completing the string drop)
+
+
+class RequestMetrics(NamedTuple):
+    """When a request arrived and produced its first token (`time.monotonic()` of the process
+    that made the output), and how many tokens it has generated. NOTE: a NamedTuple, like
+    `Logprob`: one is built per output per step."""
+
+    arrival_time: float = 0.0
+    first_token_time: float | None = None  # None until the first token
+    num_generation_tokens: int = 0
 
 
 # One dict per generated token: the sampled token and the top-k alternatives.
@@ -55,7 +65,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: RequestMetrics = RequestMetrics()
     error: str | None = None  # why the request was ended early, e.g. its grammar failed
     failure: Exception | None = None  # the exception behind `error`, when one was raised
     prompt_logprobs: PromptLogprobs | None = None  # with SamplingParams.prompt_logprobs

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from loraplex.platform.core.structured_outputs import StructuredOutputs
+from loraplex.platform.core.structured_outputs import StructuredOutputs
 
 _GREEDY_EPS = 1e-5
 

@@ -6,6 +6,12 @@ from dataclasses import dataclass, field
 
 from loraplex.platform.core.sampling_params import SamplingParams
 
+# One scored token: (token id, logprob, rank); the sampled (or prompt) token first, then the
+# top-k alternatives.
+TokenScores = list[tuple[int, float, int]]
+# req_id -> (prompt position of the first scored token, one `TokenScores` per scored token).
+PromptLogprobScores = dict[str, tuple[int, list[TokenScores]]]
+
 
 @dataclass(frozen=True)
 class NewRequestData:
@@ -51,13 +57,8 @@ class ModelRunnerOutput:
     """Sampled tokens of the requests whose prompt (or chunk) reached its end this step."""
 
     sampled: dict[str, int]  # req_id -> token id
-    # req_id -> [(token_id, logprob, rank)]: the sampled token first, then the top-k.
-    logprobs: dict[str, list[tuple[int, float, int]]] = field(default_factory=dict)
-    # req_id -> (prompt position of the first scored token, one entry per scored prompt token
-    # like `logprobs`' entries: the prompt token first, then the top-k).
-    prompt_logprobs: dict[str, tuple[int, list[list[tuple[int, float, int]]]]] = field(
-        default_factory=dict
-    )
+    logprobs: dict[str, TokenScores] = field(default_factory=dict)
+    prompt_logprobs: PromptLogprobScores = field(default_factory=dict)
     # req_id -> the tokens a speculative step emitted after `sampled[req_id]` (its accepted
     # drafts after the first, then the recovered or bonus token).
     extra_token_ids: dict[str, list[int]] = field(default_factory=dict)
@@ -67,7 +68,7 @@ class ModelRunnerOutput:
 class EngineCoreOutput:
     req_id: str
     new_token_ids: list[int]
-    new_logprobs: list[tuple[int, float, int]] | None
+    new_logprobs: TokenScores | None
     finish_reason: str | None
     stop_reason: int | str | None
     num_cached_tokens: int

@@ -16,12 +16,12 @@ class StructuredOutputs:
     strings, or any JSON object. Exactly one of the four must be set.
 
     `json` may be a schema dict or its JSON text. `regex` must match the whole output.
-    `choice` outputs one of the strings verbatim.
+    `choice` outputs one of the strings verbatim (a list is taken too, kept as a tuple).
     """
 
     json: dict[str, Any] | str | None = None
     regex: str | None = None
-    choice: list[str] | tuple[str, ...] | None = None
+    choice: tuple[str, ...] | None = None
     json_object: bool = False
 
     def __post_init__(self) -> None:

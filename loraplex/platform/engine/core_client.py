@@ -1,6 +1,5 @@
-"""EngineCoreClient: the API process's handle on the EngineCore process, with AsyncEngine's
-async surface (add_request, generate, abort, command, add_lora, remove_lora,
-set_tenant_weight, snapshot, timing observers), so routes do not care which one they hold.
+"""EngineCoreClient: the API process's handle on the EngineCore process, an `EngineClient` as
+`InprocClient` is, so routes do not care which one they hold.
 
 One DEALER socket per API process; one asyncio task reads the core's per-step batches, turns
 their token ids into text (`ClientOutputs`: detokenization and stop strings run here, not in
@@ -18,18 +17,18 @@ import logging
 import os
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import zmq
 import zmq.asyncio
 
 from loraplex.adapters.request import LoRARequest
+from loraplex.platform.core.commands import EngineCommand
 from loraplex.platform.core.errors import EngineDeadError
 from loraplex.platform.core.sampling_params import RequestOutputKind, SamplingParams
 from loraplex.platform.core.stats import EngineSnapshot
 from loraplex.platform.core.timing import TimingObserver
-from loraplex.platform.engine.adapter_tokenizers import AdapterTokenizers
-from loraplex.platform.engine.async_engine import _ACCEPTED, AsyncEngine, RequestStream
 from loraplex.platform.engine.client_outputs import ClientOutputs
 from loraplex.platform.engine.ipc import (
     PROTOCOL_VERSION,
@@ -41,15 +40,26 @@ from loraplex.platform.engine.ipc import (
     Hello,
     Stop,
     lora_to_wire,
-    params_to_wire,
     rebuild_error,
 )
-from loraplex.platform.models.tokenizer import load_tokenizer
+from loraplex.platform.engine.protocol import EngineClient
+from loraplex.platform.engine.request_stream import (
+    ACCEPTED,
+    RequestStream,
+    StreamItem,
+    accepted_stream,
+)
+from loraplex.platform.tokenizer.adapter_tokenizers import AdapterTokenizers
+from loraplex.platform.tokenizer.tokenizer import (
+    TokenIdsOnlyTokenizer,
+    Tokenizer,
+    load_tokenizer,
+)
 
 logger = logging.getLogger(__name__)
 
 
-class EngineCoreClient:
+class EngineCoreClient(EngineClient):
     """Talks to the EngineCore bound at `address`; `start()` on the server's event loop."""
 
     def __init__(self, address: str, handshake_timeout_s: float = 600.0) -> None:
@@ -60,10 +70,10 @@ class EngineCoreClient:
         self.max_model_len = self.info.max_model_len
         self.tokenizer = load_tokenizer(Path(self.info.model_dir), self.info.vocab_size)
         # NOTE: read-only after this: the routes' threads and the event loop call it.
-        self.tokenizer_for = AdapterTokenizers(self.tokenizer).get
+        self._adapter_tokenizers = AdapterTokenizers(self.tokenizer)
         self.adapter_validator = self.info.adapter_validator
         self._observers: list[TimingObserver] = []
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, asyncio.Queue[StreamItem]] = {}
         self._outputs = ClientOutputs(self.tokenizer)
         self._results: dict[int, asyncio.Future] = {}
         self._seq = itertools.count()
@@ -154,6 +164,9 @@ class EngineCoreClient:
             raise EngineDeadError("no snapshot from the engine core yet")
         return self._snapshot
 
+    def tokenizer_for(self, lora_request: LoRARequest | None) -> Tokenizer | TokenIdsOnlyTokenizer:
+        return self._adapter_tokenizers.get(lora_request)
+
     # -- requests --------------------------------------------------------------------------
 
     def new_request_id(self, prefix: str = "req") -> str:
@@ -169,8 +182,6 @@ class EngineCoreClient:
         tenant: str = "default",
         lora_request: LoRARequest | None = None,
     ) -> RequestStream:
-        """Send a request and wait until the engine accepts it; raises what the engine's
-        `add_request` raised (ValueError and its kinds), or EngineDeadError."""
         self._check_alive()
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in flight")
@@ -182,10 +193,11 @@ class EngineCoreClient:
             token_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             if isinstance(prompt, str):
                 prompt_token_ids = token_ids
-        wire = params_to_wire(params)
-        # The core hands out every step's tokens; this process gives the caller its kind.
-        wire["output_kind"] = RequestOutputKind.DELTA
-        outputs: asyncio.Queue = asyncio.Queue()
+        # NOTE: the core hands out every step's tokens; this process gives the caller its kind.
+        wire_params = params
+        if params.output_kind != RequestOutputKind.DELTA:
+            wire_params = replace(params, output_kind=RequestOutputKind.DELTA)
+        outputs: asyncio.Queue[StreamItem] = asyncio.Queue()
         self._queues[request_id] = outputs
         self._outputs.add_request(
             request_id, prompt if isinstance(prompt, str) else None, token_ids, params,
@@ -194,38 +206,25 @@ class EngineCoreClient:
         message = AddRequest(
             request_id,
             prompt,
-            wire,
+            wire_params,
             prompt_token_ids,
             tenant,
             lora_to_wire(lora_request),
             time.monotonic(),
         )
         await self._send(message)
-        try:
-            ack = await outputs.get()
-        except asyncio.CancelledError:
-            self.abort(request_id)
-            raise
-        if isinstance(ack, BaseException):
-            raise ack
-        stream = RequestStream(self, request_id, outputs, params.output_kind)  # type: ignore[arg-type]
-        return stream
+        return await accepted_stream(self, request_id, outputs, params.output_kind)
 
     def abort(self, request_id: str) -> None:
-        """Abort a request; unknown or finished ids are ignored."""
         if self._socket is None or self.dead_reason is not None:
             return
         # NOTE: keep the queue until the core's final output, so the request's last output
         # (finish reason "abort") still reaches a reader that waits for it.
         self._socket.send(self._codec.encode(Abort([request_id])), zmq.NOBLOCK)
 
-    generate = AsyncEngine.generate
-
     # -- engine commands -------------------------------------------------------------------
 
-    async def command(self, command: object) -> object:
-        """Run an engine command (loraplex.platform.core.commands) between steps; returns its
-        result or raises its error."""
+    async def command(self, command: EngineCommand) -> object:
         self._check_alive()
         seq = next(self._seq)
         future = asyncio.get_running_loop().create_future()
@@ -235,15 +234,6 @@ class EngineCoreClient:
             return await future
         finally:
             self._results.pop(seq, None)
-
-    # The same coroutines as AsyncEngine's, over `command`.
-    add_adapter = AsyncEngine.add_adapter
-    remove_adapter = AsyncEngine.remove_adapter
-    pin_adapter = AsyncEngine.pin_adapter
-    adapter_stats = AsyncEngine.adapter_stats
-    add_lora = AsyncEngine.add_lora
-    remove_lora = AsyncEngine.remove_lora
-    set_tenant_weight = AsyncEngine.set_tenant_weight
 
     # -- the reader ------------------------------------------------------------------------
 
@@ -269,7 +259,7 @@ class EngineCoreClient:
 
     def _apply(self, batch: CoreBatch) -> None:
         # NOTE: observers (metrics, tenants' token budgets) see a finished request before its
-        # caller does, as under AsyncEngine.
+        # caller does (the EngineClient contract).
         for timing in batch.timings:
             for observer in self._observers:
                 try:
@@ -285,7 +275,7 @@ class EngineCoreClient:
                 self._queues.pop(ack.request_id, None)
                 self._outputs.forget(ack.request_id)
             if queue is not None:
-                queue.put_nowait(_ACCEPTED if ack.error is None else rebuild_error(ack.error))
+                queue.put_nowait(ACCEPTED if ack.error is None else rebuild_error(ack.error))
         if batch.outputs:
             outputs, stops = self._outputs.process_core(batch.outputs)
             if stops and self._socket is not None:

@@ -5,6 +5,8 @@ the `Hello` / `EngineInfo` handshake); nothing is pickled. API -> core: `Hello`,
 `Abort`, `Stop`, `CommandRequest`. Core -> API: `EngineInfo` (the handshake's answer), then one
 `CoreBatch` per client per engine step, holding every acknowledgement, output, command result,
 finished request's timing and (at most every `SNAPSHOT_INTERVAL_S`) the engine snapshot.
+The dataclasses inside them (`SamplingParams`, `RequestOutput`, stats) travel as themselves:
+msgspec encodes them by field and runs their own checks when it decodes them.
 
 Engine commands (`loraplex.platform.core.commands`) and their results travel generically: the
 class name plus the msgpack body of the frozen dataclass, decoded by name against the classes of
@@ -28,12 +30,13 @@ from loraplex.grammar import errors as grammar_errors
 from loraplex.platform.core import commands
 from loraplex.platform.core.errors import EngineDeadError, PromptTooLongError, RequestStalledError
 from loraplex.platform.core.outputs import RequestOutput, StopHit
-from loraplex.platform.core.sampling_params import RequestOutputKind, SamplingParams
+from loraplex.platform.core.sampling_params import SamplingParams
 from loraplex.platform.core.stats import EngineSnapshot
-from loraplex.platform.core.structured_outputs import StructuredOutputs
 from loraplex.platform.core.timing import RequestTiming
 
-PROTOCOL_VERSION = 2  # 2: outputs carry token ids only; the API processes detokenize
+# 2: outputs carry token ids only; the API processes detokenize. 3: typed SamplingParams in
+# AddRequest, typed RequestMetrics in outputs, GetTenantStats.
+PROTOCOL_VERSION = 3
 SNAPSHOT_INTERVAL_S = 0.05  # the most often the core publishes its gauges while busy
 
 
@@ -62,7 +65,7 @@ class EngineInfo(msgspec.Struct, tag=True, frozen=True):
 class AddRequest(msgspec.Struct, tag=True, frozen=True):
     request_id: str
     prompt: str | list[int]
-    params: dict[str, Any]  # `params_to_wire(SamplingParams)`
+    params: SamplingParams  # validated again when decoded (see `refusal`)
     prompt_token_ids: list[int] | None
     tenant: str
     lora: tuple[str, str, int] | None  # LoRARequest (name, path, int id)
@@ -157,33 +160,22 @@ def rebuild_error(info: ErrorInfo) -> BaseException:
     return error
 
 
-_TUPLE_FIELDS = frozenset(
-    f.name for f in dataclasses.fields(SamplingParams) if str(f.type).startswith("tuple")
-)
+class _AddRequestId(msgspec.Struct, tag="AddRequest"):
+    """Only the id of an `AddRequest` (its other fields are ignored)."""
+
+    request_id: str
 
 
-def _as_tuples(value: Any) -> Any:
-    return tuple(_as_tuples(v) for v in value) if isinstance(value, list) else value
-
-
-def params_to_wire(params: SamplingParams) -> dict[str, Any]:
-    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
-
-
-def params_from_wire(fields: dict[str, Any]) -> SamplingParams:
-    """SamplingParams from `params_to_wire`'s dict, validated again (ValueError)."""
-    # NOTE: msgpack has no tuple: the tuple-typed fields (stop, logit_bias, ...) come back as
-    # lists, turned back here so the params compare and hash as the sender's did.
-    fields = {
-        name: _as_tuples(value) if name in _TUPLE_FIELDS else value
-        for name, value in fields.items()
-    }
-    structured = fields.pop("structured_outputs", None)
-    if structured is not None:
-        fields["structured_outputs"] = StructuredOutputs(**structured)
-    if "output_kind" in fields:
-        fields["output_kind"] = RequestOutputKind(fields["output_kind"])
-    return SamplingParams(**fields)
+def refusal(data: bytes, error: msgspec.ValidationError) -> tuple[str, ValueError] | None:
+    """An `AddRequest` whose fields fail validation (its SamplingParams' own checks run when it
+    is decoded) is refused, not dropped: (its request id, the error to refuse it with); None
+    for any other malformed message."""
+    try:
+        request_id = msgspec.msgpack.decode(data, type=_AddRequestId).request_id
+    except msgspec.DecodeError:
+        return None
+    cause = error.__cause__
+    return request_id, cause if isinstance(cause, ValueError) else ValueError(str(error))
 
 
 def lora_to_wire(lora: LoRARequest | None) -> tuple[str, str, int] | None:
@@ -197,8 +189,6 @@ def lora_from_wire(lora: tuple[str, str, int] | list | None) -> LoRARequest | No
 def _enc_hook(obj: object) -> object:
     if isinstance(obj, BaseException):
         return msgspec.structs.asdict(error_info(obj))
-    if isinstance(obj, StructuredOutputs):
-        return dataclasses.asdict(obj)
     raise NotImplementedError(f"cannot encode {type(obj).__name__}")
 
 

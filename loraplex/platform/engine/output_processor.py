@@ -14,13 +14,16 @@ from loraplex.platform.core.outputs import (
     CompletionOutput,
     Logprob,
     PromptLogprobs,
+    RequestMetrics,
     RequestOutput,
     StopHit,
 )
 from loraplex.platform.core.sampling_params import RequestOutputKind, SamplingParams
-from loraplex.platform.core.scheduler_output import EngineCoreOutput
-from loraplex.platform.engine.detokenizer import IncrementalDetokenizer
-from loraplex.platform.models.tokenizer import Tokenizer
+from loraplex.platform.core.scheduler_output import EngineCoreOutput, PromptLogprobScores
+from loraplex.platform.tokenizer.detokenizer import IncrementalDetokenizer
+from loraplex.platform.tokenizer.tokenizer import Tokenizer
+
+_new_tuple = tuple.__new__
 
 
 def core_request_ids(request_id: str, n: int) -> list[str]:
@@ -123,9 +126,7 @@ class OutputProcessor:
         if params.prompt_logprobs is not None:
             self._parents[request_id].prompt_logprobs = [None] * len(prompt_token_ids)
 
-    def add_prompt_logprobs(
-        self, scores: dict[str, tuple[int, list[list[tuple[int, float, int]]]]]
-    ) -> None:
+    def add_prompt_logprobs(self, scores: PromptLogprobScores) -> None:
         """Record scored prompt tokens (core request id -> (first position, entries)); a
         recomputed prompt (after preemption) overwrites the same positions."""
         for core_id, (first, entries) in scores.items():
@@ -282,12 +283,11 @@ class OutputProcessor:
             )
         if not completions and not finished:
             return None
-        metrics = {
-            "arrival_time": parent.arrival,
-            "num_generation_tokens": float(parent.num_generated),
-        }
-        if parent.first_token_time is not None:
-            metrics["first_token_time"] = parent.first_token_time
+        # NOTE: built as tuple builds it: the NamedTuple's own __new__ is Python code, twice
+        # the cost of the dict this replaced, once per output per step.
+        metrics = _new_tuple(
+            RequestMetrics, (parent.arrival, parent.first_token_time, parent.num_generated)
+        )
         if finished:
             del self._parents[parent.request_id]
             for core_id in parent.samples:

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from loraplex.grammar.compiler import Grammar, GrammarCompiler
     from loraplex.grammar.config import GrammarConfig
     from loraplex.platform.core.structured_outputs import StructuredOutputs
-    from loraplex.platform.models.tokenizer import Tokenizer
+    from loraplex.platform.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

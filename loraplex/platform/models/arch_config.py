@@ -179,7 +179,10 @@ class ArchConfig:
 
     @classmethod
     def from_path(cls, model_dir: Path) -> ArchConfig:
-        path = Path(model_dir) / "config.json"
+        """The architecture of a Hugging Face folder, or of a bare config.json file (a model
+        of random weights)."""
+        path = Path(model_dir)
+        path = path if path.is_file() else path / "config.json"
         if not path.is_file():
             raise ValueError(f"{model_dir} has no config.json")
         return cls.from_dict(json.loads(path.read_text()))

@@ -106,7 +106,7 @@ def load_random_model(
     (e.g. configs/models/llama-3.1-8b-awq.json); `quantization` may name a method that
     quantizes at load (`LOAD_TIME_QUANTIZATION`). Either way the weights then go through the
     same post-load processing as a real checkpoint's."""
-    arch = ArchConfig.from_dict(json.loads(Path(config_path).read_text()))
+    arch = ArchConfig.from_path(config_path)
     torch_dtype = resolve_dtype(dtype, arch, device)
     checkpoint_quant = arch.raw.get("quantization_config")
     if (

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +21,11 @@ from loraplex.config import EngineConfig
 from loraplex.kernels.attention import decode_plan
 from loraplex.kernels.bitmask import warm_up as warm_up_bitmask
 from loraplex.kernels.sampling import warm_up as warm_up_sampler
-from loraplex.platform.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from loraplex.platform.core.scheduler_output import (
+    ModelRunnerOutput,
+    PromptLogprobScores,
+    SchedulerOutput,
+)
 from loraplex.platform.models.attention_metadata import AttentionMetadata
 from loraplex.platform.models.model_loader import load_model
 from loraplex.platform.parallel.parallel_state import (
@@ -63,7 +67,7 @@ class LaunchedStep:
 
     batch: Batch | None
     logits: torch.Tensor | None  # [num_sampled, vocab] on the device
-    prompt_logprobs: dict
+    prompt_logprobs: PromptLogprobScores
 
     @property
     def sample_req_ids(self) -> list[str]:
@@ -177,7 +181,8 @@ class ModelRunner:
         self.input_batch = InputBatch(
             max_seqs, self.max_model_len, self.max_blocks_per_seq, self.arch.vocab_size, self.device
         )
-        self.eos_token_ids = eos_token_ids
+        # NOTE: masked with a request's stop ids until it has sampled min_tokens
+        self.input_batch.eos_token_ids = tuple(eos_token_ids)
         self.proposer = build_proposer(
             config, self.arch.vocab_size, self.device,
             MetadataDraftSampler(self.arch.vocab_size, self.device),
@@ -202,15 +207,6 @@ class ModelRunner:
             self.num_blocks,
             self.block_size,
         )
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        """Masked with the request's stop ids until it has sampled min_tokens."""
-        return self.input_batch.eos_token_ids
-
-    @eos_token_ids.setter
-    def eos_token_ids(self, ids: tuple[int, ...]) -> None:
-        self.input_batch.eos_token_ids = tuple(ids)
 
     def build_graph_runner(self) -> CudaGraphRunner:
         """The runner's CUDA graphs (not captured yet): decode at every capture size, and with
@@ -279,14 +275,12 @@ class ModelRunner:
         """The step's Batch, read by the eager path, the CUDA-graph path and the sampler."""
         return build_batch(self.input_batch, so, self.block_size, self._scoring, need_sampler)
 
-    @torch.inference_mode()
-    def execute(self, so: SchedulerOutput) -> StepOutput:
-        """Launch one step, sampling without a grammar mask: `sample(launch(so))`.
-
-        The device may still be running the step when this returns, and the next step may be
-        launched before `get()` reads its sampled tokens (async scheduling): a request's pending
-        token is then the next step's input, taken on the device."""
-        return self.sample(self.launch(so))
+    def logits_rows(self, launched: LaunchedStep, req_ids: Iterable[str], count: int) -> np.ndarray:
+        """The logits row of each of `count` requests in the launched step (its grammar
+        bitmask row goes there), -1 for one that does not sample in it. -> [count] int64"""
+        index = self.input_batch.req_index
+        batch_rows = np.fromiter((index.get(r, -1) for r in req_ids), np.int64, count)
+        return np.where(batch_rows >= 0, launched.logits_rows(batch_rows), -1)
 
     @torch.inference_mode()
     def launch(self, so: SchedulerOutput, need_sampler: bool = False) -> LaunchedStep:
@@ -468,7 +462,7 @@ class ModelRunner:
         fill_pending(input_ids, batch, last_token)
         positions = to_device(batch.positions, dev)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        prompt_logprobs = {}
+        prompt_logprobs: PromptLogprobScores = {}
         for req_id, offset, targets, first_pos in batch.prompt_scores:
             row = self.input_batch.req_index[req_id]
             k = self.input_batch.params[row].prompt_logprobs or 0  # type: ignore[union-attr]

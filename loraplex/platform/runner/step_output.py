@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from loraplex.platform.core.scheduler_output import ModelRunnerOutput
+from loraplex.platform.core.scheduler_output import ModelRunnerOutput, PromptLogprobScores
 from loraplex.platform.runner.input_batch import InputBatch
 from loraplex.platform.runner.sampling_metadata import LogprobsTensors
 
@@ -26,7 +26,7 @@ class StepOutput:
         tokens: torch.Tensor | None,  # [k] int64 on the device
         logprobs: LogprobsTensors | None,
         num_logprobs: list[int | None],  # per sampled row, its top-k count (None: no logprobs)
-        prompt_logprobs: dict,
+        prompt_logprobs: PromptLogprobScores,
         # A speculative step: tokens is [k, K + 1] and each row emitted its first num_emitted
         num_emitted: torch.Tensor | None = None,  # [k] int64 on the device
     ) -> None:

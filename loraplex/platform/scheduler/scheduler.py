@@ -22,10 +22,12 @@ has one extra token computed and thrown away.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from typing import Protocol
 
 from loraplex.config import CacheConfig, SchedulerConfig
+from loraplex.platform.core.commands import TenantStat, TenantStatsReport
 from loraplex.platform.core.request import Request, RequestStatus
 from loraplex.platform.core.scheduler_output import (
     CachedRequestData,
@@ -147,6 +149,40 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
+
+    def set_tenant_weight(self, tenant: str, weight: float) -> None:
+        """The tenant's share in weighted fair queuing (1.0 unless set)."""
+        self.waiting.weights[tenant] = float(weight)
+
+    def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """Take a proposer's drafts: each running request verifies its own in its next step
+        (`scheduled_spec_decode_tokens`), a request without an entry none."""
+        for request in self.running:
+            request.spec_token_ids = draft_token_ids.get(request.request_id, [])
+
+    def num_waiting_by_adapter(self) -> Counter[str]:
+        """Adapter key -> sequences on it that are not running (queued, preempted)."""
+        return Counter(
+            r.adapter_key
+            for r in self.requests.values()
+            if r.adapter_key is not None and r.status != RequestStatus.RUNNING
+        )
+
+    def tenant_stats(self) -> TenantStatsReport:
+        """Each tenant's running and waiting sequences and the KV blocks they hold."""
+        counts: dict[str, list[int]] = {}
+        blocks: dict[str, set[int]] = {}
+        for request in self.running:
+            counts.setdefault(request.tenant, [0, 0])[0] += 1
+            blocks.setdefault(request.tenant, set()).update(self.kv.block_ids(request.request_id))
+        for request in self.waiting:
+            counts.setdefault(request.tenant, [0, 0])[1] += 1
+        return TenantStatsReport(
+            tuple(
+                TenantStat(tenant, running, waiting, len(blocks.get(tenant, ())))
+                for tenant, (running, waiting) in sorted(counts.items())
+            )
+        )
 
     # -- one step ------------------------------------------------------------------------
 

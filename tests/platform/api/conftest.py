@@ -20,7 +20,7 @@ NUM_KV_BLOCKS = 512
 @dataclass(frozen=True)
 class LiveServer:
     base_url: str  # e.g. http://127.0.0.1:41234
-    engine: object  # the AsyncEngine behind it
+    engine: object  # the InprocClient behind it
     model: str  # the served model name
 
     @property
@@ -46,7 +46,7 @@ def engine_config(model_dir) -> EngineConfig:
 
 @pytest.fixture(scope="session")
 def server(model_dir, tmp_path_factory) -> Iterator[LiveServer]:
-    """The app over an in-process AsyncEngine; with LORAPLEX_TEST_API_SERVER_COUNT=N set, the
+    """The app over an InprocClient (the engine on a thread of this process); with LORAPLEX_TEST_API_SERVER_COUNT=N set, the
     `loraplex serve` processes instead (an engine core and N API processes), so every test
     that uses this fixture runs against the multi-process server."""
     count = os.environ.get("LORAPLEX_TEST_API_SERVER_COUNT")
@@ -61,10 +61,10 @@ def server(model_dir, tmp_path_factory) -> Iterator[LiveServer]:
 
     from loraplex.platform.api.app import build_app
     from loraplex.platform.api.settings import ServerSettings
-    from loraplex.platform.engine.async_engine import AsyncEngine
+    from loraplex.platform.engine.inproc_client import InprocClient
 
     port = _free_port()
-    engine = AsyncEngine(engine_config(model_dir))
+    engine = InprocClient(engine_config(model_dir))
     app = build_app(engine, ServerSettings(port=port, disconnect_poll_s=0.1))
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, name="uvicorn", daemon=True)

@@ -82,9 +82,11 @@ def launch(
     *extra: str,
     max_model_len: int = 512,
     num_kv_blocks: int = 512,
+    api_key: str | None = None,
 ) -> ProcessServer:
-    """Start `loraplex serve` and return once /health answers 200."""
-    from loraplex.platform.models.tokenizer import load_tokenizer
+    """Start `loraplex serve` and return once /health answers 200; `api_key`: a tenant's, to
+    list the models with on a server that is not open."""
+    from loraplex.platform.tokenizer.tokenizer import load_tokenizer
 
     port = free_port()
     cmd = [sys.executable, "-m", "loraplex.cli", "serve", "--model", str(model_dir),
@@ -101,6 +103,8 @@ def launch(
     except RuntimeError as exc:
         proc.kill()
         raise RuntimeError(f"{exc}:\n{log_path.read_text()}") from None
-    model = httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    models = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=10)
+    model = models.json()["data"][0]["id"]
     tokenizer = load_tokenizer(model_dir, 0)
     return ProcessServer(proc, base_url, model, log_path, ServerTokenizer(tokenizer))

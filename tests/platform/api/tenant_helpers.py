@@ -48,7 +48,7 @@ def start_server(
 
     from loraplex.platform.api.app import build_app
     from loraplex.platform.api.settings import ServerSettings
-    from loraplex.platform.engine.async_engine import AsyncEngine
+    from loraplex.platform.engine.inproc_client import InprocClient
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -60,7 +60,7 @@ def start_server(
         grammar=grammar or GrammarConfig(),
         lora=lora or LoRAConfig(),
     )
-    engine = AsyncEngine(config)
+    engine = InprocClient(config)
     settings.setdefault("admin_key", ADMIN_KEY)
     app = build_app(engine, ServerSettings(port=port, data_dir=str(data_dir), **settings))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

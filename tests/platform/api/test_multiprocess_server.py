@@ -9,6 +9,7 @@ The whole API suite runs against these processes with LORAPLEX_TEST_API_SERVER_C
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import random
 
@@ -175,3 +176,63 @@ def test_64_streams_with_random_disconnects_free_every_kv_block(proc_server):
     # the server still answers, and its processes all run
     assert httpx.get(f"{proc_server.base_url}/health", timeout=10).status_code == 200
     assert len(alive(proc_server.all_pids())) == 2 + len(proc_server.pids()[1])
+
+
+def test_the_dashboard_shows_each_tenants_queues_from_every_api_process(model_dir, tmp_path):
+    # Two running sequences at most: of alpha's 3 streams and beta's 1, two run and two wait.
+    admin_key, keys = "sk-admin-queues", {"alpha": "sk-alpha-queues", "beta": "sk-beta-queues"}
+    tenants = [
+        {"name": name, "key_sha256": hashlib.sha256(key.encode()).hexdigest()}
+        for name, key in keys.items()
+    ]
+    tenants_file = tmp_path / "tenants.yaml"
+    tenants_file.write_text(json.dumps({"tenants": tenants}))  # JSON is YAML
+    served = launch(
+        model_dir, tmp_path / "serve.log", 2, "--admin-key", admin_key, "--tenants",
+        str(tenants_file), "--max-num-seqs", "2", api_key=keys["alpha"],
+    )  # fmt: skip
+    admin = {"Authorization": f"Bearer {admin_key}"}
+    try:
+
+        def queues() -> dict[str, tuple[int, int]]:
+            # a fresh connection: the kernel hands it to either API process
+            stats = httpx.get(f"{served.base_url}/admin/stats", headers=admin, timeout=30)
+            assert stats.status_code == 200, stats.text
+            rows = stats.json()["tenants"]
+            return {r["name"]: (r["num_requests_running"], r["num_requests_waiting"]) for r in rows}
+
+        async def stream(client: httpx.AsyncClient, tenant: str, i: int) -> None:
+            body = {"model": served.model, "prompt": f"Story {i}:", "max_tokens": 400,
+                    "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+            headers = {"Authorization": f"Bearer {keys[tenant]}"}
+            url = f"{served.v1}/completions"
+            async with client.stream("POST", url, json=body, headers=headers) as response:
+                async for _ in response.aiter_lines():
+                    pass
+
+        async def run() -> list[dict[str, tuple[int, int]]]:
+            async with httpx.AsyncClient(timeout=300) as client:
+                tenants = ["alpha", "alpha", "alpha", "beta"]
+                tasks = [asyncio.ensure_future(stream(client, t, i)) for i, t in enumerate(tenants)]
+                try:
+                    seen = await asyncio.to_thread(queues)
+                    while sum(sum(seen.get(t, (0, 0))) for t in keys) < 4:
+                        await asyncio.sleep(0.1)
+                        seen = await asyncio.to_thread(queues)
+                    return [seen] + [await asyncio.to_thread(queues) for _ in range(4)]
+                finally:
+                    for task in tasks:  # a closed stream aborts its request
+                        task.cancel()
+                    await asyncio.gather(*tasks, return_exceptions=True)
+
+        for seen in asyncio.run(asyncio.wait_for(run(), 240)):
+            (alpha_running, alpha_waiting), (beta_running, beta_waiting) = (
+                seen["alpha"],
+                seen["beta"],
+            )
+            assert (alpha_running + alpha_waiting, beta_running + beta_waiting) == (3, 1), seen
+            assert (alpha_running + beta_running, alpha_waiting + beta_waiting) == (2, 2), seen
+        wait_until_idle(served.base_url)
+        assert queues()["alpha"] == queues()["beta"] == (0, 0)
+    finally:
+        assert served.stop() == 0, served.log()

@@ -1,8 +1,9 @@
-"""AsyncEngine: the engine on its own thread, driven from asyncio."""
+"""InprocClient: the engine on its own thread, driven from asyncio."""
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 from engine_configs import cpu_engine_config
@@ -11,7 +12,7 @@ from loraplex import SamplingParams
 from loraplex.config import CacheConfig, EngineConfig, ModelConfig
 from loraplex.platform.core.errors import EngineDeadError, PromptTooLongError
 from loraplex.platform.core.sampling_params import RequestOutputKind
-from loraplex.platform.engine.async_engine import AsyncEngine
+from loraplex.platform.engine.inproc_client import InprocClient
 from tests.waiting import wait_until
 
 DELTA = RequestOutputKind.DELTA
@@ -19,7 +20,7 @@ DELTA = RequestOutputKind.DELTA
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    engine = AsyncEngine(cpu_engine_config(model_dir, num_kv_blocks=128))
+    engine = InprocClient(cpu_engine_config(model_dir, num_kv_blocks=128))
     timings = []
     engine.add_timing_observer(timings.append)
     engine.timings = timings
@@ -28,7 +29,7 @@ def engine(model_dir):
     engine.shutdown()
 
 
-def _wait_idle(engine: AsyncEngine) -> None:
+def _wait_idle(engine: InprocClient) -> None:
     def idle() -> bool:
         stats = engine.snapshot().stats
         return stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks
@@ -82,7 +83,7 @@ def test_stopping_early_aborts_and_frees_blocks(engine):
 
 
 def test_a_shut_down_engine_refuses_requests(model_dir):
-    engine = AsyncEngine(EngineConfig(model=ModelConfig(model=str(model_dir), device="cpu"),
+    engine = InprocClient(EngineConfig(model=ModelConfig(model=str(model_dir), device="cpu"),
                                       cache=CacheConfig(num_kv_blocks=16)))  # fmt: skip
     engine.start()
     engine.shutdown()
@@ -101,7 +102,7 @@ def test_starting_prepares_structured_output(model_dir, monkeypatch):
 
     calls: list[StructuredOutputManager] = []
     monkeypatch.setattr(StructuredOutputManager, "prepare", lambda self: calls.append(self))
-    engine = AsyncEngine(cpu_engine_config(model_dir, num_kv_blocks=32))
+    engine = InprocClient(cpu_engine_config(model_dir, num_kv_blocks=32))
     try:
         assert calls == []
         engine.start()
@@ -110,3 +111,37 @@ def test_starting_prepares_structured_output(model_dir, monkeypatch):
     finally:
         engine.shutdown()
         engine.engine.shutdown()
+
+
+def test_tenant_stats_count_each_tenants_sequences_and_blocks(engine):
+    long = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0, output_kind=DELTA)
+
+    async def run():
+        streams = [
+            await engine.add_request("a-1", "Count to a thousand:", long, tenant="alpha"),
+            await engine.add_request(
+                "a-2", "Name every river:", replace(long, n=2), tenant="alpha"
+            ),
+            await engine.add_request("b-1", "Spell the alphabet:", long, tenant="beta"),
+        ]
+        try:
+            for stream in streams:  # every request has its first token: all of them run
+                await anext(stream)
+            return await engine.tenant_stats()
+        finally:
+            for stream in streams:
+                stream.abort()
+
+    report = asyncio.run(run())
+    stats = {t.tenant: t for t in report.tenants}
+    assert set(stats) == {"alpha", "beta"}
+    # a request of n samples counts n sequences
+    assert (stats["alpha"].running_requests, stats["alpha"].waiting_requests) == (3, 0)
+    assert (stats["beta"].running_requests, stats["beta"].waiting_requests) == (1, 0)
+    assert stats["alpha"].kv_blocks > stats["beta"].kv_blocks > 0
+    _wait_idle(engine)
+
+    async def idle():
+        return await engine.tenant_stats()
+
+    assert asyncio.run(idle()).tenants == ()

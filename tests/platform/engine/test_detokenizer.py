@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from loraplex.platform.engine.detokenizer import IncrementalDetokenizer
+from loraplex.platform.tokenizer.detokenizer import IncrementalDetokenizer
 
 
 def test_incremental_decode_never_splits_multibyte(llm):

@@ -12,7 +12,12 @@ from loraplex.adapters.errors import AdapterLoadError
 from loraplex.grammar.errors import GrammarTimeoutError
 from loraplex.platform.core.commands import AdapterAdded, AddAdapter, SetTenantWeight
 from loraplex.platform.core.errors import PromptTooLongError, RequestStalledError
-from loraplex.platform.core.outputs import CompletionOutput, Logprob, RequestOutput
+from loraplex.platform.core.outputs import (
+    CompletionOutput,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+)
 from loraplex.platform.core.sampling_params import RequestOutputKind, SamplingParams
 from loraplex.platform.core.structured_outputs import StructuredOutputs
 from loraplex.platform.engine.ipc import (
@@ -22,9 +27,8 @@ from loraplex.platform.engine.ipc import (
     CommandResult,
     CoreBatch,
     error_info,
-    params_from_wire,
-    params_to_wire,
     rebuild_error,
+    refusal,
 )
 
 
@@ -38,7 +42,7 @@ def test_an_output_batch_round_trips_with_logprobs_and_failures(codec):
         "r-1", None, [5, 6],
         [CompletionOutput(0, "hé", [7], [{7: Logprob(-0.25, 1, "hé"), 9: Logprob(-2.0, 2, "x")}],
                           -0.25, "error", None)],
-        True, num_cached_tokens=16, metrics={"first_token_time": 1.5}, error="stalled",
+        True, num_cached_tokens=16, metrics=RequestMetrics(1.0, 1.5, 1), error="stalled",
         failure=RequestStalledError("no progress for 600 s"), prompt_logprobs=[None],
     )  # fmt: skip
     back = codec.decode_core(codec.encode(CoreBatch(outputs=[output]))).outputs[0]
@@ -54,9 +58,22 @@ def test_sampling_params_round_trip_with_a_grammar(codec):
         structured_outputs=StructuredOutputs(json={"type": "object"}),
         output_kind=RequestOutputKind.DELTA,
     )  # fmt: skip
-    message = AddRequest("r", [1, 2], params_to_wire(params), None, "t", None, 0.5)
+    message = AddRequest("r", [1, 2], params, None, "t", None, 0.5)
     decoded = codec.decode_client(codec.encode(message))
-    assert params_from_wire(decoded.params) == params
+    assert decoded.params == params
+    assert decoded.params.stop == ("\n",) and decoded.params.structured_outputs.kind == "json"
+
+
+def test_an_add_request_with_params_that_fail_validation_is_refused_not_dropped(codec):
+    message = msgspec.to_builtins(AddRequest("r-7", [1, 2], SamplingParams(), None, "t", None, 0))
+    message["params"]["temperature"] = 5.0  # out of range: SamplingParams refuses it
+    data = codec.encode(message)
+    with pytest.raises(msgspec.ValidationError) as error:
+        codec.decode_client(data)
+    request_id, reason = refusal(data, error.value)
+    assert request_id == "r-7"
+    assert isinstance(reason, ValueError) and reason.param == "temperature"
+    assert refusal(codec.encode(CoreBatch()), error.value) is None
 
 
 @pytest.mark.parametrize(

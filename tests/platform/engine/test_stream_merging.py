@@ -9,7 +9,7 @@ import pytest
 
 from loraplex.platform.core.outputs import CompletionOutput, Logprob, RequestOutput
 from loraplex.platform.core.sampling_params import RequestOutputKind
-from loraplex.platform.engine.async_engine import RequestStream
+from loraplex.platform.engine.request_stream import RequestStream
 
 
 class _Engine:

@@ -15,7 +15,7 @@ from loraplex.config import SchedulerConfig
 from loraplex.platform.api.errors import request_failed
 from loraplex.platform.api.metrics.server_metrics import ServerMetrics
 from loraplex.platform.core.errors import RequestStalledError
-from loraplex.platform.engine.async_engine import AsyncEngine
+from loraplex.platform.engine.inproc_client import InprocClient
 from loraplex.platform.engine.structured_output import GrammarJob
 from tests.waiting import wait_until
 
@@ -24,7 +24,7 @@ TIMEOUT_S = 1.0
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    engine = AsyncEngine(
+    engine = InprocClient(
         cpu_engine_config(model_dir, num_kv_blocks=64, request_stall_timeout_s=TIMEOUT_S)
     )
     timings = []

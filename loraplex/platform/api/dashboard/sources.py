@@ -1,50 +1,36 @@
 """What the dashboard asks the engine for, between its steps: the adapters' statistics and each
-tenant's running and waiting requests. One function per question, so that how the engine is
-asked (an engine command, a call on its thread) changes in one place.
+tenant's running and waiting requests. One function per question, each an engine command, so an
+engine in another process answers as one in this process does.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from loraplex.platform.core.commands import AdapterStatsReport, GetAdapterStats
+from loraplex.platform.core.commands import AdapterStatsReport
 from loraplex.platform.core.errors import EngineDeadError
-from loraplex.platform.engine.async_engine import AsyncEngine
-from loraplex.platform.engine.engine import Engine
+from loraplex.platform.engine.protocol import EngineClient
 
 
-async def tenant_queues(engine: AsyncEngine) -> dict[str, tuple[int, int]] | None:
-    """Tenant -> (running, waiting) sequences in the scheduler now; {} if the engine stopped.
-
-    None for an engine in another process (`--api-server-count`): no engine command reports
-    tenants' queues yet, and the page shows each tenant's requests in flight instead."""
-    if not isinstance(engine, AsyncEngine):
-        return None
-
-    def count(core: Engine) -> dict[str, tuple[int, int]]:
-        counts: dict[str, list[int]] = {}
-        for request in core.scheduler.running:
-            counts.setdefault(request.tenant, [0, 0])[0] += 1
-        for request in core.scheduler.waiting:
-            counts.setdefault(request.tenant, [0, 0])[1] += 1
-        return {tenant: (running, waiting) for tenant, (running, waiting) in counts.items()}
-
+async def tenant_queues(engine: EngineClient) -> dict[str, tuple[int, int]]:
+    """Tenant -> (running, waiting) sequences in the scheduler now; {} if the engine stopped."""
     try:
-        return await engine.call(count)  # type: ignore[return-value]
+        report = await engine.tenant_stats()
     except EngineDeadError:
         return {}
+    return {t.tenant: (t.running_requests, t.waiting_requests) for t in report.tenants}
 
 
-async def adapter_report(engine: AsyncEngine) -> dict[str, Any] | None:
+async def adapter_report(engine: EngineClient) -> dict[str, Any] | None:
     """The adapters the engine knows and its slot pool (`GetAdapterStats`), as JSON; None when
     LoRA is off or the engine stopped."""
     try:
-        report = await engine.command(GetAdapterStats())
+        report = await engine.adapter_stats()
     except EngineDeadError:
         return None
     except ValueError:  # LoRA adapters are disabled on this engine
         return None
-    return report_json(report)  # type: ignore[arg-type]
+    return report_json(report)
 
 
 def split_engine_name(name: str) -> tuple[str, str, str]:

@@ -10,7 +10,7 @@ from typing import Any
 from loraplex.platform.api.openai.logprobs import TokenLogprobs
 from loraplex.platform.api.openai.request_streams import merge_streams
 from loraplex.platform.core.outputs import CompletionOutput, PromptLogprobs, RequestOutput
-from loraplex.platform.engine.async_engine import RequestStream
+from loraplex.platform.engine.request_stream import RequestStream
 
 
 @dataclass

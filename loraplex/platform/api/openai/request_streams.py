@@ -15,7 +15,8 @@ from loraplex.adapters.request import LoRARequest
 from loraplex.platform.api.errors import bad_request, from_engine_error, request_failed
 from loraplex.platform.core.outputs import RequestOutput
 from loraplex.platform.core.sampling_params import SamplingParams
-from loraplex.platform.engine.async_engine import AsyncEngine, RequestStream
+from loraplex.platform.engine.protocol import EngineClient
+from loraplex.platform.engine.request_stream import RequestStream
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class Prompt:
 
 
 async def submit(
-    engine: AsyncEngine,
+    engine: EngineClient,
     prompts: list[Prompt],
     params: SamplingParams,
     request_id: str,

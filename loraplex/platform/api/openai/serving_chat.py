@@ -49,8 +49,8 @@ from loraplex.platform.api.tenancy.limits import reservation
 from loraplex.platform.api.tenancy.model_resolver import ServedModel
 from loraplex.platform.core.outputs import RequestOutput
 from loraplex.platform.core.sampling_params import SamplingParams
-from loraplex.platform.engine.async_engine import RequestStream
-from loraplex.platform.models.tokenizer import Tokenizer
+from loraplex.platform.engine.request_stream import RequestStream
+from loraplex.platform.tokenizer.tokenizer import Tokenizer
 
 router = APIRouter()
 

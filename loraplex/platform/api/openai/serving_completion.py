@@ -34,8 +34,8 @@ from loraplex.platform.api.state import ServerState, server_state
 from loraplex.platform.api.tenancy.auth import admit, tenant_of
 from loraplex.platform.api.tenancy.limits import reservation
 from loraplex.platform.core.outputs import CompletionOutput, PromptLogprobs, RequestOutput
-from loraplex.platform.engine.async_engine import RequestStream
-from loraplex.platform.models.tokenizer import Tokenizer
+from loraplex.platform.engine.request_stream import RequestStream
+from loraplex.platform.tokenizer.tokenizer import Tokenizer
 
 router = APIRouter()
 

@@ -25,7 +25,7 @@ from loraplex.platform.api.openai.tools.tool_calls import tool_request_for
 from loraplex.platform.api.request_body import json_body, read_json_model
 from loraplex.platform.api.state import server_state
 from loraplex.platform.api.tenancy.auth import tenant_of
-from loraplex.platform.models.tokenizer import TokenIdsOnlyTokenizer, Tokenizer
+from loraplex.platform.tokenizer.tokenizer import TokenIdsOnlyTokenizer, Tokenizer
 
 router = APIRouter()
 BODY_MODELS = (TokenizeRequest, DetokenizeRequest)

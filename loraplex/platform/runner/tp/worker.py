@@ -69,7 +69,7 @@ class _AdapterReader:
     def __init__(self, runner: RankRunner, config: EngineConfig, model_dir: str) -> None:
         from loraplex.adapters.peft_format import BaseModelSpec
         from loraplex.adapters.validator import AdapterValidator
-        from loraplex.platform.models.tokenizer import tokenizer_folder
+        from loraplex.platform.tokenizer.tokenizer import tokenizer_folder
 
         spec = BaseModelSpec.from_hf_config(runner.arch.raw, name_or_path=model_dir)
         dtype = runner.dtype

@@ -18,7 +18,7 @@ from process_server import launch
 from tenant_helpers import ADMIN_KEY, load_hf_model, peft_greedy, start_server
 
 from loraplex.config import LoRAConfig
-from loraplex.platform.models.tokenizer import Tokenizer
+from loraplex.platform.tokenizer.tokenizer import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).parents[3] / "adapters"))
 from tokenizer_adapters import NEW_TOKEN, padded_tiny_model, trained_token_adapter  # noqa: E402

@@ -53,7 +53,7 @@ from loraplex.platform.api.state import ServerState, server_state
 from loraplex.platform.api.tenancy.auth import admit, tenant_of
 from loraplex.platform.api.tenancy.limits import reservation
 from loraplex.platform.core.outputs import RequestOutput
-from loraplex.platform.engine.async_engine import RequestStream
+from loraplex.platform.engine.request_stream import RequestStream
 
 router = APIRouter()
 BODY_MODELS = (ResponsesRequest,)

@@ -22,7 +22,8 @@ from loraplex.platform.api.openai.tools.tool_parsers import ToolParser
 from loraplex.platform.core.outputs import CompletionOutput, RequestOutput
 from loraplex.platform.core.sampling_params import SamplingParams
 from loraplex.platform.core.structured_outputs import StructuredOutputs
-from loraplex.platform.engine.async_engine import AsyncEngine, RequestStream
+from loraplex.platform.engine.protocol import EngineClient
+from loraplex.platform.engine.request_stream import RequestStream
 
 MAX_CALLS = 16  # calls one choice may open (parallel calls); then it ends
 
@@ -34,7 +35,7 @@ class AutoToolStream:
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineClient,
         prompt: Prompt,
         params: SamplingParams,
         request_id: str,
@@ -182,7 +183,7 @@ class AutoToolChoices:
 
 
 async def submit_auto(
-    engine: AsyncEngine,
+    engine: EngineClient,
     prompt: Prompt,
     params: SamplingParams,
     request_id: str,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from loraplex.platform.models.tokenizer import Tokenizer
+from loraplex.platform.tokenizer.tokenizer import Tokenizer
 
 # Prompt tokens kept as left context so the first generated token decodes with the right
 # leading space or byte merge.

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from loraplex.adapters.adapter_tokenizer import TOKENIZER_FILE
 from loraplex.adapters.request import LoRARequest
-from loraplex.platform.models.tokenizer import TokenIdsOnlyTokenizer, Tokenizer
+from loraplex.platform.tokenizer.tokenizer import TokenIdsOnlyTokenizer, Tokenizer
 
 #: adapter tokenizers kept loaded (least recently used first out)
 MAX_ADAPTER_TOKENIZERS = 64
