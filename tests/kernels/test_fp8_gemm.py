@@ -88,7 +88,10 @@ def test_gpu_fp8_linear_matches_reference(m: int, block_k: int | None) -> None:
     x_q, x_scale = quantize_fp8_reference(x, block_k or 512)
     q_triton, s_triton = quantize_fp8_triton(x, block_k or 512)
     torch.testing.assert_close(s_triton, x_scale)
-    torch.testing.assert_close(q_triton.float(), x_q.float())
+    # NOTE: equal within one e4m3 step (1/8 relative; 2**-9 among the subnormals): Triton's
+    # float32 division is the fast approximate one (within 2 ulp), so a quotient next to a
+    # rounding boundary of e4m3 can land on the other side (seen once in 524,288 on the H200).
+    torch.testing.assert_close(q_triton.float(), x_q.float(), rtol=0.125, atol=2.0**-9)
     expected = fp8_gemm_reference(x_q, x_scale, w_q, w_scale, block_k, None, torch.bfloat16)
     torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=1e-1)
 
