@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from loraplex.config import CacheConfig, SchedulerConfig
 from loraplex.platform.core.request import Request
 from loraplex.platform.core.sampling_params import SamplingParams
-from loraplex.platform.core.scheduler_output import ModelRunnerOutput
+from loraplex.platform.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from loraplex.platform.scheduler.scheduler import Scheduler
 
 EOS = 0
@@ -105,7 +105,7 @@ class FakeEngine:
         self.trace.token_steps[arrival.request_id] = []
         self.trace.tokens[arrival.request_id] = []
 
-    def step(self) -> None:
+    def step(self) -> SchedulerOutput:
         sched = self.scheduler
         start, start_cpu = time.perf_counter(), time.process_time()
         so = sched.schedule()
@@ -125,6 +125,7 @@ class FakeEngine:
         self.trace.num_preemptions = sched.num_preemptions
         self.step_index += 1
         self.trace.num_steps = self.step_index
+        return so
 
     def run(self, arrivals: list[Arrival], max_steps: int = 100_000) -> Trace:
         """Add each arrival before its step and step until every request finished."""
@@ -302,25 +303,29 @@ class Attack:
 
 @dataclass(frozen=True)
 class AttackFigures:
-    unloaded_worst_gap: int
-    attacked_worst_gap: int
+    unloaded_worst_gap: int  # bob's worst gap between tokens, alone
+    attacked_worst_gap: int  # and beside alice's batches
     attacked_ttft: int
     num_preemptions: int
     stream_tokens_equal: bool  # bob's tokens under attack equal his tokens alone
+    batch_tokens_equal: bool  # alice's tokens beside bob equal hers alone
     batch_all_finished: bool
     steps: int
 
 
 def attack(setup: Attack = Attack()) -> AttackFigures:
     alone = FakeEngine(setup.scheduler()).run([replace(setup.stream(), step=0)])
-    attacked = FakeEngine(setup.scheduler()).run([setup.stream(), *setup.batches()])
-    batch_ids = [a.request_id for a in setup.batches()]
+    batches = setup.batches()
+    batches_alone = FakeEngine(setup.scheduler()).run(batches)
+    attacked = FakeEngine(setup.scheduler()).run([setup.stream(), *batches])
+    batch_ids = [a.request_id for a in batches]
     return AttackFigures(
         unloaded_worst_gap=alone.worst_gap("bob"),
         attacked_worst_gap=attacked.worst_gap("bob"),
         attacked_ttft=attacked.ttft("bob"),
         num_preemptions=attacked.num_preemptions,
         stream_tokens_equal=attacked.tokens["bob"] == alone.tokens["bob"],
+        batch_tokens_equal=all(attacked.tokens[r] == batches_alone.tokens[r] for r in batch_ids),
         batch_all_finished=all(attacked.finish_reason.get(r) == "length" for r in batch_ids),
         steps=attacked.num_steps,
     )

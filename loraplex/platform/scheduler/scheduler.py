@@ -267,7 +267,8 @@ class Scheduler:
         """Blocks for a running request's `n` tokens, preempting the newest requests of the
         tenants furthest over their KV shares until they fit; None if it was preempted."""
         while True:
-            victim = self._kv_victim()
+            need = self.kv.num_new_blocks(request, n)
+            victim = self._newest_running(self.shares.kv_victim(request.tenant, need))
             self._preempt(victim, step)
             if victim is request:
                 return None
@@ -283,8 +284,8 @@ class Scheduler:
         requests wait and the others' may still come in. A tenant within its share may take
         capacity back from the tenants over theirs (their newest requests are preempted); a
         request it cannot fit that way waits at the head of the queue, holding the others back,
-        so a large request is never starved by smaller ones. Requests preempted in this step
-        wait for the next."""
+        so a large request is never starved by smaller ones. A tenant with a request preempted
+        in this step has none admitted in it."""
         skipped: list[Request] = []
         passed_over: set[str] = set()  # tenants over their share with no room left for them
         bs = self.kv.block_size
@@ -293,10 +294,13 @@ class Scheduler:
                 request = self.waiting.peek(passed_over)
             except IndexError:
                 break
-            if (
-                request.status == RequestStatus.WAITING_FOR_GRAMMAR
-                or request.request_id in step.preempted
-            ):
+            if request.request_id in step.preempted:
+                # NOTE: its tenant's newer requests wait behind it: a preempted request resumes
+                # before them, and not in the step that preempted it (a token of it may still
+                # be in flight).
+                passed_over.add(request.tenant)
+                continue
+            if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
                 skipped.append(self.waiting.pop(charge=False, exclude=passed_over))
                 continue
             if not self._adapter_ready(request):
@@ -367,7 +371,7 @@ class Scheduler:
             return _Room.FITS
         if self.shares.seq_excess(tenant) + 1 > 0:
             return _Room.OVER_SHARE if self.shares.seq_excess(tenant) >= 0 else _Room.NONE
-        return _Room.NONE if self.shares.most_over_seqs(tenant) is None else _Room.FITS
+        return _Room.NONE if self.shares.seq_lender(tenant) is None else _Room.FITS
 
     def _make_room(self, request: Request, n: int, computed_blocks: list, step: _Step) -> _Room:
         """Whether a waiting request's first `n` tokens fit now, with a sequence slot and the
@@ -389,22 +393,15 @@ class Scheduler:
             return _Room.NONE
         # NOTE: `_slot_room` found a slot free or one to take back.
         while len(self.running) >= max_seqs:
-            victim_tenant = shares.most_over_seqs(tenant)
+            victim_tenant = shares.seq_lender(tenant)
             assert victim_tenant is not None
             self._preempt(self._newest_running(victim_tenant), step)
         while self.kv.num_free_blocks < need + step.headroom:
-            victim_tenant = shares.most_over_kv(tenant, only_over=True)
+            victim_tenant = shares.kv_lender(tenant)
             if victim_tenant is None:
                 return _Room.NONE
             self._preempt(self._newest_running(victim_tenant), step)
         return _Room.FITS
-
-    def _kv_victim(self) -> Request:
-        """The request that yields its blocks when the pool runs dry: the newest of the
-        tenant furthest over its KV share."""
-        tenant = self.shares.most_over_kv()
-        assert tenant is not None  # NOTE: the request that needs blocks runs
-        return self._newest_running(tenant)
 
     def _newest_running(self, tenant: str) -> Request:
         return max((r for r in self.running if r.tenant == tenant), key=_arrival_order)

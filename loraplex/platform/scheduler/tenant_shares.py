@@ -9,7 +9,7 @@ The scheduler decides which request yields (the tenant's newest); this only says
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 
 class TenantShares:
@@ -81,35 +81,37 @@ class TenantShares:
 
     # -- who yields ---------------------------------------------------------------------------
 
-    def most_over_kv(self, exclude: str | None = None, only_over: bool = False) -> str | None:
-        """The running tenant holding the most KV blocks for its weight (the one furthest over
-        its KV share); ties go to the one running the most sequences for its weight. None if
-        no tenant but `exclude` runs, or (`only_over`) none is over its KV share."""
-        best, best_key = None, None
-        for tenant, running in self.num_running.items():
-            if tenant == exclude:
-                continue
-            weight = self.weight(tenant)
-            key = (self.kv_blocks.get(tenant, 0) / weight, running / weight, tenant)
+    def kv_victim(self, tenant: str, need: int) -> str:
+        """The running tenant that yields KV blocks when `tenant` needs `need` more: the one
+        holding the most for its weight, counting `tenant`'s need (so the tenant that asks
+        yields on a tie); then the one running the most sequences for its weight."""
+        best, best_key = tenant, None
+        for other, running in self.num_running.items():
+            weight = self.weight(other)
+            asks = other == tenant
+            blocks = self.kv_blocks.get(other, 0) + (need if asks else 0)
+            key = (blocks / weight, asks, running / weight, other)
             if best_key is None or key > best_key:
-                best, best_key = tenant, key
-        if best is not None and only_over and self.kv_excess(best) <= 0:
-            return None
+                best, best_key = other, key
         return best
 
-    def most_over_seqs(self, exclude: str | None = None) -> str | None:
-        """The tenant running the most sequences for its weight, if that is over its share of
-        the sequence slots (else None)."""
-        best, best_key = None, None
-        for tenant, running in self.num_running.items():
-            if tenant == exclude:
-                continue
-            weight = self.weight(tenant)
-            key = (running / weight, self.kv_blocks.get(tenant, 0) / weight, tenant)
-            if best_key is None or key > best_key:
-                best, best_key = tenant, key
-        if best is None or self.seq_excess(best) <= 0:
-            return None
+    def kv_lender(self, borrower: str) -> str | None:
+        """The tenant other than `borrower` furthest over its KV share, if any is over it."""
+        return self._lender(borrower, self.kv_excess)
+
+    def seq_lender(self, borrower: str) -> str | None:
+        """The tenant other than `borrower` furthest over its share of the sequence slots, if
+        any is over it."""
+        return self._lender(borrower, self.seq_excess)
+
+    def _lender(self, borrower: str, excess: Callable[[str], float]) -> str | None:
+        best, best_key = None, 0.0
+        for tenant in self.num_running:
+            if tenant != borrower:
+                # NOTE: excess over weight orders tenants as usage over weight does.
+                key = excess(tenant) / self.weight(tenant)
+                if key > best_key:
+                    best, best_key = tenant, key
         return best
 
     def reclaimable_blocks(self, exclude: str) -> float:
