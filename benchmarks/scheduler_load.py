@@ -6,10 +6,11 @@ and its length, so a preempted request recomputes to the very same tokens. Time 
 in steps, so the figures say what the scheduling rule does, not how fast this machine is.
 
 Four scenarios:
-- **steady**: Poisson arrivals at 50 % and 90 % of the measured capacity (the completion rate
-  of a queue that never runs dry), decode-heavy (256 prompt, 256 output tokens, every
-  sequence slot busy near capacity) and prefill-heavy (long prompts: the step's token budget
-  is what runs out); TTFT p50 / p99 in steps, and the worst gap between a stream's tokens;
+- **steady**: 512 requests arriving as a Poisson process at 50 % and 90 % of the workload's
+  capacity (`capacity`), three seeds pooled: decode-heavy (256 prompt, 256 output tokens,
+  the sequence slots run out), prefill-heavy (prompts of 64-1536 tokens: the step's token
+  budget runs out) and mixed (one prompt in ten of 2k-4k tokens); TTFT p50 / p99 in steps,
+  the worst gap between a stream's tokens, and the steps that left budget idle;
 - **burst**: 512 requests at once;
 - **attack**: one tenant's stream alone, then beside another tenant's two batches of
   `n`-sample requests in a KV pool far too small for them (the stream's worst gap in steps);
@@ -71,6 +72,9 @@ class Trace:
     num_running: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     num_steps: int = 0
+    # Steps that left token budget unused while a prompt waited (with a free slot) or was
+    # still being prefilled.
+    idle_budget_steps: int = 0
 
     def ttft(self, request_id: str) -> int:
         """Steps from arrival to the first token: 1 when the arrival step samples it."""
@@ -112,6 +116,11 @@ class FakeEngine:
         self.trace.schedule_cpu_s.append(time.process_time() - start_cpu)
         self.trace.schedule_s.append(time.perf_counter() - start)
         self.trace.num_running.append(sched.num_running)
+        if so.total_num_scheduled_tokens < sched.config.max_num_batched_tokens and (
+            (sched.num_waiting and sched.num_running < sched.config.max_num_seqs)
+            or any(r.num_computed_tokens < r.num_tokens for r in sched.running)
+        ):
+            self.trace.idle_budget_steps += 1
         sampled = {}
         for req_id in so.num_scheduled_tokens:
             request = sched.requests[req_id]
@@ -173,12 +182,13 @@ def percentile(values: list[float], q: float) -> float:
 
 @dataclass(frozen=True)
 class Workload:
-    """Requests of `max_tokens` output tokens, their prompts `prompt_len` tokens long, or
-    drawn uniformly from [prompt_len, max_prompt_len]."""
+    """Requests of `max_tokens` output tokens, their prompt lengths drawn uniformly from
+    `prompt_lens` (low, high), or from `long_prompt_lens` with probability `long_fraction`."""
 
-    prompt_len: int
+    prompt_lens: tuple[int, int]
     max_tokens: int
-    max_prompt_len: int | None = None
+    long_fraction: float = 0.0
+    long_prompt_lens: tuple[int, int] = (0, 0)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
 
@@ -187,31 +197,46 @@ class Workload:
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens
         )
 
+    def prompt_len(self, index: int) -> int:
+        rng = random.Random(index)
+        low, high = self.prompt_lens
+        if rng.random() < self.long_fraction:
+            low, high = self.long_prompt_lens
+        return rng.randint(low, high)
+
     def arrival(self, step: int, index: int) -> Arrival:
-        length = self.prompt_len
-        if self.max_prompt_len is not None:
-            length = random.Random(index).randint(self.prompt_len, self.max_prompt_len)
-        return Arrival(step, f"r{index}", distinct_prompt(index, length), self.max_tokens)
+        prompt = distinct_prompt(index, self.prompt_len(index))
+        return Arrival(step, f"r{index}", prompt, self.max_tokens)
 
 
 # Every sequence slot busy near capacity: the slots are what runs out (256 streams decode).
-DECODE_HEAVY = Workload(prompt_len=256, max_tokens=256)
+DECODE_HEAVY = Workload(prompt_lens=(256, 256), max_tokens=256)
 # The step's token budget is what runs out, with ~300 streams decoding beside the prefills.
-PREFILL_HEAVY = Workload(prompt_len=64, max_prompt_len=1536, max_tokens=128, max_num_seqs=512)
+PREFILL_HEAVY = Workload(prompt_lens=(64, 1536), max_tokens=128, max_num_seqs=512)
+# Mostly short prompts, one in ten of 2k-4k tokens.
+MIXED = Workload(
+    prompt_lens=(64, 256),
+    max_tokens=128,
+    long_fraction=0.1,
+    long_prompt_lens=(2048, 4096),
+    max_num_seqs=512,
+)
 
 
-def capacity(workload: Workload, num_steps: int = 2048) -> float:
-    """Requests finished per step by a queue that never runs dry (after a warm-up)."""
-    engine = FakeEngine(workload.scheduler())
-    index = 0
-    for _ in range(num_steps):
-        while engine.scheduler.num_waiting < workload.max_num_seqs:
-            engine.add(workload.arrival(engine.step_index, index))
-            index += 1
-        engine.step()
-    trace, warm = engine.trace, num_steps // 4
-    ends = [trace.token_steps[r][-1] for r in trace.finish_reason]
-    return sum(1 for end in ends if end >= warm) / (num_steps - warm)
+def capacity(workload: Workload, sample: int = 4096) -> float:
+    """Requests per step the workload's mix can get through: the step's token budget over the
+    tokens a request needs (its prompt, and its output tokens but the one its prompt's step
+    samples), or the sequence slots over the steps a request holds one (its prompt in chunks
+    of a quarter of the budget, then one step per further output token), whichever is less.
+
+    NOTE: computed from the mix, not measured on a saturated queue: a full queue favours
+    short prompts (see `max_long_partial_prefills`), so its completion rate overstates what
+    the mix itself can sustain."""
+    lengths = [workload.prompt_len(i) for i in range(sample)]
+    budget, cap = workload.max_num_batched_tokens, max(1, workload.max_num_batched_tokens // 4)
+    tokens = sum(lengths) / sample + workload.max_tokens - 1
+    steps = sum(-(-length // cap) for length in lengths) / sample + workload.max_tokens - 1
+    return min(budget / tokens, workload.max_num_seqs / steps)
 
 
 def poisson_arrivals(workload: Workload, rate: float, num: int, seed: int = 0) -> list[Arrival]:
@@ -226,9 +251,17 @@ def poisson_arrivals(workload: Workload, rate: float, num: int, seed: int = 0) -
 
 @dataclass(frozen=True)
 class TTFTFigures:
+    """Time to first token in steps (1: the step after arrival samples it), over every request
+    and over those with short prompts (no longer than the chunk cap, a quarter of the budget)."""
+
     ttft_p50: float
+    ttft_p90: float
     ttft_p99: float
+    ttft_mean: float
+    short_ttft_p50: float
+    short_ttft_p99: float
     worst_gap: int  # the most steps between two tokens of any stream
+    idle_budget_steps: int
     steps: int
 
     @property
@@ -236,25 +269,44 @@ class TTFTFigures:
         return self.ttft_p99 / self.ttft_p50
 
 
-def ttft_figures(trace: Trace) -> TTFTFigures:
-    ttfts = [trace.ttft(r) for r in trace.arrival]
+def ttft_figures(workload: Workload, traces: list[Trace]) -> TTFTFigures:
+    cap = workload.max_num_batched_tokens // 4
+    ttfts: list[float] = []
+    short: list[float] = []
+    for trace in traces:
+        for req_id in trace.arrival:
+            ttfts.append(trace.ttft(req_id))
+            if workload.prompt_len(int(req_id[1:])) <= cap:
+                short.append(ttfts[-1])
     return TTFTFigures(
         ttft_p50=percentile(ttfts, 50),
+        ttft_p90=percentile(ttfts, 90),
         ttft_p99=percentile(ttfts, 99),
-        worst_gap=max(trace.worst_gap(r) for r in trace.arrival),
-        steps=trace.num_steps,
+        ttft_mean=round(sum(ttfts) / len(ttfts), 2),
+        short_ttft_p50=percentile(short, 50) if short else 0,
+        short_ttft_p99=percentile(short, 99) if short else 0,
+        worst_gap=max(t.worst_gap(r) for t in traces for r in t.arrival),
+        idle_budget_steps=sum(t.idle_budget_steps for t in traces),
+        steps=sum(t.num_steps for t in traces),
     )
 
 
-def steady(workload: Workload, load: float, num: int = 512, seed: int = 0) -> TTFTFigures:
+def steady(
+    workload: Workload, load: float, num: int = 512, seeds: tuple[int, ...] = (0, 1, 2)
+) -> TTFTFigures:
+    """`num` requests arriving as a Poisson process at `load` x `capacity` from an idle
+    scheduler (as `benchmarks.serving` measures), the TTFTs of one run per seed pooled."""
     rate = load * capacity(workload)
-    trace = FakeEngine(workload.scheduler()).run(poisson_arrivals(workload, rate, num, seed))
-    return ttft_figures(trace)
+    traces = [
+        FakeEngine(workload.scheduler()).run(poisson_arrivals(workload, rate, num, seed))
+        for seed in seeds
+    ]
+    return ttft_figures(workload, traces)
 
 
 def burst(workload: Workload, num: int = 512) -> TTFTFigures:
     trace = FakeEngine(workload.scheduler()).run([workload.arrival(0, i) for i in range(num)])
-    return ttft_figures(trace)
+    return ttft_figures(workload, [trace])
 
 
 # -- one tenant's batches beside another's stream -------------------------------------------
@@ -359,7 +411,9 @@ def main() -> None:
     parser.add_argument("--record", action="store_true", help="write the JSON record")
     args = parser.parse_args()
     metrics: dict[str, object] = {}
-    for name, workload in (("decode_heavy", DECODE_HEAVY), ("prefill_heavy", PREFILL_HEAVY)):
+    workloads = (("decode_heavy", DECODE_HEAVY), ("prefill_heavy", PREFILL_HEAVY),
+                 ("mixed", MIXED))  # fmt: skip
+    for name, workload in workloads:
         metrics[f"{name}_capacity_per_step"] = round(capacity(workload), 4)
         for load in (0.5, 0.9):
             figures = steady(workload, load)

@@ -16,12 +16,15 @@ tenant within its share takes capacity back from those over theirs. A request pr
 step is not admitted again in that step. So one tenant's batches can fill an idle server, but
 never push another tenant's stream out of it.
 
-Chunked prefill shares the step (`SchedulerConfig.long_prefill_token_threshold`): while other
-requests run or wait, one request's prompt chunk takes at most `cap` tokens, leaves one token
-for each running request after it, and leaves `min(cap, budget // 2)` tokens for admitting
-waiting requests. So a long prompt never holds the whole budget while others wait: the head of
-the waiting queue gets its first chunk in the next step that has a free sequence slot and KV
-blocks for it, and decoding requests keep getting a token each step.
+The step's budget is split so decodes keep their pace and prompts their order: every prompt
+chunk leaves one token for each running request after it, so a decoding request gets its
+token every step. Prompts are prefilled oldest first (running ones, then waiting ones in
+fair-queue order). While other requests run or wait, a long prompt (more than `cap`,
+`SchedulerConfig.long_prefill_token_threshold`) takes at most `cap` tokens a step, and a
+running one leaves `min(cap, budget // 2)` tokens for admitting waiting requests; at most
+`max_long_partial_prefills` long prompts are prefilled ahead of shorter waiting ones, the
+others let those in first. Whatever budget is left then goes back to the prompts the cap held
+back, oldest first: the cap shares a contended step and never leaves budget idle.
 
 A step's tokens count as computed when it is scheduled, and a step that reaches a request's
 end leaves one token pending until its output comes back. So with async scheduling the next
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Protocol
 
 from loraplex.config import CacheConfig, SchedulerConfig
@@ -191,6 +195,8 @@ class Scheduler:
         reserve = min(cap, step.budget // 2) if can_admit else 0
         self._schedule_running(step, cap, reserve)
         self._schedule_waiting(step, cap)
+        if step.capped and step.budget > 0:
+            self._top_up(step)
 
         finished, self._finished_ids = frozenset(self._finished_ids), set()
         cached_reqs = step.cached_reqs
@@ -227,9 +233,18 @@ class Scheduler:
             if request.status != running_status:
                 continue  # preempted earlier in this step
             n = self._num_new_tokens(request, budget)
+            capped = False
             if n > 1 and cap:
-                # A prompt chunk: leave a token for each later running request and the reserve.
-                n = min(n, cap, budget - num_later - reserve)
+                # A prompt chunk leaves a token for each later running request; a long one
+                # (more than the cap) takes at most the cap and leaves the reserve too.
+                wanted = n
+                n = min(n, budget - num_later)
+                if wanted > cap:
+                    n = min(n, cap, budget - num_later - reserve)
+                capped = n < wanted
+                if n <= 0:
+                    step.capped.append((request, step.cached_reqs, -1))
+                    continue
             if n <= 0:
                 continue
             num_drafts = 0
@@ -254,6 +269,8 @@ class Scheduler:
                     if new_block_ids is None:
                         continue
             num_scheduled[request.request_id] = n
+            if capped:
+                step.capped.append((request, step.cached_reqs, len(step.cached_reqs)))
             add_cached(
                 CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
             )
@@ -285,9 +302,24 @@ class Scheduler:
         capacity back from the tenants over theirs (their newest requests are preempted); a
         request it cannot fit that way waits at the head of the queue, holding the others back,
         so a large request is never starved by smaller ones. A tenant with a request preempted
-        in this step has none admitted in it."""
-        skipped: list[Request] = []
+        in this step has none admitted in it.
+
+        Prompts longer than the chunk cap are prefilled `max_long_partial_prefills` at a time
+        (those already running count) ahead of shorter ones: past that, a long prompt lets
+        the shorter ones behind it in first and takes what budget they leave, in a second
+        pass. So short prompts are not queued behind long ones, and no budget idles."""
         passed_over: set[str] = set()  # tenants over their share with no room left for them
+        long_slots = None
+        if cap:
+            long_slots = max(self.config.max_long_partial_prefills - len(step.capped), 0)
+        if self._admit(step, cap, passed_over, long_slots) and step.budget > 0:
+            self._admit(step, cap, passed_over, None)
+
+    def _admit(self, step: _Step, cap: int, passed_over: set[str], long_slots: int | None) -> bool:
+        """One pass of admissions (see `_schedule_waiting`); with `long_slots`, prompts longer
+        than the cap past that many are set aside. Returns whether any was."""
+        skipped: list[Request] = []
+        deferred = False
         bs = self.kv.block_size
         while step.budget > 0:
             try:
@@ -323,8 +355,18 @@ class Scheduler:
             else:
                 num_hit = 0
             n = self._num_new_tokens(request, step.budget, extra_computed=num_hit)
-            if cap:
-                n = min(n, cap)
+            if (
+                long_slots is not None
+                and request.num_tokens - request.num_computed_tokens - (num_hit) > cap
+            ):
+                if not long_slots:
+                    skipped.append(self.waiting.pop(charge=False, exclude=passed_over))
+                    deferred = True
+                    continue
+                long_slots -= 1
+            capped = cap and n > cap
+            if capped:
+                n = cap
             if n == 0:
                 break
             room = self._make_room(request, n, computed_blocks, step)
@@ -346,6 +388,8 @@ class Scheduler:
                 # stream); the scheduler itself never touches device memory.
                 slot = self.adapters.acquire_for_request(request.request_id, request.adapter_key)
             step.num_scheduled[request.request_id] = n
+            if capped:
+                step.capped.append((request, step.new_reqs, len(step.new_reqs)))
             step.new_reqs.append(
                 NewRequestData(
                     req_id=request.request_id,
@@ -363,6 +407,40 @@ class Scheduler:
                 step.headroom += 1
         for request in reversed(skipped):
             self.waiting.push_front(request)
+        return deferred
+
+    def _top_up(self, step: _Step) -> None:
+        """Give what the step's budget has left to the prompt chunks the cap held back, oldest
+        first: the cap shares a contended step, it never leaves one idle. A top-up never
+        preempts."""
+        for request, records, index in step.capped:
+            if step.budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING or request.request_id in step.unscheduled:
+                continue  # preempted after its chunk was scheduled
+            n = self._num_new_tokens(request, step.budget)
+            new_block_ids = self.kv.allocate_slots(request, n) if n > 0 else None
+            if new_block_ids is None:
+                continue
+            if index < 0:  # it had no chunk in this step yet
+                step.num_scheduled[request.request_id] = n
+                records.append(
+                    CachedRequestData(
+                        request.request_id, new_block_ids, request.num_computed_tokens
+                    )
+                )
+                _advance(request, n)
+                step.budget -= n
+                continue
+            record = records[index]
+            if isinstance(record, CachedRequestData):
+                new_block_ids = record.new_block_ids + new_block_ids
+                records[index] = replace(record, new_block_ids=new_block_ids)
+            else:
+                records[index] = replace(record, block_ids=record.block_ids + new_block_ids)
+            step.num_scheduled[request.request_id] += n
+            _advance(request, n)
+            step.budget -= n
 
     def _slot_room(self, tenant: str) -> _Room:
         """Whether a request of `tenant` can have a sequence slot: a free one, or one taken
@@ -546,6 +624,9 @@ class _Step:
         self.spec_tokens: dict[str, list[int]] = {}
         # Blocks the scheduled requests need to take one more token each in the next step.
         self.headroom = 0
+        # Prompt chunks the cap cut short: (request, the list holding its record, its index;
+        # -1 for a running request the cap left without a chunk).
+        self.capped: list[tuple[Request, list, int]] = []
         self.preempted: set[str] = set()  # NOTE: not admitted again in this step
         self.unscheduled: set[str] = set()  # scheduled, then preempted in this step
 
