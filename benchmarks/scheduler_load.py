@@ -13,7 +13,8 @@ Four scenarios:
   the worst gap between a stream's tokens, and the steps that left budget idle;
 - **burst**: 512 requests at once;
 - **attack**: one tenant's stream alone, then beside another tenant's two batches of
-  `n`-sample requests in a KV pool far too small for them (the stream's worst gap in steps);
+  `n`-sample requests in a KV pool far too small for them, the stream starting first or
+  joining while the batches run (its first token and worst gap in steps);
 - **schedule_us**: `Scheduler.schedule()` wall time per step with 256 decoding sequences.
 
     python -m benchmarks.scheduler_load            # prints the figures
@@ -422,9 +423,13 @@ def main() -> None:
         figures = burst(workload)
         metrics[f"{name}_burst512"] = figures.__dict__
         print(name, "burst", figures)
-    figures = attack()
-    metrics["attack"] = figures.__dict__
-    print("attack", figures)
+    for name, setup in (
+        ("attack_stream_first", Attack()),
+        ("attack_stream_joins", Attack(stream_step=20, batch_step=0)),
+    ):
+        figures = attack(setup)
+        metrics[name] = figures.__dict__
+        print(name, figures)
     wall, cpu = schedule_us()
     metrics["schedule_us_256"] = {"wall": round(wall, 1), "cpu": round(cpu, 1)}
     print("schedule() us per step at 256 running:", metrics["schedule_us_256"])
