@@ -17,8 +17,9 @@ Four scenarios:
   joining while the batches run (its first token and worst gap in steps);
 - **schedule_us**: `Scheduler.schedule()` wall time per step with 256 decoding sequences.
 
-    python -m benchmarks.scheduler_load            # prints the figures
-    python -m benchmarks.scheduler_load --record   # also writes results/cpu_scheduler_load.json
+    python -m benchmarks.scheduler_load            # prints the figures, then them as JSON
+    python -m benchmarks.scheduler_load --record [--baseline old.json --baseline-commit C]
+    # writes results/cpu_scheduler_load.json, with the JSON line of a run at commit C
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from loraplex.config import CacheConfig, SchedulerConfig
 from loraplex.platform.core.request import Request
@@ -410,6 +412,13 @@ def schedule_us(num_running: int = 256, steps: int = 400) -> tuple[float, float]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--record", action="store_true", help="write the JSON record")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="the metrics this script printed (without --record) at another commit: the "
+        "record's baseline",
+    )
+    parser.add_argument("--baseline-commit", default="", help="the commit of --baseline")
     args = parser.parse_args()
     metrics: dict[str, object] = {}
     workloads = (("decode_heavy", DECODE_HEAVY), ("prefill_heavy", PREFILL_HEAVY),
@@ -436,10 +445,12 @@ def main() -> None:
     if args.record:
         from benchmarks.record import write_result
 
-        path = write_result("cpu_scheduler_load.json", "scheduler_load", metrics, baseline={})
-        print("wrote", path)
+        baseline: dict[str, object] = {}
+        if args.baseline is not None:
+            baseline = {"commit": args.baseline_commit, **json.loads(args.baseline.read_text())}
+        write_result("cpu_scheduler_load.json", "scheduler_load", metrics, baseline=baseline)
     else:
-        print(json.dumps(metrics, default=str, indent=1))
+        print(json.dumps(metrics, default=str))
 
 
 if __name__ == "__main__":

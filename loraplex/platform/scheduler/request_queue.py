@@ -58,10 +58,6 @@ class FairRequestQueue:
         """The next request, passing over the tenants in `exclude` (IndexError if none)."""
         return self._queues[self._next_tenant(exclude)][0]
 
-    def has_next(self, exclude: Collection[str] = ()) -> bool:
-        """Whether a tenant outside `exclude` has a request waiting."""
-        return any(queue and t not in exclude for t, queue in self._queues.items())
-
     def pop(self, charge: bool = True, exclude: Collection[str] = ()) -> Request:
         """Take the next request (as `peek`); `charge=False` when it is only set aside for
         this step."""
