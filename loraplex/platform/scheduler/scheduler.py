@@ -347,6 +347,14 @@ class Scheduler:
                 continue
             if room is _Room.NONE:
                 break
+            if long_slots is not None and request.num_tokens - request.num_computed_tokens > cap:
+                # NOTE: long before its prefix-cache hits (looked up once it is admitted, so a
+                # set-aside request is not counted twice in the hit rate).
+                if not long_slots:
+                    skipped.append(self.waiting.pop(charge=False, exclude=passed_over))
+                    deferred = True
+                    continue
+                long_slots -= 1
             computed_blocks: list = []
             if request.num_computed_tokens == 0:
                 computed_blocks, num_hit = self.kv.get_computed_blocks(request)
@@ -355,15 +363,6 @@ class Scheduler:
             else:
                 num_hit = 0
             n = self._num_new_tokens(request, step.budget, extra_computed=num_hit)
-            if (
-                long_slots is not None
-                and request.num_tokens - request.num_computed_tokens - (num_hit) > cap
-            ):
-                if not long_slots:
-                    skipped.append(self.waiting.pop(charge=False, exclude=passed_over))
-                    deferred = True
-                    continue
-                long_slots -= 1
             capped = cap and n > cap
             if capped:
                 n = cap
