@@ -87,6 +87,10 @@ class SchedulerConfig:
     # run or wait (its chunked prefill then shares the step, and the same number of tokens is
     # kept for admitting waiting requests). None: a quarter of max_num_batched_tokens; 0: no cap.
     long_prefill_token_threshold: int | None = None
+    # vLLM's name: how many prompts longer than that threshold are prefilled at once ahead of
+    # shorter waiting prompts (which otherwise queue behind them); the budget such shorter
+    # prompts leave still goes to the next long ones.
+    max_long_partial_prefills: int = 1
     # Abort a request that made no progress (no prefill chunk, no token, not admitted) for this
     # many seconds, freeing its blocks; 0 disables the watchdog.
     request_stall_timeout_s: float = 600.0
@@ -97,6 +101,10 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_long_partial_prefills < 1:
+            raise ValueError(
+                f"max_long_partial_prefills must be >= 1, got {self.max_long_partial_prefills}"
             )
         threshold = self.long_prefill_token_threshold
         if threshold is not None and threshold < 0:

@@ -81,15 +81,19 @@ class BlockPool:
             out.append(block)
         return out
 
-    def free(self, blocks: Sequence[KVBlock]) -> None:
+    def free(self, blocks: Sequence[KVBlock]) -> int:
         """Drop one reference from each block; blocks reaching zero join the LRU tail in the
-        given order (callers pass a request's blocks tail-first, so its tail evicts first)."""
+        given order (callers pass a request's blocks tail-first, so its tail evicts first).
+        Returns how many blocks became free."""
+        num_freed = 0
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt < 0:
                 raise RuntimeError(f"block {block.block_id} freed more often than allocated")
             if block.ref_cnt == 0:
                 self._free[block.block_id] = None
+                num_freed += 1
+        return num_freed
 
     def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
         """Publish a full block under its hash (first writer wins; duplicates stay private)."""

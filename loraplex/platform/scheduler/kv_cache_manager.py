@@ -25,6 +25,10 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self._num_published: dict[str, int] = {}  # leading blocks of a request already hashed
+        # Blocks in use per tenant, each counted once however many of its requests hold it.
+        # NOTE: exact because cached blocks are keyed by tenant: no block is ever shared
+        # between two tenants' requests.
+        self.tenant_blocks: dict[str, int] = {}
         self.stats = PrefixCacheStats()
 
     @property
@@ -79,23 +83,51 @@ class KVCacheManager:
         Returns the ids of newly added blocks (cached prefix blocks first), or None when the
         pool cannot supply them (nothing changes then).
         """
-        computed_blocks = computed_blocks or []
-        held = self.req_blocks.get(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
-        total_tokens = num_computed + num_new_tokens
-        num_needed = -(-total_tokens // self.block_size) - len(held) - len(computed_blocks)
+        held = self.req_blocks.get(request.request_id)
+        if not computed_blocks:
+            total_tokens = request.num_computed_tokens + num_new_tokens
+            if held is not None and total_tokens <= len(held) * self.block_size:
+                # NOTE: the decode hot path: no new block, at most a newly full one to publish.
+                if self.enable_caching:
+                    self._cache_full_blocks(request, held, total_tokens)
+                return []
+            computed_blocks = []
+        num_needed, total_tokens = self._num_needed(request, num_new_tokens, computed_blocks)
         # Reviving cached blocks takes them out of the free list too.
         num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if max(num_needed, 0) + num_revived > self.pool.num_free_blocks:
+        if num_needed + num_revived > self.pool.num_free_blocks:
             return None
         self.pool.touch(computed_blocks)
-        new_blocks = self.pool.allocate(max(num_needed, 0))
-        blocks = self.req_blocks.setdefault(request.request_id, [])
-        blocks.extend(computed_blocks)
-        blocks.extend(new_blocks)
+        new_blocks = self.pool.allocate(num_needed)
+        tenant = request.tenant
+        self.tenant_blocks[tenant] = self.tenant_blocks.get(tenant, 0) + num_needed + num_revived
+        if held is None:
+            held = self.req_blocks[request.request_id] = []
+        held.extend(computed_blocks)
+        held.extend(new_blocks)
         if self.enable_caching:
-            self._cache_full_blocks(request, blocks, total_tokens)
+            self._cache_full_blocks(request, held, total_tokens)
         return [b.block_id for b in computed_blocks] + [b.block_id for b in new_blocks]
+
+    def num_new_blocks(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] | None = None
+    ) -> int:
+        """Free blocks `allocate_slots` would take for these tokens: fresh ones, and the
+        cached prefix blocks it revives."""
+        computed_blocks = computed_blocks or []
+        num_needed, _ = self._num_needed(request, num_new_tokens, computed_blocks)
+        return num_needed + sum(1 for b in computed_blocks if b.ref_cnt == 0)
+
+    def _num_needed(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock]
+    ) -> tuple[int, int]:
+        """(fresh blocks needed, tokens the request will then hold K/V slots for)."""
+        held = self.req_blocks.get(request.request_id)
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        total_tokens = num_computed + num_new_tokens
+        num_blocks = -(-total_tokens // self.block_size)
+        num_needed = num_blocks - (len(held) if held else 0) - len(computed_blocks)
+        return max(num_needed, 0), total_tokens
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
         # NOTE: a block is published once all its tokens are known and scheduled; every token
@@ -113,9 +145,15 @@ class KVCacheManager:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
 
     def free(self, request: Request) -> None:
-        blocks = self.req_blocks.pop(request.request_id, [])
+        blocks = self.req_blocks.pop(request.request_id, None)
         self._num_published.pop(request.request_id, None)
-        self.pool.free(list(reversed(blocks)))
+        if blocks:
+            num_freed = self.pool.free(blocks[::-1])
+            left = self.tenant_blocks[request.tenant] - num_freed
+            if left:
+                self.tenant_blocks[request.tenant] = left
+            else:
+                del self.tenant_blocks[request.tenant]
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()

@@ -9,6 +9,7 @@ tenant, so idleness earns no credit to flood with later.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 
 from loraplex.platform.core.request import Request
 
@@ -41,10 +42,10 @@ class FairRequestQueue:
         self._queue(request.tenant).appendleft(request)
         self._len += 1
 
-    def _next_tenant(self) -> str:
+    def _next_tenant(self, exclude: Collection[str] = ()) -> str:
         best, best_key = None, None
         for tenant, queue in self._queues.items():
-            if not queue:
+            if not queue or tenant in exclude:
                 continue
             key = (self._charge.get(tenant, 0.0), queue[0].arrival_time)
             if best_key is None or key < best_key:
@@ -53,12 +54,14 @@ class FairRequestQueue:
             raise IndexError("the waiting queue is empty")
         return best
 
-    def peek(self) -> Request:
-        return self._queues[self._next_tenant()][0]
+    def peek(self, exclude: Collection[str] = ()) -> Request:
+        """The next request, passing over the tenants in `exclude` (IndexError if none)."""
+        return self._queues[self._next_tenant(exclude)][0]
 
-    def pop(self, charge: bool = True) -> Request:
-        """Take the next request; `charge=False` when it is only set aside for this step."""
-        tenant = self._next_tenant()
+    def pop(self, charge: bool = True, exclude: Collection[str] = ()) -> Request:
+        """Take the next request (as `peek`); `charge=False` when it is only set aside for
+        this step."""
+        tenant = self._next_tenant(exclude)
         request = self._queues[tenant].popleft()
         if charge and request.num_preemptions == 0:  # a resumed request was charged already
             weight = self.weights.get(tenant, 1.0)
