@@ -201,11 +201,11 @@ def test_decode_regime_needs_counters():
 
 
 def test_default_regimes_by_token_count():
-    """One launch up to 16 tokens (with counters), the per-token pair to 64, the grouped pair
-    with decode tiles below 512 and prefill tiles from there; bad tiles are refused."""
+    """One launch for one token (with counters), the per-token pair to 256, the grouped pair
+    with decode tiles below 4096 and prefill tiles from there; bad tiles are refused."""
     config = LoRAKernelConfig()
-    cases = {1: "decode", 16: "decode", 17: "token", 64: "token", 65: "group", 511: "group",
-             512: "prefill", 8192: "prefill"}  # fmt: skip
+    cases = {1: "decode", 2: "token", 16: "token", 256: "token", 257: "group", 4095: "group",
+             4096: "prefill", 8192: "prefill"}  # fmt: skip
     assert {n: config.regime(n, has_counters=True) for n in cases} == cases
     assert config.regime(1, has_counters=False) == "token"
     with pytest.raises(ValueError, match="power of two"):

@@ -33,13 +33,18 @@ class LoRAKernelConfig:
     splits are run-time values and the constexprs depend on the shapes and the regime only, so
     a step of a new size never compiles a kernel."""
 
-    # NOTE: picked by the H200 run of benchmarks.lora_kernels (results/h200_lora_kernels.json)
-    decode_max_tokens: int = 16
-    decode_pdl: bool = False  # launch it as a programmatic dependent of the base GEMM (sm90)
+    # NOTE: picked by the H200 run of benchmarks.lora_kernels (results/h200_lora_kernels.json):
+    # the one-launch decode kernel adds the least to a layer only at one token, launched as a
+    # programmatic dependent of the base GEMM (32 against the pair's 36 us a layer); from 8
+    # tokens on the per-token pair wins (38 against 58-62 us), and it still beats the grouped
+    # pair at 256 tokens on 64 adapters (208 against 338 us); the grouped pair beats prefill
+    # tiles at 2,048 tokens (652 against 678 us) and loses at 8,192 (2,294 against 2,002 us).
+    decode_max_tokens: int = 1
+    decode_pdl: bool = True  # launch it as a programmatic dependent of the base GEMM (sm90)
     decode_block_k: int = 256  # shrink: input features per load
     decode_k_per_split: int = 256  # shrink: input features per work item (a multiple of the above)
     decode_block_n: int = 256  # expand: columns per work item
-    token_kernels_max_tokens: int = 64
+    token_kernels_max_tokens: int = 256
     token_k_per_split: int = 512
     target_programs: int = 512  # grouped shrink: split the reduction until about this many programs
     max_splits: int = 32
@@ -47,7 +52,7 @@ class LoRAKernelConfig:
     expand_block_n: int = 256  # columns per program of the per-token expand
     group_block_m: int = 16  # tokens per program of the grouped kernels
     group_block_n: int = 128
-    prefill_min_tokens: int = 512
+    prefill_min_tokens: int = 4096
     prefill_block_m: int = 64
     prefill_block_n: int = 128
     prefill_block_k: int = 64
