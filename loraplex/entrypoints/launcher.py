@@ -71,6 +71,14 @@ class Launcher:
             raise ValueError(f"api_server_count must be >= 1, got {api_server_count}")
         if shutdown_timeout_s < 0:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {shutdown_timeout_s}")
+        if settings.runtime_lora_updating and api_server_count > 1:
+            # NOTE: each API process keeps its own table of server-wide adapter names, so one
+            # loaded through one process would be unknown to the others.
+            raise ValueError(
+                "runtime LoRA updating (--allow-runtime-lora-updating, "
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING) needs --api-server-count 1: each API process "
+                "keeps its own list of server-wide adapters"
+            )
         self.config = config
         self.settings = settings
         self.api_server_count = api_server_count

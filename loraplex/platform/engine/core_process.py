@@ -216,6 +216,7 @@ class EngineCore(AsyncEngine):
             vocab_size=engine.runner.arch.vocab_size,
             pid=os.getpid(),
             adapter_validator=self.adapter_validator,
+            generation_defaults=engine.generation_defaults,
         )
         if message.version != PROTOCOL_VERSION:
             logger.error(

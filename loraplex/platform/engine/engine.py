@@ -35,6 +35,7 @@ from loraplex.platform.engine.adapter_tokenizers import AdapterTokenizers
 from loraplex.platform.engine.gc_tuning import tune_for_serving
 from loraplex.platform.engine.output_processor import OutputProcessor, core_request_ids
 from loraplex.platform.engine.structured_output import StepBitmask, StructuredOutputManager
+from loraplex.platform.models.generation_config import read_generation_defaults
 from loraplex.platform.models.model_loader import generation_eos_ids
 from loraplex.platform.models.model_store import resolve_model_path
 from loraplex.platform.models.tokenizer import (
@@ -58,6 +59,10 @@ class Engine:
     def __init__(self, config: EngineConfig, detokenize: bool = True) -> None:
         self.config = config
         self.model_dir = resolve_model_path(config.model.model)
+        # A request's default sampling parameters (its own values win): vLLM's generation config
+        self.generation_defaults = read_generation_defaults(
+            self.model_dir, config.model.generation_config, config.model.generation_overrides
+        )
         self.runner = ModelRunner(config, self.model_dir, ())
         arch = self.runner.arch
         self.tokenizer = load_tokenizer(self.model_dir, arch.vocab_size)
@@ -259,7 +264,7 @@ class Engine:
                 f"{num_prompt} tokens. Please shorten the prompt."
             )
         if params.max_tokens is None:
-            return limit - num_prompt
+            return self.generation_defaults.max_tokens_for(None, num_prompt, limit)
         if num_prompt + params.max_tokens > limit:
             raise PromptTooLongError(
                 f"This model's maximum context length is {limit} tokens. However, you requested "

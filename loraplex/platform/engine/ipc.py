@@ -27,6 +27,7 @@ from loraplex.adapters.validator import AdapterValidator
 from loraplex.grammar import errors as grammar_errors
 from loraplex.platform.core import commands
 from loraplex.platform.core.errors import EngineDeadError, PromptTooLongError, RequestStalledError
+from loraplex.platform.core.generation_defaults import GenerationDefaults
 from loraplex.platform.core.outputs import RequestOutput, StopHit
 from loraplex.platform.core.sampling_params import RequestOutputKind, SamplingParams
 from loraplex.platform.core.stats import EngineSnapshot
@@ -57,6 +58,7 @@ class EngineInfo(msgspec.Struct, tag=True, frozen=True):
     vocab_size: int
     pid: int
     adapter_validator: AdapterValidator | None  # None: LoRA disabled
+    generation_defaults: GenerationDefaults  # requests' default sampling parameters
 
 
 class AddRequest(msgspec.Struct, tag=True, frozen=True):

@@ -155,9 +155,14 @@ async def create_chat_completion(request: Request) -> Response:
     tools = tool_request_for(body)
     tokenizer = await state.tokenizer_of(served)
     parser = tool_parser(state, tokenizer)
-    params = with_tool_grammar(chat_sampling_params(body, state.limits_for(tokenizer)), tools)
+    defaults = state.engine.generation_defaults
+    params = chat_sampling_params(body, state.limits_for(tokenizer), defaults)
+    params = with_tool_grammar(params, tools)
     prompt = await asyncio.to_thread(render_chat_prompt, tokenizer, body, tools, parser)
-    admit(request, *reservation(state.engine.max_model_len, params, [len(prompt.token_ids)]))
+    admit(
+        request,
+        *reservation(state.engine.max_model_len, params, [len(prompt.token_ids)], defaults),
+    )
     request_id = new_id("chatcmpl")
     streams = await submit_chat(state, prompt, params, request_id, tenant, served, tools, parser)
     if body.stream:

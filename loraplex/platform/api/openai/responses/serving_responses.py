@@ -53,6 +53,7 @@ from loraplex.platform.api.state import ServerState, server_state
 from loraplex.platform.api.tenancy.auth import admit, tenant_of
 from loraplex.platform.api.tenancy.limits import reservation
 from loraplex.platform.core.outputs import RequestOutput
+from loraplex.platform.core.sampling_params import SamplingParams
 from loraplex.platform.engine.async_engine import RequestStream
 
 router = APIRouter()
@@ -74,13 +75,14 @@ def _not_found(response_id: str) -> APIError:
     )
 
 
-def _echoed(body: ResponsesRequest) -> dict[str, Any]:
-    """The request fields a response object repeats."""
+def _echoed(body: ResponsesRequest, params: SamplingParams) -> dict[str, Any]:
+    """The request fields a response object repeats (sampling as it ran: the request's
+    values, else the server's defaults)."""
     return {
         "instructions": body.instructions,
         "max_output_tokens": body.max_output_tokens,
-        "temperature": 1.0 if body.temperature is None else body.temperature,
-        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
         "tools": body.tools or [],
         "tool_choice": body.tool_choice or "auto",
         "parallel_tool_calls": True
@@ -114,9 +116,14 @@ async def create_response(request: Request) -> Response:
     tools = tool_request_for(chat)
     tokenizer = await state.tokenizer_of(served)
     parser = tool_parser(state, tokenizer)
-    params = with_tool_grammar(chat_sampling_params(chat, state.limits_for(tokenizer)), tools)
+    defaults = state.engine.generation_defaults
+    params = chat_sampling_params(chat, state.limits_for(tokenizer), defaults)
+    params = with_tool_grammar(params, tools)
     prompt = await asyncio.to_thread(render_chat_prompt, tokenizer, chat, tools, parser)
-    admit(request, *reservation(state.engine.max_model_len, params, [len(prompt.token_ids)]))
+    admit(
+        request,
+        *reservation(state.engine.max_model_len, params, [len(prompt.token_ids)], defaults),
+    )
     response_id = new_id("resp").replace("-", "_")
     created = now_s()
 
@@ -127,7 +134,7 @@ async def create_response(request: Request) -> Response:
     streams = await submit_chat(state, prompt, params, response_id, tenant, served, tools, parser)
     if body.stream:
         outputs = await first_output_then_rest(request, streams, state.settings.disconnect_poll_s)
-        base = response_json(response_id, created, served.name, _echoed(body), [], "in_progress",
+        base = response_json(response_id, created, served.name, _echoed(body, params), [], "in_progress",
                              None, None)  # fmt: skip
         mode = "none" if tools is None else tools.mode
         calls = ToolCallStream(mode, parser, None if tools is None else tools.named, new_call_id)
@@ -138,7 +145,7 @@ async def create_response(request: Request) -> Response:
     with abort_on_disconnect(request, streams, state.settings.disconnect_poll_s):
         (choice,), usage = await collect(streams, 1)
     message, _ = assistant_message(choice.full_text, tools, parser)
-    final = response_json(response_id, created, served.name, _echoed(body),
+    final = response_json(response_id, created, served.name, _echoed(body, params),
                           output_items(message), "completed", choice.finish_reason,
                           usage_json(usage))  # fmt: skip
     await asyncio.to_thread(save, final, message)
