@@ -103,12 +103,13 @@ def with_tool_grammar(params: SamplingParams, tools: ToolRequest | None) -> Samp
 
 
 def assistant_message(
-    text: str, tools: ToolRequest | None, parser: ToolParser
+    text: str, tools: ToolRequest | None, parser: ToolParser, finish_reason: str | None = None
 ) -> tuple[dict[str, Any], bool]:
-    """OpenAI's assistant `message` of one choice's text, and whether it holds tool calls."""
+    """OpenAI's assistant `message` of one choice's text, and whether it holds tool calls (a
+    forced call cut by the token limit is one, with the arguments written so far)."""
     if tools is None or tools.mode == "none":
         return {"role": "assistant", "content": text}, False
-    parsed = parse_output(text, tools, parser)
+    parsed = parse_output(text, tools, parser, truncated=finish_reason == "length")
     message: dict[str, Any] = {"role": "assistant", "content": parsed.content or None}
     if not parsed.tool_calls:
         message["content"] = parsed.content
@@ -177,7 +178,7 @@ async def create_chat_completion(request: Request) -> Response:
     with abort_on_disconnect(request, streams, state.settings.disconnect_poll_s):
         choices, usage = await collect(streams, body.n)
     top_k = body.top_logprobs or 0
-    answers = [assistant_message(c.full_text, tools, parser) for c in choices]
+    answers = [assistant_message(c.full_text, tools, parser, c.finish_reason) for c in choices]
     response: dict[str, Any] = {
         "id": request_id,
         "object": "chat.completion",
@@ -246,7 +247,8 @@ async def _chat_events(
     usage = UsageCounter()
     mode = "none" if tools is None else tools.mode
     named = None if tools is None else tools.named
-    calls = [ToolCallStream(mode, parser, named, new_call_id) for _ in range(body.n)]
+    names = () if tools is None else tools.names
+    calls = [ToolCallStream(mode, parser, named, new_call_id, names) for _ in range(body.n)]
     try:
         with abort_on_disconnect(request, streams, state.settings.disconnect_poll_s):
             for i in range(body.n):
@@ -260,7 +262,7 @@ async def _chat_events(
                     stream = calls[delta.index]
                     pieces = stream.feed(delta.text)
                     if delta.finish_reason is not None:
-                        pieces += stream.finish()
+                        pieces += stream.finish(delta.finish_reason)
                     # NOTE: logprobs ride on the first piece of this delta; a delta whose text
                     # is held back (a call may be starting) still carries them.
                     if not pieces and (delta.logprobs or delta.finish_reason):

@@ -137,17 +137,18 @@ async def create_response(request: Request) -> Response:
         base = response_json(response_id, created, served.name, _echoed(body, params), [], "in_progress",
                              None, None)  # fmt: skip
         mode = "none" if tools is None else tools.mode
-        calls = ToolCallStream(mode, parser, None if tools is None else tools.named, new_call_id)
+        named, names = (None, ()) if tools is None else (tools.named, tools.names)
+        calls = ToolCallStream(mode, parser, named, new_call_id, names)
         events = _events(request, state, streams, outputs, ResponseEventStream(base), calls, save)
         return StreamingResponse(
             events, media_type="text/event-stream", background=BackgroundTask(abort_all, streams)
         )
     with abort_on_disconnect(request, streams, state.settings.disconnect_poll_s):
         (choice,), usage = await collect(streams, 1)
-    message, _ = assistant_message(choice.full_text, tools, parser)
+    message, _ = assistant_message(choice.full_text, tools, parser, choice.finish_reason)
     final = response_json(response_id, created, served.name, _echoed(body, params),
-                          output_items(message), "completed", choice.finish_reason,
-                          usage_json(usage))  # fmt: skip
+                          output_items(message, choice.finish_reason), "completed",
+                          choice.finish_reason, usage_json(usage))  # fmt: skip
     await asyncio.to_thread(save, final, message)
     return JSONResponse(final)
 
@@ -174,7 +175,7 @@ async def _events(
                     pieces = calls.feed(delta.text)
                     if delta.finish_reason is not None:
                         finish = delta.finish_reason
-                        pieces += calls.finish()
+                        pieces += calls.finish(delta.finish_reason)
                     for piece in pieces:
                         for event in events.delta(piece):
                             yield event
