@@ -87,7 +87,7 @@ def from_validation_error(error: ValidationError | RequestValidationError) -> AP
         return bad_request("invalid request body")
     first = details[0]
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    # NOTE: union members show up as extra path parts ("str", "list[int]", "TextPart"); our
+    # NOTE: union members show up as extra path parts ("str", "list[int]", "ContentPart"); our
     # field names are lower-case identifiers, so keep only those and list indices.
     path = [part for part in loc if _is_field_part(part)]
     param = ".".join(path) or None

@@ -8,6 +8,7 @@ from typing import Any
 from loraplex.platform.api.errors import bad_request, from_engine_error
 from loraplex.platform.api.openai.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     SamplingFields,
 )
@@ -173,7 +174,25 @@ _UNSERVED_CHAT = {
 }  # fmt: skip
 
 
+def check_text_content(messages: list[ChatMessage]) -> None:
+    """400 naming the first content part that is not text: this server's models read text."""
+    for i, message in enumerate(messages):
+        for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+            where = f"messages[{i}].content[{j}]"
+            if part.type != "text":
+                raise bad_request(
+                    f"{where}: {part.type} content parts are not supported by this server "
+                    "(text-only model)",
+                    param=f"messages.{i}.content.{j}.type",
+                )
+            if part.text is None:
+                raise bad_request(
+                    f"{where}: a text part needs `text`", param=f"messages.{i}.content.{j}.text"
+                )
+
+
 def _check_chat(body: ChatCompletionRequest) -> None:
+    check_text_content(body.messages)
     for name, instead in _UNSERVED_CHAT.items():
         if getattr(body, name) is not None:
             hint = f"; {instead}" if instead else ""
