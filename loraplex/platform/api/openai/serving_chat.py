@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -53,6 +53,8 @@ from loraplex.platform.engine.async_engine import RequestStream
 from loraplex.platform.models.tokenizer import Tokenizer
 
 router = APIRouter()
+# The engine's field names (errors' `param`) as a chat request names them.
+CHAT_FIELDS = {"prompt": "messages"}
 
 
 def tool_parser(state: ServerState, tokenizer: Tokenizer | None = None) -> ToolParser:
@@ -128,16 +130,19 @@ async def submit_chat(
     served: ServedModel,
     tools: ToolRequest | None,
     parser: ToolParser,
+    fields: Mapping[str, str] = CHAT_FIELDS,
 ) -> list[RequestStream]:
     """The engine requests of one chat prompt: one request, or under `tool_choice: "auto"` a
-    chain per choice that enforces a call once the model opens one (`tool_auto`)."""
+    chain per choice that enforces a call once the model opens one (`tool_auto`). `fields`:
+    the request's names of the engine's fields, for errors (see `from_engine_error`)."""
     if tools is not None and tools.mode == "auto":
         streams = await submit_auto(
-            state.engine, prompt, params, request_id, tools, parser, tenant, served.lora_request
-        )
+            state.engine, prompt, params, request_id, tools, parser, tenant, served.lora_request,
+            fields,
+        )  # fmt: skip
         return streams  # type: ignore[return-value]
     return await submit(
-        state.engine, [prompt], params, request_id, tenant, lora_request=served.lora_request
+        state.engine, [prompt], params, request_id, tenant, served.lora_request, fields
     )
 
 

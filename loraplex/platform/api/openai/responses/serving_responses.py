@@ -1,4 +1,5 @@
-"""POST /v1/responses and GET /v1/responses/{id}: OpenAI's Responses API over the chat path.
+"""POST /v1/responses, GET and DELETE /v1/responses/{id}: OpenAI's Responses API over the chat
+path.
 
 A request becomes the chat completion that answers it (`input`): the stored
 conversation of `previous_response_id`, then `instructions` and `input`. The answer is written
@@ -58,6 +59,8 @@ from loraplex.platform.engine.async_engine import RequestStream
 
 router = APIRouter()
 BODY_MODELS = (ResponsesRequest,)
+# The engine's field names (errors' `param`) as a Responses request names them.
+RESPONSES_FIELDS = {"prompt": "input", "max_tokens": "max_output_tokens"}
 
 
 def response_store(request: Request) -> ResponseStore:
@@ -65,12 +68,12 @@ def response_store(request: Request) -> ResponseStore:
     return request.app.state.responses
 
 
-def _not_found(response_id: str) -> APIError:
+def _not_found(response_id: str, param: str = "previous_response_id") -> APIError:
     return APIError(
         404,
         f"No response with id '{response_id}' found.",
         type="not_found_error",
-        param="previous_response_id",
+        param=param,
         code="response_not_found",
     )
 
@@ -131,7 +134,8 @@ async def create_response(request: Request) -> Response:
         if body.store:
             store.put(tenant, response_id, StoredResponse(final, (*conversation, message)))
 
-    streams = await submit_chat(state, prompt, params, response_id, tenant, served, tools, parser)
+    streams = await submit_chat(state, prompt, params, response_id, tenant, served, tools, parser,
+                                RESPONSES_FIELDS)  # fmt: skip
     if body.stream:
         outputs = await first_output_then_rest(request, streams, state.settings.disconnect_poll_s)
         base = response_json(response_id, created, served.name, _echoed(body, params), [], "in_progress",
@@ -210,7 +214,14 @@ async def get_response(request: Request, response_id: str) -> JSONResponse:
         response_store(request).get, tenant_of(request).name, response_id
     )
     if stored is None:
-        error = _not_found(response_id)
-        error.param = "response_id"
-        raise error
+        raise _not_found(response_id, "response_id")
     return JSONResponse(stored.body)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(request: Request, response_id: str) -> JSONResponse:
+    """OpenAI's delete: the caller's stored response is gone (another tenant's is a 404)."""
+    store = response_store(request)
+    if not await asyncio.to_thread(store.delete, tenant_of(request).name, response_id):
+        raise _not_found(response_id, "response_id")
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
