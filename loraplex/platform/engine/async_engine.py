@@ -416,6 +416,7 @@ class AsyncEngine:
         arrival = live.command.arrival
         lora = live.command.lora_request
         first = output.metrics.get("first_token_time", live.first_output)
+        scheduled = output.metrics.get("first_scheduled_time")
         reasons = {c.finish_reason for c in output.outputs}
         timing = RequestTiming(
             ttft_s=None if first is None else first - arrival,
@@ -426,6 +427,9 @@ class AsyncEngine:
             finish_reason=reasons.pop() if len(reasons) == 1 else None,
             tenant=live.command.tenant,
             adapter=None if lora is None else lora.lora_name,
+            queue_s=None if scheduled is None else max(0.0, scheduled - arrival),
+            prefill_s=None if scheduled is None or first is None else max(0.0, first - scheduled),
+            decode_s=None if first is None else max(0.0, now - first),
         )
         for observer in self._observers:
             try:

@@ -342,6 +342,8 @@ class Engine:
         if speculate:
             self._propose()
         so = self.scheduler.schedule()
+        if so.new_reqs:  # NOTE: their queue time ends here (RequestTiming.queue_s)
+            self.output_processor.mark_scheduled([r.req_id for r in so.new_reqs], time.monotonic())
         constrained = self.structured.num_active > 0
         launched = self.runner.launch(so, need_sampler=constrained)
         if not lock_step:

@@ -34,7 +34,9 @@ from loraplex.platform.core.stats import EngineSnapshot
 from loraplex.platform.core.structured_outputs import StructuredOutputs
 from loraplex.platform.core.timing import RequestTiming
 
-PROTOCOL_VERSION = 2  # 2: outputs carry token ids only; the API processes detokenize
+# 2: outputs carry token ids only; the API processes detokenize. 3: EngineInfo carries the
+# generation defaults, RequestTiming the queue / prefill / decode times.
+PROTOCOL_VERSION = 3
 SNAPSHOT_INTERVAL_S = 0.05  # the most often the core publishes its gauges while busy
 
 
