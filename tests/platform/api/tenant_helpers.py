@@ -19,6 +19,17 @@ ADMIN_KEY = "sk-admin-test"
 MODULES = ["q_proj", "v_proj", "down_proj"]
 
 
+class IdleEngine:
+    """What `build_app` touches of an engine before start-up (its lifespan is not run): for
+    tests of routes that refuse a request before it reaches the engine."""
+
+    served_model_name = "tiny"
+    max_model_len = 64
+
+    def add_timing_observer(self, observer) -> None:
+        pass
+
+
 @dataclass
 class TenantServer:
     base_url: str

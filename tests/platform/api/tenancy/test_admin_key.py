@@ -8,21 +8,12 @@ import logging
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from tenant_helpers import IdleEngine
 
 from loraplex.platform.api.app import build_app
 from loraplex.platform.api.settings import ServerSettings
 from loraplex.platform.api.tenancy.tenancy import Tenancy
 from loraplex.platform.api.tenancy.tenant_store import Tenant, TenantStore
-
-
-class _IdleEngine:
-    """What `build_app` touches of an engine before start-up (lifespan is not run here)."""
-
-    served_model_name = "tiny"
-    max_model_len = 64
-
-    def add_timing_observer(self, observer) -> None:
-        pass
 
 
 @pytest.fixture(autouse=True)
@@ -65,7 +56,7 @@ def _stored_tenant(data_dir) -> str:
 def test_tenants_in_the_data_folder_without_an_admin_key_need_keys_and_say_so(tmp_path, caplog):
     key = _stored_tenant(tmp_path)
     with caplog.at_level(logging.WARNING, logger="loraplex.platform.api.app"):
-        app = build_app(_IdleEngine(), ServerSettings(data_dir=str(tmp_path)))
+        app = build_app(IdleEngine(), ServerSettings(data_dir=str(tmp_path)))
     warning = " ".join(r.getMessage() for r in caplog.records)
     assert "1 tenant(s)" in warning and "--admin-key" in warning
     assert str(tmp_path / "tenants.sqlite") in warning and "--data-dir" in warning

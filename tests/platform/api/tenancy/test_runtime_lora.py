@@ -9,7 +9,14 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 from process_server import launch
-from tenant_helpers import ADMIN_KEY, create_tenants, load_hf_model, make_adapter, start_server
+from tenant_helpers import (
+    ADMIN_KEY,
+    IdleEngine,
+    create_tenants,
+    load_hf_model,
+    make_adapter,
+    start_server,
+)
 
 from loraplex.platform.api.app import build_app
 from loraplex.platform.api.settings import ServerSettings
@@ -146,19 +153,9 @@ def test_a_missing_name_says_which_field(admin_server, adapters):
     assert "None" not in error["message"]
 
 
-class _IdleEngine:
-    """What `build_app` touches of an engine before start-up (lifespan is not run here)."""
-
-    served_model_name = "tiny"
-    max_model_len = 64
-
-    def add_timing_observer(self, observer) -> None:
-        pass
-
-
 @pytest.mark.parametrize("admin_key", [None, ADMIN_KEY])
 def test_without_the_switch_the_refusal_names_it(tmp_path, admin_key):
-    app = build_app(_IdleEngine(), ServerSettings(data_dir=str(tmp_path), admin_key=admin_key))
+    app = build_app(IdleEngine(), ServerSettings(data_dir=str(tmp_path), admin_key=admin_key))
     client = TestClient(app)
     headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
     try:
