@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +22,14 @@ import pytest
 from benchmarks.server_launch import free_port
 from loraplex.entrypoints.launcher import ready_line
 
-pytestmark = pytest.mark.slow
+_TOOLS = ("make", "curl", "jq", "bash")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        any(shutil.which(tool) is None for tool in _TOOLS),
+        reason=f"the README's walkthrough runs {', '.join(_TOOLS)}, not all installed here",
+    ),
+]
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
