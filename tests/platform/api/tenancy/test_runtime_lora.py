@@ -144,13 +144,15 @@ def test_the_tenant_scoped_form_stays_beside_it(admin_server, adapters):
 
 def test_a_missing_name_says_which_field(admin_server, adapters):
     server, _ = admin_server
-    response = server.client(ADMIN_KEY).post(
-        "/v1/load_lora_adapter", json={"lora_path": str(adapters["sql"])}
-    )
+    admin = server.client(ADMIN_KEY)
+    response = admin.post("/v1/load_lora_adapter", json={"lora_path": str(adapters["sql"])})
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "lora_name" and "`lora_name` is required" in error["message"]
     assert "None" not in error["message"]
+    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        for body in (b"[1]", b'"x"', b"{"):  # JSON that is no object, or no JSON: a 400
+            assert admin.post(path, content=body).status_code == 400
 
 
 @pytest.mark.parametrize("admin_key", [None, ADMIN_KEY])
