@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
+# A request without max_tokens stops after this many tokens (the embedded model's
+# generation_config.json sets none, and vLLM's rule is then the rest of an 8192-token context).
+MAX_NEW_TOKENS ?= 512
 PYTEST_ARGS ?=
 # `make test` runs pytest-xdist workers (each test module on one worker, its fixtures built once);
 # `make test PYTEST_WORKERS=0` runs the suite serially in one process.
@@ -27,7 +30,8 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 serve: $(STAMP)
-	$(VENV)/bin/loraplex serve --host $(HOST) --port $(PORT)
+	$(VENV)/bin/loraplex serve --host $(HOST) --port $(PORT) \
+	  --override-generation-config '{"max_new_tokens": $(MAX_NEW_TOKENS)}'
 
 # The dashboard test drives Debian's headless chromium through chromium-driver: installed here
 # where we run as root with apt-get; elsewhere that test skips and says why.

@@ -6,13 +6,15 @@ fit, which device was found) live in state objects, never in a mutated config.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from loraplex.grammar.config import GrammarConfig
+from loraplex.platform.core.generation_defaults import GenerationDefaults
 from loraplex.platform.spec.config import SpeculativeConfig
 
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {
     "fp32": "float32",
     "float": "float32",
@@ -24,8 +26,8 @@ _DTYPE_ALIASES = {
 
 def normalize_dtype(dtype: str) -> str:
     name = _DTYPE_ALIASES.get(dtype, dtype)
-    if name not in _DTYPES:
-        raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     return name
 
 
@@ -40,13 +42,48 @@ class ModelConfig:
     seed: int = 0
     served_model_name: str | None = None
     device: str = "auto"
+    # vLLM's: where requests' default sampling parameters come from ("auto": the model folder's
+    # generation_config.json; "vllm": none; else a folder holding one), and values that take
+    # their place (Hugging Face's names, e.g. {"max_new_tokens": 256, "temperature": 0.7}: a
+    # mapping or its JSON text, kept as sorted pairs). A request's own values win over both.
+    generation_config: str = "auto"
+    override_generation_config: tuple[tuple[str, Any], ...] | dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        overrides = _json_object(self.override_generation_config, "override_generation_config")
+        GenerationDefaults.from_hf(overrides, "--override-generation-config", strict=True)
+        object.__setattr__(self, "override_generation_config", tuple(sorted(overrides.items())))
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(
+                "generation_config must be 'auto', 'vllm' or a folder holding a "
+                f"generation_config.json, got {self.generation_config!r}"
+            )
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    @property
+    def generation_overrides(self) -> dict[str, Any]:
+        """`override_generation_config` as a mapping (Hugging Face's names)."""
+        return dict(self.override_generation_config or ())
+
+
+def _json_object(value: object, name: str) -> dict[str, Any]:
+    """A mapping given as itself, as (key, value) pairs, or as JSON text; {} for None."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as error:
+            raise ValueError(f"{name} is not valid JSON ({error})") from None
+    if isinstance(value, tuple):
+        value = dict(value)
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)

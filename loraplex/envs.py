@@ -41,6 +41,16 @@ def admin_key() -> str | None:
     return os.environ.get("LORAPLEX_ADMIN_KEY") or None
 
 
+def allow_runtime_lora_updating() -> bool:
+    """Whether vLLM's runtime adapter routes load and unload server-wide adapters
+    (VLLM_ALLOW_RUNTIME_LORA_UPDATING, vLLM's switch, or LORAPLEX_ALLOW_RUNTIME_LORA_UPDATING:
+    `1` or `true`, any case; `--allow-runtime-lora-updating` wins over both)."""
+    return any(
+        os.environ.get(name, "").strip().lower() in ("1", "true")
+        for name in ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "LORAPLEX_ALLOW_RUNTIME_LORA_UPDATING")
+    )
+
+
 def log_level() -> str:
     return os.environ.get("LORAPLEX_LOG_LEVEL", "INFO").upper()
 

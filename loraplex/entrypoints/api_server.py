@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import threading
+from multiprocessing.synchronize import Event as EventType
 from types import FrameType
 from typing import Any
 
@@ -34,11 +35,23 @@ class _DrainingServer(uvicorn.Server):
     """uvicorn's server, which on its first exit signal also arms the end of the grace period:
     the engine client then fails what is still running, so streams end with an error event."""
 
-    def __init__(self, config: uvicorn.Config, client: EngineCoreClient, grace_s: float) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        client: EngineCoreClient,
+        grace_s: float,
+        ready: EventType | None = None,
+    ) -> None:
         super().__init__(config)
         self._client = client
         self._grace_s = grace_s
+        self._ready = ready
         self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and self._ready is not None:  # the app's start-up ran: it serves now
+            self._ready.set()
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -80,8 +93,10 @@ def run_api_server(
     uvicorn_options: dict[str, Any],
     shutdown_timeout_s: float,
     parent_pid: int,
+    ready: EventType | None = None,
 ) -> None:
-    """An API server process's entry point (a multiprocessing target)."""
+    """An API server process's entry point (a multiprocessing target); `ready` is set once it
+    serves requests (its app started)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     _exit_with_parent(parent_pid)
     client = EngineCoreClient(address)
@@ -91,5 +106,5 @@ def run_api_server(
         timeout_graceful_shutdown=int(shutdown_timeout_s + DRAIN_MARGIN_S) + 1,
         **uvicorn_options,
     )
-    server = _DrainingServer(config, client, shutdown_timeout_s)
+    server = _DrainingServer(config, client, shutdown_timeout_s, ready)
     server.run(sockets=[listener])

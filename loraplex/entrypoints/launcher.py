@@ -24,6 +24,7 @@ import socket
 import time
 from collections.abc import Sequence
 from multiprocessing.process import BaseProcess
+from multiprocessing.synchronize import Event as EventType
 from typing import Any
 
 from loraplex.config import EngineConfig
@@ -56,6 +57,11 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return listener
 
 
+def ready_line(host: str, port: int) -> str:
+    """What the launcher logs once every API process serves: the line to wait for (README)."""
+    return f"loraplex is ready on http://{host}:{port} (Ctrl-C to stop)"
+
+
 class Launcher:
     """Starts and supervises the processes of one server."""
 
@@ -71,6 +77,14 @@ class Launcher:
             raise ValueError(f"api_server_count must be >= 1, got {api_server_count}")
         if shutdown_timeout_s < 0:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {shutdown_timeout_s}")
+        if settings.runtime_lora_updating and api_server_count > 1:
+            # NOTE: each API process keeps its own table of server-wide adapter names, so one
+            # loaded through one process would be unknown to the others.
+            raise ValueError(
+                "runtime LoRA updating (--allow-runtime-lora-updating, "
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING) needs --api-server-count 1: each API process "
+                "keeps its own list of server-wide adapters"
+            )
         self.config = config
         self.settings = settings
         self.api_server_count = api_server_count
@@ -101,24 +115,25 @@ class Launcher:
                     # NOTE: a refused model or option: `loraplex serve` prints it, exit 2
                     raise ValueError(refusals.recv())
                 return 1
+            ready = [self._context.Event() for _ in range(self.api_server_count)]
             for index in range(self.api_server_count):
                 process = self._context.Process(
                     target=run_api_server,
                     args=(self.settings, listener, address, self.uvicorn_options,
-                          self.shutdown_timeout_s, os.getpid()),
+                          self.shutdown_timeout_s, os.getpid(), ready[index]),
                     name=f"loraplex-api-{index}",
                 )  # fmt: skip
                 process.start()
                 self.api_servers.append(process)
             listener.close()
             logger.info(
-                "serving on http://%s:%d: engine core %d, API processes %s",
+                "starting on http://%s:%d: engine core %d, API processes %s",
                 self.settings.host,
                 self.settings.port,
                 self.engine.pid,
                 [p.pid for p in self.api_servers],
             )
-            return self._supervise()
+            return self._supervise(ready)
         finally:
             listener.close()
             self._stop_all()
@@ -144,13 +159,17 @@ class Launcher:
                 continue
         return False
 
-    def _supervise(self) -> int:
+    def _supervise(self, ready: Sequence[EventType]) -> int:
         assert self.engine is not None
         processes = [self.engine, *self.api_servers]
+        announced = False
         while not self._stopping:
             multiprocessing.connection.wait([p.sentinel for p in processes], timeout=0.2)
             if self._stopping:
                 break
+            if not announced and all(event.is_set() for event in ready):
+                announced = True
+                logger.info("%s", ready_line(self.settings.host, self.settings.port))
             if not self.engine.is_alive():
                 logger.error("the engine core died (exit code %s)", self.engine.exitcode)
                 self._signal(self.api_servers, signal.SIGUSR1)

@@ -225,6 +225,13 @@ def run_serve_ray(args) -> int:
     values = resolve_options(args)
     config = engine_config(values)
     settings = server_settings(values)
+    if settings.runtime_lora_updating and args.replicas > 1:
+        # NOTE: as with several API processes (launcher): each replica keeps its own table
+        raise ValueError(
+            "runtime LoRA updating (--allow-runtime-lora-updating, "
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING) needs --replicas 1: each replica keeps its own "
+            "list of server-wide adapters"
+        )
     if settings.adapter_registry == "local" and args.replicas > 1:
         print("loraplex serve-ray: warning: --adapter-registry local: each replica keeps its own "
               "adapters; give a file:// or s3:// registry to share them")  # fmt: skip

@@ -113,3 +113,74 @@ def test_lora_modules_from_the_command_line_and_yaml(tmp_path):
     path.write_text("lora_modules: a=/x\n")
     with pytest.raises(ValueError, match="lora_modules must be a list"):
         resolve_options(_parse("--config", str(path)))
+
+
+def test_the_model_as_a_positional_argument_as_vllm_serve_takes_it(tmp_path):
+
+    assert resolve_options(_parse("/models/x"))["model"] == "/models/x"
+    assert resolve_options(_parse("/models/x", "--model", "/models/x"))["model"] == "/models/x"
+    assert engine_config(resolve_options(_parse("/models/x"))).model.model == "/models/x"
+    with pytest.raises(ValueError, match="given twice"):
+        resolve_options(_parse("/models/x", "--model", "/models/y"))
+
+
+def test_both_models_given_exit_2_with_the_reason(capsys):
+    from loraplex.cli import main
+
+    assert main(["serve", "/models/x", "--model", "/models/y"]) == 2
+    err = capsys.readouterr().err
+    assert "loraplex serve: error:" in err and "/models/x" in err and "/models/y" in err
+
+
+def test_help_shows_one_default_per_option_and_no_stale_claims(capsys):
+    with pytest.raises(SystemExit):
+        _parse("--help")
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: None)" not in text and "default 1;" not in text
+    assert "penalties" not in text  # penalties no longer force lock step
+    for flag in ("--enable-lora", "--max-loras", "--max-lora-rank", "--tool-call-parser",
+                 "--generation-config", "--override-generation-config", "--admin-key-file",
+                 "--allow-runtime-lora-updating", "MODEL"):  # fmt: skip
+        assert flag in text
+    for parser in ("hermes", "qwen", "llama3_json", "mistral"):  # the registry's names
+        assert parser in text
+    assert "/v1/responses" in text and "/openapi.json" in text
+
+
+def test_the_readme_options_table_is_the_parsers():
+    """The README's table is rendered from the parser: this fails when one changes without
+    the other (`python -m loraplex.entrypoints.serve_options_table` rewrites it)."""
+    from loraplex.entrypoints.serve_options_table import README, options_table, readme_with_table
+
+    text = README.read_text()
+    assert readme_with_table(text, options_table()) == text
+    for row in ("| `--enable-lora` / `--no-enable-lora` | on |", "| `--max-loras` | 8 |",
+                "| `--max-lora-rank` | 64 |", "| `--api-server-count` | 1 |"):  # fmt: skip
+        assert row in text
+
+
+def test_the_table_picks_up_a_flag_added_to_the_parser():
+    from loraplex.entrypoints.serve_options_table import options_table, serve_parser
+
+    parser = serve_parser()
+    parser.add_argument("--new-flag", type=int, help="does something new (default: 3)")
+    assert "| `--new-flag` | 3 | does something new |" in options_table(parser)
+
+
+def test_the_admin_key_from_a_file_not_the_command_line(tmp_path, capsys):
+    from loraplex.cli import main
+    from loraplex.entrypoints.serve_cli import server_settings
+
+    key_file = tmp_path / "admin.key"
+    key_file.write_text("sk-from-file\n")
+    settings = server_settings(resolve_options(_parse("--admin-key-file", str(key_file))))
+    assert settings.admin_key == "sk-from-file"
+    with pytest.raises(ValueError, match="once"):
+        server_settings(resolve_options(_parse("--admin-key-file", str(key_file),
+                                               "--admin-key", "x")))  # fmt: skip
+    empty = tmp_path / "empty.key"
+    empty.write_text("\n")
+    assert main(["serve", "--admin-key-file", str(empty)]) == 2
+    assert "holds no key" in capsys.readouterr().err
+    assert main(["serve", "--admin-key-file", str(tmp_path / "missing")]) == 2
+    assert "--admin-key-file" in capsys.readouterr().err

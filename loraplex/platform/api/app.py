@@ -62,7 +62,7 @@ def build_app(
     tenant's adapters from the registry under `settings.data_dir`).
     """
     settings = settings or ServerSettings()
-    metrics = ServerMetrics(engine.served_model_name)
+    metrics = ServerMetrics(engine.served_model_name, engine.max_model_len)
     engine.add_timing_observer(metrics.observe)
     admin_key = settings.admin_key or envs.admin_key()
     tenancy = Tenancy(

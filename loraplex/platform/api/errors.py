@@ -6,6 +6,7 @@ Every failure a client can cause maps to a 4xx here; a 500 means a bug of ours, 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -87,7 +88,7 @@ def from_validation_error(error: ValidationError | RequestValidationError) -> AP
         return bad_request("invalid request body")
     first = details[0]
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    # NOTE: union members show up as extra path parts ("str", "list[int]", "TextPart"); our
+    # NOTE: union members show up as extra path parts ("str", "list[int]", "ContentPart"); our
     # field names are lower-case identifiers, so keep only those and list indices.
     path = [part for part in loc if _is_field_part(part)]
     param = ".".join(path) or None
@@ -107,10 +108,12 @@ def _is_field_part(part: str) -> bool:
     return part.isidentifier() and part[0].islower() and part not in _TYPE_NAMES
 
 
-def from_engine_error(error: ValueError) -> APIError:
-    """An error from SamplingParams or Engine.add_request (both ValueError)."""
+def from_engine_error(error: ValueError, fields: Mapping[str, str] | None = None) -> APIError:
+    """An error from SamplingParams or Engine.add_request (both ValueError). `fields` names
+    the engine's fields (`prompt`, `max_tokens`) as the request does (chat: `messages`)."""
     if isinstance(error, PromptTooLongError):
-        return bad_request(str(error), param=error.param, code="context_length_exceeded")
+        param = (fields or {}).get(error.param, error.param)
+        return bad_request(str(error), param=param, code="context_length_exceeded")
     if isinstance(error, GrammarError):
         return bad_request(str(error), code=_grammar_code(error))
     if isinstance(error, AdapterNotFoundError):  # removed by the time the engine saw it

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from loraplex import envs
 from loraplex.adapters.registry import check_registry_url
 from loraplex.platform.api.openai.sampling import DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST
 from loraplex.platform.api.openai.tools.tool_parsers import TOOL_PARSERS
@@ -43,6 +44,18 @@ class ServerSettings:
     registry_sync_s: float = 2.0  # how often a shared registry's changes reach this engine
     # adapters served to every tenant from start-up (`--lora-modules`, as vLLM's)
     lora_modules: tuple[LoRAModule, ...] = ()
+    # vLLM's runtime adapter routes may load / unload server-wide adapters; None: the
+    # environment decides (`envs.allow_runtime_lora_updating`)
+    allow_runtime_lora_updating: bool | None = None
+
+    @property
+    def runtime_lora_updating(self) -> bool:
+        """Whether POST /v1/load_lora_adapter and /v1/unload_lora_adapter change server-wide
+        adapters (the flag, else VLLM_ALLOW_RUNTIME_LORA_UPDATING /
+        LORAPLEX_ALLOW_RUNTIME_LORA_UPDATING)."""
+        if self.allow_runtime_lora_updating is not None:
+            return self.allow_runtime_lora_updating
+        return envs.allow_runtime_lora_updating()
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:

@@ -13,8 +13,9 @@ class RequestStalledError(RuntimeError):
 
 
 class PromptTooLongError(ValueError):
-    """The prompt plus the requested tokens do not fit the model's context."""
+    """The prompt plus the requested tokens do not fit the model's context; `param` names the
+    engine's field at fault (`prompt` or `max_tokens`: the API renames them to its own)."""
 
-    def __init__(self, message: str, param: str = "messages") -> None:
+    def __init__(self, message: str, param: str = "prompt") -> None:
         super().__init__(message)
         self.param = param

@@ -26,13 +26,15 @@ class StopHit(NamedTuple):
 
 
 class RequestMetrics(NamedTuple):
-    """When a request arrived and produced its first token (`time.monotonic()` of the process
-    that made the output), and how many tokens it has generated. NOTE: a NamedTuple, like
+    """When a request arrived, was first scheduled and produced its first token
+    (`time.monotonic()` of the process that made the output), and how many tokens it has
+    generated. NOTE: a NamedTuple, like
     `Logprob`: one is built per output per step."""
 
     arrival_time: float = 0.0
     first_token_time: float | None = None  # None until the first token
     num_generation_tokens: int = 0
+    first_scheduled_time: float | None = None  # when it first entered a step (queue time ends)
 
 
 # One dict per generated token: the sampled token and the top-k alternatives.

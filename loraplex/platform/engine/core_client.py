@@ -68,6 +68,7 @@ class EngineCoreClient(EngineClient):
         self.info = self.probe(address, handshake_timeout_s)
         self.served_model_name = self.info.served_model_name
         self.max_model_len = self.info.max_model_len
+        self.generation_defaults = self.info.generation_defaults
         self.tokenizer = load_tokenizer(Path(self.info.model_dir), self.info.vocab_size)
         # NOTE: read-only after this: the routes' threads and the event loop call it.
         self._adapter_tokenizers = AdapterTokenizers(self.tokenizer)

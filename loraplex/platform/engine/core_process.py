@@ -46,6 +46,7 @@ def engine_info(engine: Engine) -> EngineInfo:
         vocab_size=engine.runner.arch.vocab_size,
         pid=os.getpid(),
         adapter_validator=engine.adapter_validator,
+        generation_defaults=engine.generation_defaults,
     )
 
 

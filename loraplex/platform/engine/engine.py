@@ -30,6 +30,7 @@ from loraplex.platform.engine.output_processor import OutputProcessor
 from loraplex.platform.engine.polling import poll_adapters, poll_grammars
 from loraplex.platform.engine.structured_output import StepBitmask, StructuredOutputManager
 from loraplex.platform.models.arch_config import ArchConfig
+from loraplex.platform.models.generation_config import read_generation_defaults
 from loraplex.platform.models.model_loader import generation_eos_ids
 from loraplex.platform.models.model_store import resolve_model_path
 from loraplex.platform.runner.model_runner import LaunchedStep, ModelRunner, StepOutput
@@ -64,6 +65,10 @@ class Engine:
     def __init__(self, config: EngineConfig, detokenize: bool = True) -> None:
         self.config = config
         self.model_dir = resolve_model_path(config.model.model)
+        # A request's default sampling parameters (its own values win): vLLM's generation config
+        self.generation_defaults = read_generation_defaults(
+            self.model_dir, config.model.generation_config, config.model.generation_overrides
+        )
         arch = ArchConfig.from_path(self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir, arch.vocab_size)
         self.adapter_tokenizers = AdapterTokenizers(self.tokenizer)
@@ -255,6 +260,8 @@ class Engine:
         if speculate:
             self._propose()
         so = self.scheduler.schedule()
+        if so.new_reqs:  # NOTE: their queue time ends here (RequestTiming.queue_s)
+            self.output_processor.mark_scheduled([r.req_id for r in so.new_reqs], time.monotonic())
         constrained = self.structured.num_active > 0
         launched = self.runner.launch(so, need_sampler=constrained)
         if not lock_step:

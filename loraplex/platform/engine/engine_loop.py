@@ -223,6 +223,7 @@ class EngineLoop:
         first = output.metrics.first_token_time
         if first is None:
             first = live.first_output
+        scheduled = output.metrics.first_scheduled_time
         reasons = {c.finish_reason for c in output.outputs}
         timing = RequestTiming(
             ttft_s=None if first is None else first - request.arrival,
@@ -233,6 +234,9 @@ class EngineLoop:
             finish_reason=reasons.pop() if len(reasons) == 1 else None,
             tenant=request.tenant,
             adapter=None if lora is None else lora.lora_name,
+            queue_s=None if scheduled is None else max(0.0, scheduled - request.arrival),
+            prefill_s=None if scheduled is None or first is None else max(0.0, first - scheduled),
+            decode_s=None if first is None else max(0.0, now - first),
         )
         for observer in self._observers:
             try:

@@ -52,6 +52,7 @@ class InprocClient(EngineClient):
         # NOTE: set once here and read-only afterwards, so any thread may read them.
         self.served_model_name = self.engine.served_model_name
         self.max_model_len = self.engine.max_model_len
+        self.generation_defaults = self.engine.generation_defaults
         self.tokenizer = self.engine.tokenizer
         self.adapter_validator = self.engine.adapter_validator
         self._thread: threading.Thread | None = None

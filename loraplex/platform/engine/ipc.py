@@ -29,13 +29,15 @@ from loraplex.adapters.validator import AdapterValidator
 from loraplex.grammar import errors as grammar_errors
 from loraplex.platform.core import commands
 from loraplex.platform.core.errors import EngineDeadError, PromptTooLongError, RequestStalledError
+from loraplex.platform.core.generation_defaults import GenerationDefaults
 from loraplex.platform.core.outputs import RequestOutput, StopHit
 from loraplex.platform.core.sampling_params import SamplingParams
 from loraplex.platform.core.stats import EngineSnapshot
 from loraplex.platform.core.timing import RequestTiming
 
 # 2: outputs carry token ids only; the API processes detokenize. 3: typed SamplingParams in
-# AddRequest, typed RequestMetrics in outputs, GetTenantStats.
+# AddRequest, typed RequestMetrics in outputs, GetTenantStats, EngineInfo's generation defaults,
+# RequestTiming's queue / prefill / decode times.
 PROTOCOL_VERSION = 3
 SNAPSHOT_INTERVAL_S = 0.05  # the most often the core publishes its gauges while busy
 
@@ -60,6 +62,7 @@ class EngineInfo(msgspec.Struct, tag=True, frozen=True):
     vocab_size: int
     pid: int
     adapter_validator: AdapterValidator | None  # None: LoRA disabled
+    generation_defaults: GenerationDefaults  # requests' default sampling parameters
 
 
 class AddRequest(msgspec.Struct, tag=True, frozen=True):

@@ -53,6 +53,8 @@ class LLM:
         grammar_cold_start: bool = True,
         speculative_config: str | dict[str, Any] | None = None,
         tensor_parallel_size: int = 1,
+        generation_config: str = "auto",
+        override_generation_config: dict[str, Any] | None = None,
     ) -> None:
         config = EngineConfig.from_options(
             model=model, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
@@ -64,7 +66,8 @@ class LLM:
             max_saved_module_loras=max_saved_module_loras, enforce_eager=enforce_eager,
             async_scheduling=async_scheduling, grammar_overlap=grammar_overlap,
             grammar_cold_start=grammar_cold_start, speculative_config=speculative_config,
-            tensor_parallel_size=tensor_parallel_size,
+            tensor_parallel_size=tensor_parallel_size, generation_config=generation_config,
+            override_generation_config=override_generation_config,
         )  # fmt: skip
         self.engine = Engine(config)
 
@@ -122,12 +125,17 @@ class LLM:
         params_list = self._params_per_prompt(sampling_params, len(items))
         return self._run(items, params_list, loras, use_tqdm)
 
-    @staticmethod
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` sample with when given no SamplingParams (vLLM's name):
+        the model's generation config (`generation_config`, `override_generation_config`)
+        over SamplingParams' defaults."""
+        return self.engine.generation_defaults.sampling_params()
+
     def _params_per_prompt(
-        params: SamplingParams | Sequence[SamplingParams] | None, n: int
+        self, params: SamplingParams | Sequence[SamplingParams] | None, n: int
     ) -> list[SamplingParams]:
         if params is None:
-            params = SamplingParams()
+            params = self.get_default_sampling_params()
         if isinstance(params, SamplingParams):
             return [params] * n
         params = list(params)

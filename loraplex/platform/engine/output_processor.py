@@ -73,6 +73,7 @@ class _Parent:
     tokenizer: Tokenizer  # the request's: its adapter's own, or the processor's
     num_cached_tokens: int = 0
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None  # when its first sample first entered a step
     num_generated: int = 0
     prompt_logprobs: PromptLogprobs | None = None
     sent_prompt_logprobs: bool = False  # DELTA mode hands them out once
@@ -135,6 +136,13 @@ class OutputProcessor:
                 continue
             for pos, entry in enumerate(entries, start=first):
                 parent.prompt_logprobs[pos] = self._decode_logprobs(entry, parent.tokenizer)
+
+    def mark_scheduled(self, core_ids: list[str], now: float) -> None:
+        """Record when requests were first scheduled (their queue time ends there)."""
+        for core_id in core_ids:
+            parent = self._parents.get(self._core_to_parent.get(core_id, ""))
+            if parent is not None and parent.first_scheduled_time is None:
+                parent.first_scheduled_time = now
 
     def core_ids(self, request_id: str) -> list[str]:
         parent = self._parents.get(request_id)
@@ -286,7 +294,13 @@ class OutputProcessor:
         # NOTE: built as tuple builds it: the NamedTuple's own __new__ is Python code, twice
         # the cost of the dict this replaced, once per output per step.
         metrics = _new_tuple(
-            RequestMetrics, (parent.arrival, parent.first_token_time, parent.num_generated)
+            RequestMetrics,
+            (
+                parent.arrival,
+                parent.first_token_time,
+                parent.num_generated,
+                parent.first_scheduled_time,
+            ),
         )
         if finished:
             del self._parents[parent.request_id]

@@ -25,6 +25,7 @@ from loraplex.platform.core.commands import (
     SetTenantWeight,
     TenantStatsReport,
 )
+from loraplex.platform.core.generation_defaults import GenerationDefaults
 from loraplex.platform.core.outputs import RequestOutput
 from loraplex.platform.core.sampling_params import SamplingParams
 from loraplex.platform.core.stats import EngineSnapshot
@@ -62,8 +63,10 @@ class EngineClient(Protocol):
     - Timing observers see a finished request's `RequestTiming` before its caller sees the
       final output, so a tenant's next request is admitted against the charged budget.
     - `snapshot` is the engine's gauges as of a recent step; reading it never waits.
-    - `served_model_name`, `max_model_len`, `tokenizer` and `adapter_validator` (None: LoRA is
-      disabled) are set when the client is built and never change; any thread may read them.
+    - `served_model_name`, `max_model_len`, `generation_defaults` (a request's default sampling
+      parameters, from the model's generation config), `tokenizer` and `adapter_validator`
+      (None: LoRA is disabled) are set when the client is built and never change; any thread
+      may read them.
       `tokenizer_for` may read an adapter's tokenizer from disk: call it off the event loop.
 
     The conveniences below (`generate`, the adapter and tenant commands) are written once over
@@ -72,6 +75,7 @@ class EngineClient(Protocol):
 
     served_model_name: str
     max_model_len: int
+    generation_defaults: GenerationDefaults
     tokenizer: Tokenizer | TokenIdsOnlyTokenizer
     adapter_validator: AdapterValidator | None
 

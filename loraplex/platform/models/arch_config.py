@@ -116,6 +116,26 @@ class ArchConfig:
         """The resolved scaling dict `loraplex.kernels.rotary` takes (None: plain RoPE)."""
         return self.rope.scaling()
 
+    def context_length(self, max_model_len: int | None) -> int:
+        """The context a server runs with: `max_model_len` (prompt plus completion tokens, vLLM's
+        option), or the model's own when None. ValueError, naming the limit, when it asks for
+        more than the model serves (as vLLM refuses it; it is never silently lowered)."""
+        limit = self.max_position_embeddings
+        if max_model_len is None:
+            return limit
+        if max_model_len > limit:
+            source = (
+                f"its sliding window ({self.sliding_window} tokens)"
+                if self.sliding_window == limit < _int(self.raw, "max_position_embeddings", 4096)
+                else "max_position_embeddings in its config.json"
+            )
+            raise ValueError(
+                f"max_model_len {max_model_len} is more than this model's context length of "
+                f"{limit} tokens ({source}); give --max-model-len {limit} or less, or leave it "
+                "out to use the model's own"
+            )
+        return max_model_len
+
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ArchConfig:
         """Parse and check a config.json dict; ValueError names what is missing or refused."""

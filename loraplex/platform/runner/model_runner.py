@@ -172,10 +172,7 @@ class ModelRunner:
         # Requests asking for prompt logprobs whose prompt is not all computed yet.
         self._scoring: set[str] = set()
         self.sampler = Sampler()
-        self.max_model_len = min(
-            config.model.max_model_len or self.arch.max_position_embeddings,
-            self.arch.max_position_embeddings,
-        )
+        self.max_model_len = self.arch.context_length(config.model.max_model_len)
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         max_seqs = config.scheduler.max_num_seqs
         self.input_batch = InputBatch(

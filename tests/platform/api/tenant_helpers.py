@@ -19,6 +19,17 @@ ADMIN_KEY = "sk-admin-test"
 MODULES = ["q_proj", "v_proj", "down_proj"]
 
 
+class IdleEngine:
+    """What `build_app` touches of an engine before start-up (its lifespan is not run): for
+    tests of routes that refuse a request before it reaches the engine."""
+
+    served_model_name = "tiny"
+    max_model_len = 64
+
+    def add_timing_observer(self, observer) -> None:
+        pass
+
+
 @dataclass
 class TenantServer:
     base_url: str
@@ -42,6 +53,7 @@ def start_server(
     max_num_seqs: int = 8,
     grammar: GrammarConfig | None = None,
     lora: LoRAConfig | None = None,
+    override_generation_config: dict | None = None,
     **settings,
 ) -> TenantServer:
     import uvicorn
@@ -54,7 +66,13 @@ def start_server(
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     config = EngineConfig(
-        model=ModelConfig(model=str(model_dir), dtype="float32", max_model_len=512, device="cpu"),
+        model=ModelConfig(
+            model=str(model_dir),
+            dtype="float32",
+            max_model_len=512,
+            device="cpu",
+            override_generation_config=override_generation_config,
+        ),  # fmt: skip
         cache=CacheConfig(num_kv_blocks=512),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
         grammar=grammar or GrammarConfig(),

@@ -25,6 +25,17 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)  # fmt: skip
 
 
+def token_buckets(max_model_len: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_model_len` (vLLM's buckets of token counts)."""
+    buckets, scale = [], 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale > max_model_len:
+                return tuple(buckets)
+            buckets.append(step * scale)
+        scale *= 10
+
+
 def _labels(labels: dict[str, str]) -> str:
     if not labels:
         return ""
@@ -68,17 +79,22 @@ class Histogram:
         with self._lock:
             return tuple(self._counts)
 
-    def render(self, labels: dict[str, str]) -> list[str]:
+    def render(
+        self, labels: dict[str, str], name: str | None = None, help: str | None = None
+    ) -> list[str]:
+        """The histogram's lines, under its own name or `name` (the same observations under
+        another series name, e.g. vLLM's)."""
+        name, help = name or self.name, help or self.help
         with self._lock:
             counts, total = list(self._counts), self._sum
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        lines = [f"# HELP {name} {help}", f"# TYPE {name} histogram"]
         running = 0
         for bound, count in zip((*self.buckets, float("inf")), counts):
             running += count
             bucket_labels = _labels({**labels, "le": _number(float(bound))})
-            lines.append(f"{self.name}_bucket{bucket_labels} {running}")
-        lines.append(f"{self.name}_sum{_labels(labels)} {_number(total)}")
-        lines.append(f"{self.name}_count{_labels(labels)} {running}")
+            lines.append(f"{name}_bucket{bucket_labels} {running}")
+        lines.append(f"{name}_sum{_labels(labels)} {_number(total)}")
+        lines.append(f"{name}_count{_labels(labels)} {running}")
         return lines
 
 
@@ -117,7 +133,7 @@ _ENGINE_SERIES: tuple[tuple[str, str, str, Callable[[EngineSnapshot], float]], .
 class ServerMetrics:
     """Latency histograms and finished-request counts; `render` adds the engine's gauges."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_model_len: int = 8192) -> None:
         self.labels = {"model_name": model_name}
         self.ttft = Histogram(
             "loraplex:time_to_first_token_seconds",
@@ -134,6 +150,34 @@ class ServerMetrics:
             "Time from a request's arrival to its end.",
             E2E_BUCKETS,
         )
+        # Where a finished request's time went (vLLM's request phases), and its sizes.
+        self.queue = Histogram(
+            "loraplex:request_queue_time_seconds",
+            "Time a request waited before it was first scheduled.",
+            E2E_BUCKETS,
+        )
+        self.prefill = Histogram(
+            "loraplex:request_prefill_time_seconds",
+            "Time from a request's first scheduling to its first output token.",
+            E2E_BUCKETS,
+        )
+        self.decode = Histogram(
+            "loraplex:request_decode_time_seconds",
+            "Time from a request's first output token to its end.",
+            E2E_BUCKETS,
+        )
+        self.inference = Histogram(
+            "loraplex:request_inference_time_seconds",
+            "Time from a request's first scheduling to its end (prefill plus decode).",
+            E2E_BUCKETS,
+        )
+        buckets = token_buckets(max_model_len)
+        self.prompt_tokens = Histogram(
+            "loraplex:request_prompt_tokens", "Prompt tokens of a finished request.", buckets
+        )
+        self.generation_tokens = Histogram(
+            "loraplex:request_generation_tokens", "Tokens a finished request generated.", buckets
+        )
         self._finished: Counter[str] = Counter()
         self._lock = threading.Lock()
 
@@ -144,6 +188,13 @@ class ServerMetrics:
         for gap in timing.inter_token_s:
             self.itl.observe(gap)
         self.e2e.observe(timing.e2e_s)
+        for histogram, value in ((self.queue, timing.queue_s), (self.prefill, timing.prefill_s),
+                                 (self.decode, timing.decode_s),
+                                 (self.inference, timing.inference_s)):  # fmt: skip
+            if value is not None:
+                histogram.observe(value)
+        self.prompt_tokens.observe(timing.num_prompt_tokens)
+        self.generation_tokens.observe(timing.num_generation_tokens)
         with self._lock:
             self._finished[timing.finish_reason or "mixed"] += 1
 
@@ -153,10 +204,20 @@ class ServerMetrics:
             lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}"]
             lines.append(f"{name}{_labels(self.labels)} {_number(value(snapshot))}")
         lines += self._render_spec_decoding(snapshot)
-        lines += self._render_finished()
-        for histogram in (self.ttft, self.itl, self.e2e):
+        lines += self.render_finished()
+        for histogram in self.histograms:
             lines += histogram.render(self.labels)
         return "\n".join(lines) + "\n"
+
+    @property
+    def histograms(self) -> tuple[Histogram, ...]:
+        return (self.ttft, self.itl, self.e2e, self.queue, self.prefill, self.decode,
+                self.inference, self.prompt_tokens, self.generation_tokens)  # fmt: skip
+
+    def finished(self) -> dict[str, int]:
+        """Finished requests by finish reason ("mixed": samples that ended differently)."""
+        with self._lock:
+            return dict(self._finished)
 
     def _render_spec_decoding(self, snapshot: EngineSnapshot) -> list[str]:
         """vLLM's `spec_decode_*` counters, when speculative decoding is on."""
@@ -181,11 +242,8 @@ class ServerMetrics:
             lines.append(f"{full}{_labels({**self.labels, 'position': str(pos)})} {count}")
         return lines
 
-    def _render_finished(self) -> list[str]:
-        name = "loraplex:request_success_total"
+    def render_finished(self, name: str = "loraplex:request_success_total") -> list[str]:
         lines = [f"# HELP {name} Finished requests by finish reason.", f"# TYPE {name} counter"]
-        with self._lock:
-            finished = dict(self._finished)
-        for reason, count in sorted(finished.items()):
+        for reason, count in sorted(self.finished().items()):
             lines.append(f"{name}{_labels({**self.labels, 'finished_reason': reason})} {count}")
         return lines

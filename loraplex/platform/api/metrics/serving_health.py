@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse, Response
 from loraplex.platform.api.metrics.adapter_metrics import render_adapter_metrics
 from loraplex.platform.api.metrics.gie_metrics import LoRAInfoGauge, served_name
 from loraplex.platform.api.metrics.server_metrics import CONTENT_TYPE
+from loraplex.platform.api.metrics.vllm_metrics import render_vllm_metrics
 from loraplex.platform.api.state import server_state
 from loraplex.platform.core.commands import GetAdapterStats
 
@@ -34,6 +35,7 @@ async def metrics(request: Request) -> Response:
     # gauges are no older than the adapter series.
     snapshot = state.engine.snapshot()
     text = state.metrics.render(snapshot)
+    text += render_vllm_metrics(state.metrics, snapshot)
     text += state.tenancy.metrics.render(snapshot.stats.lora, state.tenancy.registry.disk_count())
     if report is not None:
         text += _lora_info(request).render(report)

@@ -105,9 +105,13 @@ class CompletionRequest(SamplingFields):
         return list(prompt)  # type: ignore[arg-type]
 
 
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
+class ContentPart(_Body):
+    """One part of a message's `content`. Text parts are served; any other kind (`image_url`,
+    `input_audio`, `file`, ...) is refused with a 400 naming it (`sampling.check_text_content`),
+    so its fields are not modelled here."""
+
+    type: str
+    text: str | None = None
 
 
 class FunctionCall(_Body):
@@ -125,7 +129,7 @@ class ToolCall(_Body):
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # on assistant turns
     tool_call_id: str | None = None  # on tool turns: the call it answers
@@ -133,7 +137,7 @@ class ChatMessage(_Body):
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
+            content = "".join(part.text or "" for part in content)
         role = "system" if self.role == "developer" else self.role
         message: dict[str, Any] = {"role": role, "content": content or ""}
         if self.name is not None:

@@ -5,7 +5,7 @@ response ends early."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -35,8 +35,10 @@ async def submit(
     request_id: str,
     tenant: str = "default",
     lora_request: LoRARequest | None = None,
+    fields: Mapping[str, str] | None = None,
 ) -> list[RequestStream]:
-    """Add one engine request per prompt; if any is refused, abort the others and raise 4xx."""
+    """Add one engine request per prompt; if any is refused, abort the others and raise 4xx
+    (`fields`: the request's names of the engine's fields, see `from_engine_error`)."""
     streams: list[RequestStream] = []
     try:
         for i, prompt in enumerate(prompts):
@@ -53,7 +55,7 @@ async def submit(
             streams.append(stream)
     except ValueError as error:
         abort_all(streams)
-        raise from_engine_error(error) from None
+        raise from_engine_error(error, fields) from None
     except RecursionError:  # e.g. a structured-output spec nested too deeply to analyse
         abort_all(streams)
         raise bad_request(

@@ -8,12 +8,15 @@ from typing import Any
 from loraplex.platform.api.errors import bad_request, from_engine_error
 from loraplex.platform.api.openai.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     SamplingFields,
 )
+from loraplex.platform.core.generation_defaults import GenerationDefaults
 from loraplex.platform.core.sampling_params import RequestOutputKind, SamplingParams
 from loraplex.platform.core.structured_outputs import StructuredOutputs
 
+_NO_DEFAULTS = GenerationDefaults()
 DEFAULT_MAX_N = 16
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 64
 
@@ -171,7 +174,25 @@ _UNSERVED_CHAT = {
 }  # fmt: skip
 
 
+def check_text_content(messages: list[ChatMessage]) -> None:
+    """400 naming the first content part that is not text: this server's models read text."""
+    for i, message in enumerate(messages):
+        for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+            where = f"messages[{i}].content[{j}]"
+            if part.type != "text":
+                raise bad_request(
+                    f"{where}: {part.type} content parts are not supported by this server "
+                    "(text-only model)",
+                    param=f"messages.{i}.content.{j}.type",
+                )
+            if part.text is None:
+                raise bad_request(
+                    f"{where}: a text part needs `text`", param=f"messages.{i}.content.{j}.text"
+                )
+
+
 def _check_chat(body: ChatCompletionRequest) -> None:
+    check_text_content(body.messages)
     for name, instead in _UNSERVED_CHAT.items():
         if getattr(body, name) is not None:
             hint = f"; {instead}" if instead else ""
@@ -187,22 +208,30 @@ def _check_chat(body: ChatCompletionRequest) -> None:
         )
 
 
+def _given(value: Any, default: Any, fallback: Any) -> Any:
+    """The request's value, else the server's default (generation config), else vLLM's."""
+    if value is not None:
+        return value
+    return fallback if default is None else default
+
+
 def _params(
     body: SamplingFields,
     max_tokens: int | None,
     logprobs: int | None,
     prompt_logprobs: int | None,
+    defaults: GenerationDefaults,
 ) -> SamplingParams:
+    # NOTE: max_tokens left None takes the default max_tokens (generation config), capped at
+    # the rest of the context, once the engine knows the prompt's length.
     try:
         return SamplingParams(
             n=body.n,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=body.top_k or 0,
-            min_p=body.min_p or 0.0,
-            repetition_penalty=(
-                1.0 if body.repetition_penalty is None else body.repetition_penalty
-            ),
+            temperature=_given(body.temperature, defaults.temperature, 1.0),
+            top_p=_given(body.top_p, defaults.top_p, 1.0),
+            top_k=_given(body.top_k, defaults.top_k, 0),
+            min_p=_given(body.min_p, defaults.min_p, 0.0),
+            repetition_penalty=_given(body.repetition_penalty, defaults.repetition_penalty, 1.0),
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
             seed=body.seed,
@@ -223,8 +252,11 @@ def _params(
         raise from_engine_error(error) from None
 
 
-def completion_sampling_params(body: CompletionRequest, limits: RequestLimits) -> SamplingParams:
-    """Streaming-shaped (DELTA) params of a /v1/completions body; APIError (400) if bad."""
+def completion_sampling_params(
+    body: CompletionRequest, limits: RequestLimits, defaults: GenerationDefaults | None = None
+) -> SamplingParams:
+    """Streaming-shaped (DELTA) params of a /v1/completions body, the server's `defaults` for
+    the sampling fields it leaves out; APIError (400) if bad."""
     _check_common(body, limits)
     _check_completion(body, limits)
     # NOTE: `echo` with `max_tokens: 0` scores a text (lm-evaluation-harness does so), which
@@ -236,12 +268,17 @@ def completion_sampling_params(body: CompletionRequest, limits: RequestLimits) -
     prompt_logprobs = body.prompt_logprobs
     if body.echo and body.logprobs is not None:
         prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
-    return _params(body, max_tokens, body.logprobs, prompt_logprobs)
+    return _params(body, max_tokens, body.logprobs, prompt_logprobs, defaults or _NO_DEFAULTS)
 
 
-def chat_sampling_params(body: ChatCompletionRequest, limits: RequestLimits) -> SamplingParams:
-    """Streaming-shaped (DELTA) params of a /v1/chat/completions body; APIError (400) if bad."""
+def chat_sampling_params(
+    body: ChatCompletionRequest, limits: RequestLimits, defaults: GenerationDefaults | None = None
+) -> SamplingParams:
+    """Streaming-shaped (DELTA) params of a /v1/chat/completions body, the server's `defaults`
+    for the sampling fields it leaves out; APIError (400) if bad."""
     _check_common(body, limits)
     _check_chat(body)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return _params(body, body.max_new_tokens, logprobs, body.prompt_logprobs)
+    return _params(
+        body, body.max_new_tokens, logprobs, body.prompt_logprobs, defaults or _NO_DEFAULTS
+    )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -53,6 +53,8 @@ from loraplex.platform.engine.request_stream import RequestStream
 from loraplex.platform.tokenizer.tokenizer import Tokenizer
 
 router = APIRouter()
+# The engine's field names (errors' `param`) as a chat request names them.
+CHAT_FIELDS = {"prompt": "messages"}
 
 
 def tool_parser(state: ServerState, tokenizer: Tokenizer | None = None) -> ToolParser:
@@ -103,12 +105,13 @@ def with_tool_grammar(params: SamplingParams, tools: ToolRequest | None) -> Samp
 
 
 def assistant_message(
-    text: str, tools: ToolRequest | None, parser: ToolParser
+    text: str, tools: ToolRequest | None, parser: ToolParser, finish_reason: str | None = None
 ) -> tuple[dict[str, Any], bool]:
-    """OpenAI's assistant `message` of one choice's text, and whether it holds tool calls."""
+    """OpenAI's assistant `message` of one choice's text, and whether it holds tool calls (a
+    forced call cut by the token limit is one, with the arguments written so far)."""
     if tools is None or tools.mode == "none":
         return {"role": "assistant", "content": text}, False
-    parsed = parse_output(text, tools, parser)
+    parsed = parse_output(text, tools, parser, truncated=finish_reason == "length")
     message: dict[str, Any] = {"role": "assistant", "content": parsed.content or None}
     if not parsed.tool_calls:
         message["content"] = parsed.content
@@ -127,16 +130,19 @@ async def submit_chat(
     served: ServedModel,
     tools: ToolRequest | None,
     parser: ToolParser,
+    fields: Mapping[str, str] = CHAT_FIELDS,
 ) -> list[RequestStream]:
     """The engine requests of one chat prompt: one request, or under `tool_choice: "auto"` a
-    chain per choice that enforces a call once the model opens one (`tool_auto`)."""
+    chain per choice that enforces a call once the model opens one (`tool_auto`). `fields`:
+    the request's names of the engine's fields, for errors (see `from_engine_error`)."""
     if tools is not None and tools.mode == "auto":
         streams = await submit_auto(
-            state.engine, prompt, params, request_id, tools, parser, tenant, served.lora_request
-        )
+            state.engine, prompt, params, request_id, tools, parser, tenant, served.lora_request,
+            fields,
+        )  # fmt: skip
         return streams  # type: ignore[return-value]
     return await submit(
-        state.engine, [prompt], params, request_id, tenant, lora_request=served.lora_request
+        state.engine, [prompt], params, request_id, tenant, served.lora_request, fields
     )
 
 
@@ -155,9 +161,14 @@ async def create_chat_completion(request: Request) -> Response:
     tools = tool_request_for(body)
     tokenizer = await state.tokenizer_of(served)
     parser = tool_parser(state, tokenizer)
-    params = with_tool_grammar(chat_sampling_params(body, state.limits_for(tokenizer)), tools)
+    defaults = state.engine.generation_defaults
+    params = chat_sampling_params(body, state.limits_for(tokenizer), defaults)
+    params = with_tool_grammar(params, tools)
     prompt = await asyncio.to_thread(render_chat_prompt, tokenizer, body, tools, parser)
-    admit(request, *reservation(state.engine.max_model_len, params, [len(prompt.token_ids)]))
+    admit(
+        request,
+        *reservation(state.engine.max_model_len, params, [len(prompt.token_ids)], defaults),
+    )
     request_id = new_id("chatcmpl")
     streams = await submit_chat(state, prompt, params, request_id, tenant, served, tools, parser)
     if body.stream:
@@ -172,7 +183,7 @@ async def create_chat_completion(request: Request) -> Response:
     with abort_on_disconnect(request, streams, state.settings.disconnect_poll_s):
         choices, usage = await collect(streams, body.n)
     top_k = body.top_logprobs or 0
-    answers = [assistant_message(c.full_text, tools, parser) for c in choices]
+    answers = [assistant_message(c.full_text, tools, parser, c.finish_reason) for c in choices]
     response: dict[str, Any] = {
         "id": request_id,
         "object": "chat.completion",
@@ -241,7 +252,8 @@ async def _chat_events(
     usage = UsageCounter()
     mode = "none" if tools is None else tools.mode
     named = None if tools is None else tools.named
-    calls = [ToolCallStream(mode, parser, named, new_call_id) for _ in range(body.n)]
+    names = () if tools is None else tools.names
+    calls = [ToolCallStream(mode, parser, named, new_call_id, names) for _ in range(body.n)]
     try:
         with abort_on_disconnect(request, streams, state.settings.disconnect_poll_s):
             for i in range(body.n):
@@ -255,7 +267,7 @@ async def _chat_events(
                     stream = calls[delta.index]
                     pieces = stream.feed(delta.text)
                     if delta.finish_reason is not None:
-                        pieces += stream.finish()
+                        pieces += stream.finish(delta.finish_reason)
                     # NOTE: logprobs ride on the first piece of this delta; a delta whose text
                     # is held back (a call may be starting) still carries them.
                     if not pieces and (delta.logprobs or delta.finish_reason):

@@ -62,12 +62,11 @@ async def create_completion(request: Request) -> Response:
     tenant = tenant_of(request).name
     served = state.models.resolve_model(body.model, tenant)
     tokenizer = await state.tokenizer_of(served)
-    params = completion_sampling_params(body, state.limits_for(tokenizer))
+    defaults = state.engine.generation_defaults
+    params = completion_sampling_params(body, state.limits_for(tokenizer), defaults)
     prompts = await asyncio.to_thread(tokenize_prompts, tokenizer, body.prompts)
-    admit(
-        request,
-        *reservation(state.engine.max_model_len, params, [len(p.token_ids) for p in prompts]),
-    )
+    lengths = [len(p.token_ids) for p in prompts]
+    admit(request, *reservation(state.engine.max_model_len, params, lengths, defaults))
     request_id = new_id("cmpl")
     streams = await submit(
         state.engine, prompts, params, request_id, tenant, lora_request=served.lora_request

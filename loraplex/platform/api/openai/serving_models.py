@@ -13,14 +13,12 @@ from loraplex.platform.api.tenancy.model_resolver import ServedModel
 
 router = APIRouter()
 
-_CREATED = 0  # NOTE: models have no creation time here; OpenAI's field is kept, set to 0.
-
 
 def _model_card(model: ServedModel, state: ServerState) -> dict[str, Any]:
     return {
         "id": model.name,
         "object": "model",
-        "created": _CREATED,
+        "created": model.created,
         "owned_by": "loraplex",
         "root": model.root,
         "parent": None if model.adapter is None else model.root,

@@ -19,7 +19,7 @@ from loraplex.platform.api.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from loraplex.platform.api.openai.sampling import check_token_ids
+from loraplex.platform.api.openai.sampling import check_text_content, check_token_ids
 from loraplex.platform.api.openai.serving_chat import render_chat_prompt, tool_parser
 from loraplex.platform.api.openai.tools.tool_calls import tool_request_for
 from loraplex.platform.api.request_body import json_body, read_json_model
@@ -42,6 +42,7 @@ async def tokenize(request: Request) -> JSONResponse:
     if body.messages is not None:
         if not body.messages:
             raise bad_request("messages must not be empty", param="messages")
+        check_text_content(body.messages)
         chat = ChatCompletionRequest(
             messages=body.messages,
             tools=body.tools,

@@ -35,10 +35,11 @@ logger = logging.getLogger(__name__)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 
 
-def adapter_not_found(name: str) -> APIError:
-    """404 for a name the caller's tenant does not hold (also when another tenant does)."""
+def adapter_not_found(name: str, param: str = "name") -> APIError:
+    """404 for a name the caller's tenant does not hold (also when another tenant does);
+    `param`: the body field or path part that named it."""
     return APIError(
-        404, f"The adapter `{name}` does not exist.", type="not_found_error", param="name",
+        404, f"The adapter `{name}` does not exist.", type="not_found_error", param=param,
         code="adapter_not_found",
     )  # fmt: skip
 
@@ -48,13 +49,17 @@ def valid_adapter_name(name: str) -> bool:
     return bool(_NAME.match(name)) and ".." not in name
 
 
-def check_adapter_name(name: object, base_name: str) -> str:
-    """A valid adapter name, or 400: letters, digits and `_ . : -`, no `/`, `..` or NUL."""
+def check_adapter_name(name: object, base_name: str, param: str = "name") -> str:
+    """A valid adapter name, or 400 naming `param` (the field that holds it): letters, digits
+    and `_ . : -`, no `/`, `..` or NUL."""
+    if name is None:
+        raise bad_request(f"`{param}` is required: the adapter's name", param=param)
     if not isinstance(name, str) or not valid_adapter_name(name) or name == base_name:
         raise bad_request(
-            f"invalid adapter name {name!r}: use 1-128 letters, digits, '_', '.', ':' or '-', "
-            "starting with a letter or digit, without '..', and not the base model's name",
-            param="name",
+            f"invalid adapter name {name!r} in `{param}`: use 1-128 letters, digits, '_', '.', "
+            "':' or '-', starting with a letter or digit, without '..', and not the base "
+            "model's name",
+            param=param,
         )
     return name
 
@@ -152,12 +157,12 @@ class AdapterService:
                 self._registered.discard(old.engine_name)
         return record, old is not None
 
-    async def remove(self, tenant: str, name: str) -> AdapterRecord:
-        """Delete (tenant, name); 404 if the tenant holds no such adapter."""
+    async def remove(self, tenant: str, name: str, param: str = "name") -> AdapterRecord:
+        """Delete (tenant, name); 404 naming `param` if the tenant holds no such adapter."""
         async with self._lock(tenant, name):
             record = await asyncio.to_thread(self.state.tenancy.registry.delete, tenant, name)
             if record is None:
-                raise adapter_not_found(name)
+                raise adapter_not_found(name, param)
             await self.state.engine.remove_adapter(record.engine_name)
             self._registered.discard(record.engine_name)
         return record
@@ -182,8 +187,7 @@ class AdapterService:
         modules = self.state.settings.lora_modules
         if not modules:
             return 0
-        validator = self.state.engine.adapter_validator
-        if validator is None:
+        if self.state.engine.adapter_validator is None:
             raise ValueError("--lora-modules needs LoRA serving on (--enable-lora)")
         for module in modules:
             if module.base_model_name not in (None, self.base_name):
@@ -192,16 +196,58 @@ class AdapterService:
                     f"is not the served model {self.base_name!r}"
                 )
             try:
-                weights = await asyncio.to_thread(validator.validate, module.path)
+                await self._serve_to_everyone(module.name, module.path)
             except (AdapterValidationError, OSError) as error:
                 raise ValueError(f"--lora-modules {module.name}: {error}") from None
-            engine_name = f"{module.name}@{weights.digest[:12]}"  # tenants' have "tenant/"
-            await self.state.engine.add_adapter(
-                AddAdapter(engine_name, module.path, weights.digest, label=module.name)
-            )
-            self.state.models.add_server_wide(module.name, engine_name, module.path)
-            logger.info("serving adapter %s from %s to every tenant", module.name, module.path)
         return len(modules)
+
+    async def load_server_wide(self, name: str, path: str) -> None:
+        """vLLM's `load_lora_adapter`: validate the folder `path` and serve it to every tenant
+        as `name`, as `--lora-modules` does; 400 for a name already served (server-wide, or
+        held by a tenant, whose requests it would take over) or a folder that is refused."""
+        if self.state.engine.adapter_validator is None:
+            raise bad_request("LoRA adapters are disabled on this server", param="lora_path")
+        async with self._lock("", name):
+            if name in self.state.models.server_wide:
+                raise bad_request(
+                    f"The lora adapter '{name}' has already been loaded.", param="lora_name",
+                    code="adapter_already_loaded",
+                )  # fmt: skip
+            records = await asyncio.to_thread(self.state.tenancy.registry.list)
+            if any(record.name == name for record in records):
+                raise bad_request(
+                    f"the name '{name}' is taken by a tenant's adapter (it would take over that "
+                    "tenant's requests); choose another name",
+                    param="lora_name",
+                )
+            try:
+                await self._serve_to_everyone(name, path)
+            except (AdapterValidationError, OSError) as error:
+                raise bad_request(_public(error, Path(path)), param="lora_path",
+                                  code="invalid_adapter") from None  # fmt: skip
+
+    async def unload_server_wide(self, name: str) -> None:
+        """vLLM's `unload_lora_adapter`: stop serving the server-wide adapter `name` (requests
+        running on it finish); 404 naming `lora_name` when there is none."""
+        async with self._lock("", name):
+            served = self.state.models.remove_server_wide(name)
+            if served is None or served.lora_request is None:
+                raise adapter_not_found(name, "lora_name")
+            await self.state.engine.remove_adapter(served.lora_request.lora_name)
+        logger.info("stopped serving the server-wide adapter %s", name)
+
+    async def _serve_to_everyone(self, name: str, path: str) -> None:
+        """Validate `path` (off the event loop), register it with the engine by its digest and
+        serve it to every tenant as `name`. Raises AdapterValidationError or OSError."""
+        validator = self.state.engine.adapter_validator
+        assert validator is not None
+        weights = await asyncio.to_thread(validator.validate, path)
+        engine_name = f"{name}@{weights.digest[:12]}"  # tenants' have "tenant/"
+        await self.state.engine.add_adapter(
+            AddAdapter(engine_name, path, weights.digest, label=name)
+        )
+        self.state.models.add_server_wide(name, engine_name, path)
+        logger.info("serving adapter %s from %s to every tenant", name, path)
 
     async def sync_with_registry(self) -> tuple[int, int]:
         """Register the adapters other replicas added to the shared registry and unregister

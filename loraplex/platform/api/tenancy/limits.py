@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from loraplex.platform.api.tenancy.tenant_store import Tenant
+from loraplex.platform.core.generation_defaults import GenerationDefaults
 from loraplex.platform.core.sampling_params import SamplingParams
 
 WINDOW_S = 60.0
@@ -32,13 +33,18 @@ class Reservation:
 
 
 def reservation(
-    max_model_len: int, params: SamplingParams, prompt_lengths: list[int]
+    max_model_len: int,
+    params: SamplingParams,
+    prompt_lengths: list[int],
+    defaults: GenerationDefaults | None = None,
 ) -> tuple[int, int]:
     """(sequences, tokens) a request may use: n samples of each prompt, each up to its prompt
-    plus max_tokens (the rest of the context when max_tokens is not set)."""
+    plus the max_tokens it runs with (without one: the server's default max_tokens, capped at
+    the rest of the context, else the rest of the context; see `GenerationDefaults`)."""
+    defaults = defaults or GenerationDefaults()
     tokens = 0
     for length in prompt_lengths:
-        budget = params.max_tokens if params.max_tokens is not None else max_model_len - length
+        budget = defaults.max_tokens_for(params.max_tokens, length, max_model_len)
         tokens += length + max(0, budget)
     return params.n * len(prompt_lengths), params.n * tokens
 
@@ -91,8 +97,8 @@ class TenantLimiter:
                 if num_tokens > tpm:
                     return LimitExceeded(
                         f"the request may use {num_tokens} tokens (prompt plus max_tokens, per "
-                        f"sequence), more than tenant {tenant.name!r}'s budget of {tpm} tokens "
-                        "per minute; lower max_tokens or n, or send fewer prompts",
+                        f"sequence), more than the budget of tenant {tenant.name!r} ({tpm} "
+                        "tokens per minute); lower max_tokens or n, or send fewer prompts",
                         None,
                         "max_tokens",
                     )

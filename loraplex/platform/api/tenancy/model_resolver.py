@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ class ServedModel:
     root: str  # the base model's served name
     adapter: str | None = None  # None = the base model itself
     lora_request: LoRARequest | None = None  # what the engine runs for the adapter
+    created: int = 0  # unix time: the server's start (base), the adapter's registration
 
 
 class ModelResolver:
@@ -30,16 +32,21 @@ class ModelResolver:
     knows only the base model; `TenantModelResolver` adds each tenant's adapters."""
 
     def __init__(self, base_name: str) -> None:
-        self.base = ServedModel(name=base_name, root=base_name)
-        # `--lora-modules` adapters: every tenant sees them, before its own of the same name
+        self.base = ServedModel(name=base_name, root=base_name, created=int(time.time()))
+        # `--lora-modules` adapters and those vLLM's `load_lora_adapter` adds at run time:
+        # every tenant sees them, before its own of the same name
         self.server_wide: dict[str, ServedModel] = {}
 
     def add_server_wide(self, name: str, engine_name: str, path: str) -> None:
         """Serve the engine's adapter `engine_name` (folder `path`) as `name` to everyone."""
         self.server_wide[name] = ServedModel(
             name=name, root=self.base.name, adapter=name,
-            lora_request=LoRARequest(engine_name, path),
+            lora_request=LoRARequest(engine_name, path), created=int(time.time()),
         )  # fmt: skip
+
+    def remove_server_wide(self, name: str) -> ServedModel | None:
+        """Stop serving the server-wide adapter `name`; the one removed, or None."""
+        return self.server_wide.pop(name, None)
 
     def resolve_model(self, name: str | None, tenant: str = OPEN_TENANT) -> ServedModel:
         """The served model of `name` (None = the base model); 404 `model_not_found` if none."""
@@ -90,4 +97,5 @@ class TenantModelResolver(ModelResolver):
             root=self.base.name,
             adapter=record.name,
             lora_request=LoRARequest(record.engine_name, record.path),
+            created=int(record.created),
         )

@@ -1,12 +1,15 @@
-"""Adapter routes, scoped to the caller's tenant: upload, register (admin), list, get, delete,
-and vLLM's `load_lora_adapter` / `unload_lora_adapter`."""
+"""Adapter routes, scoped to the caller's tenant: upload, register (admin), list, get, delete;
+and vLLM's `load_lora_adapter` / `unload_lora_adapter`, which load and unload server-wide
+adapters (as `--lora-modules` makes them) on a server that allows runtime updates, beside their
+tenant-scoped form (README, "Tenants and adapters", says who may call what)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 from starlette.datastructures import UploadFile
 
@@ -16,6 +19,7 @@ from loraplex.platform.api.request_body import json_body, parse_json
 from loraplex.platform.api.state import server_state
 from loraplex.platform.api.tenancy.adapter_service import (
     AdapterService,
+    adapter_not_found,
     card,
     check_adapter_name,
     files_from_path,
@@ -38,7 +42,8 @@ class RegisterAdapterRequest(BaseModel):
 
 
 class LoadLoRAAdapterRequest(BaseModel):
-    """POST /v1/load_lora_adapter (admin, vLLM's route)."""
+    """POST /v1/load_lora_adapter (vLLM's route): a server-wide adapter from a server-local
+    PEFT folder, or with `tenant` (admin key) one tenant's."""
 
     lora_name: str
     lora_path: str
@@ -46,9 +51,11 @@ class LoadLoRAAdapterRequest(BaseModel):
 
 
 class UnloadLoRAAdapterRequest(BaseModel):
-    """POST /v1/unload_lora_adapter (vLLM's route): one of the caller's adapters."""
+    """POST /v1/unload_lora_adapter (vLLM's route): a server-wide adapter, or one of the
+    caller's (a tenant key, or `tenant` with the admin key)."""
 
     lora_name: str
+    tenant: str | None = None
 
 
 BODY_MODELS = (RegisterAdapterRequest, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest)
@@ -122,40 +129,112 @@ def _target_tenant(request: Request, body: dict[str, Any]) -> str:
     return tenant
 
 
-async def _register(request: Request, name_field: str, path_field: str) -> JSONResponse:
+async def _register(
+    request: Request, body: dict[str, Any], name_field: str, path_field: str
+) -> JSONResponse:
     require_admin(request)
-    body = parse_json(await request.body())
     service = _service(request)
-    name = check_adapter_name(body.get(name_field), service.base_name)
-    path = body.get(path_field)
-    if not isinstance(path, str) or not path:
-        raise bad_request(f"`{path_field}` must be a server-local folder", param=path_field)
+    name = check_adapter_name(body.get(name_field), service.base_name, name_field)
+    path = _server_path(body, path_field)
     tenant = _target_tenant(request, body)
     record, replaced = await service.install(tenant, name, files_from_path(path))
     return JSONResponse({**card(record, service.base_name), "replaced": replaced}, status_code=201)
 
 
+def _server_path(body: dict[str, Any], field: str) -> str:
+    path = body.get(field)
+    if not isinstance(path, str) or not path:
+        raise bad_request(f"`{field}` must be a server-local folder", param=field)
+    return path
+
+
 @router.post("/v1/adapters/register", openapi_extra=json_body(RegisterAdapterRequest))
 async def register_adapter(request: Request) -> JSONResponse:
     """Admin only: `{"name", "path", "tenant"}`, a PEFT folder on the server."""
-    return await _register(request, "name", "path")
+    return await _register(request, parse_json(await request.body()), "name", "path")
+
+
+_SWITCH = (
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (or LORAPLEX_ALLOW_RUNTIME_LORA_UPDATING=1, or "
+    "--allow-runtime-lora-updating)"
+)
+
+
+def _forbidden(message: str, code: str) -> APIError:
+    return APIError(403, message, type="permission_error", code=code)
+
+
+def _check_server_wide(request: Request, action: str) -> None:
+    """403 unless the caller may change server-wide adapters: runtime updates allowed (vLLM's
+    switch), and the admin key on a server that has one (an open server needs no key, as
+    vLLM's)."""
+    caller = caller_of(request)
+    tenants = server_state(request).tenancy.tenants
+    if not tenants.is_open and not (caller.is_admin and caller.tenant is None):
+        raise _forbidden(
+            f"{action} a server-wide adapter takes the admin key; a tenant "
+            + ("uploads its adapters with POST /v1/adapters (multipart: name, files)"
+               if action == "loading" else "unloads its own adapters by their names"),
+            "admin_key_required",
+        )  # fmt: skip
+    if not server_state(request).settings.runtime_lora_updating:
+        hint = (
+            "; or give `tenant` to act on that tenant's adapters"
+            if tenants.has_admin
+            else "; or upload the adapter's files with POST /v1/adapters"
+        )
+        raise _forbidden(
+            f"runtime LoRA updating is off on this server: start it with {_SWITCH} to "
+            f"{'load' if action == 'loading' else 'unload'} server-wide adapters{hint}",
+            "runtime_lora_updating_disabled",
+        )
+
+
+def _vllm_success(message: str) -> PlainTextResponse:
+    """vLLM's answer to a runtime adapter update: 200 and a line of text."""
+    return PlainTextResponse(message, status_code=200)
 
 
 @router.post("/v1/load_lora_adapter", openapi_extra=json_body(LoadLoRAAdapterRequest))
-async def load_lora_adapter(request: Request) -> JSONResponse:
-    """vLLM-compatible: `{"lora_name", "lora_path"}` (admin only; `tenant` names the tenant)."""
-    return await _register(request, "lora_name", "lora_path")
+async def load_lora_adapter(request: Request) -> Response:
+    """vLLM's route: `{"lora_name", "lora_path"}` serves a server-local PEFT folder to every
+    tenant as `lora_name` (runtime updates allowed; the admin key where the server has one);
+    with `tenant` (admin key), that tenant's adapter, as /v1/adapters/register."""
+    body = parse_json(await request.body())
+    if body.get("tenant") is not None:
+        return await _register(request, body, "lora_name", "lora_path")
+    _check_server_wide(request, "loading")
+    service = _service(request)
+    name = check_adapter_name(body.get("lora_name"), service.base_name, "lora_name")
+    path = _server_path(body, "lora_path")
+    await service.load_server_wide(name, str(Path(path).expanduser().resolve()))
+    return _vllm_success(f"Success: LoRA adapter '{name}' added successfully.")
 
 
 @router.post("/v1/unload_lora_adapter", openapi_extra=json_body(UnloadLoRAAdapterRequest))
-async def unload_lora_adapter(request: Request) -> JSONResponse:
-    """vLLM-compatible: `{"lora_name"}`, one of the caller's adapters."""
+async def unload_lora_adapter(request: Request) -> Response:
+    """vLLM's route: `{"lora_name"}`. A server-wide adapter (runtime updates allowed; the
+    admin key where the server has one), else one of the caller's tenant's adapters (a tenant
+    key, or `tenant` with the admin key)."""
     body = parse_json(await request.body())
     name = body.get("lora_name")
-    if not isinstance(name, str):
-        raise bad_request("`lora_name` must be a string", param="lora_name")
-    tenant = tenant_of(request).name
-    record = await _service(request).remove(tenant, name)
+    if not isinstance(name, str) or not name:
+        raise bad_request("`lora_name` is required: the adapter's name", param="lora_name")
+    caller = caller_of(request)
+    service = _service(request)
+    if body.get("tenant") is not None:
+        require_admin(request)
+        tenant = _target_tenant(request, body)
+    elif name in server_state(request).models.server_wide:
+        _check_server_wide(request, "unloading")
+        await service.unload_server_wide(name)
+        return _vllm_success(f"Success: LoRA adapter '{name}' removed successfully.")
+    elif caller.tenant is not None:
+        tenant = caller.tenant.name  # a tenant's key, or the open server's one tenant
+    else:  # the admin key, naming no tenant: a server-wide adapter or nothing
+        _check_server_wide(request, "unloading")  # 403 naming the switch and `tenant`
+        raise adapter_not_found(name, "lora_name")
+    record = await service.remove(tenant, name, param="lora_name")
     return JSONResponse({"id": record.name, "object": "adapter", "deleted": True})
 
 

@@ -63,7 +63,7 @@ CASES = [
      None, "unsupported_schema_feature"),
     ("empty guided_choice", C, _json({"prompt": "a", "guided_choice": []}), 400,
      "guided_choice", None),
-    ("oversized prompt", C, _json({"prompt": "hello " * 600}), 400, "messages",
+    ("oversized prompt", C, _json({"prompt": "hello " * 600}), 400, "prompt",
      "context_length_exceeded"),
     ("oversized chat", CHAT, _json({"messages": [{"role": "user", "content": "hi " * 600}]}),
      400, "messages", "context_length_exceeded"),

@@ -8,21 +8,12 @@ import logging
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from tenant_helpers import IdleEngine
 
 from loraplex.platform.api.app import build_app
 from loraplex.platform.api.settings import ServerSettings
 from loraplex.platform.api.tenancy.tenancy import Tenancy
 from loraplex.platform.api.tenancy.tenant_store import Tenant, TenantStore
-
-
-class _IdleEngine:
-    """What `build_app` touches of an engine before start-up (lifespan is not run here)."""
-
-    served_model_name = "tiny"
-    max_model_len = 64
-
-    def add_timing_observer(self, observer) -> None:
-        pass
 
 
 @pytest.fixture(autouse=True)
@@ -39,14 +30,17 @@ def test_an_open_server_refuses_the_admin_api_with_403_and_stays_open(server):
             assert error["code"] == "admin_disabled"
             assert "--admin-key" in error["message"] and "LORAPLEX_ADMIN_KEY" in error["message"]
             assert http.get("/admin/tenants", headers=headers).status_code == 403
-        # Registering a server-local folder is an admin route too.
-        for path, body in (
-            ("/v1/adapters/register", {"name": "a", "path": "/etc", "tenant": "default"}),
-            ("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/etc"}),
-        ):
+        # Registering a server-local folder is an admin route too; vLLM's runtime route needs
+        # vLLM's switch on an open server (test_runtime_lora.py).
+        for path, body, code in (
+            ("/v1/adapters/register", {"name": "a", "path": "/etc", "tenant": "default"},
+             "admin_disabled"),
+            ("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/etc"},
+             "runtime_lora_updating_disabled"),
+        ):  # fmt: skip
             refused = http.post(path, json=body)
             assert refused.status_code == 403, refused.text
-            assert refused.json()["error"]["code"] == "admin_disabled"
+            assert refused.json()["error"]["code"] == code
         # Nobody took the server over: it still serves without a key.
         assert http.get("/v1/models").status_code == 200
 
@@ -62,7 +56,7 @@ def _stored_tenant(data_dir) -> str:
 def test_tenants_in_the_data_folder_without_an_admin_key_need_keys_and_say_so(tmp_path, caplog):
     key = _stored_tenant(tmp_path)
     with caplog.at_level(logging.WARNING, logger="loraplex.platform.api.app"):
-        app = build_app(_IdleEngine(), ServerSettings(data_dir=str(tmp_path)))
+        app = build_app(IdleEngine(), ServerSettings(data_dir=str(tmp_path)))
     warning = " ".join(r.getMessage() for r in caplog.records)
     assert "1 tenant(s)" in warning and "--admin-key" in warning
     assert str(tmp_path / "tenants.sqlite") in warning and "--data-dir" in warning

@@ -70,7 +70,8 @@ def _text(content: Any, index: int) -> Any:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in _TEXT_PARTS:
             raise bad_request(
-                f"content parts of type {kind!r} are not supported (text only)",
+                f"input[{index}].content[{j}]: {kind} content parts are not supported by this "
+                "server (text-only model)",
                 param=f"input.{index}.content.{j}.type",
             )
         texts.append(part.get("text"))

@@ -36,12 +36,15 @@ def call_item(call_id: str, name: str, arguments: str, status: str = "completed"
     }
 
 
-def output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
-    """Output items of a chat assistant `message` (text first, then each call)."""
+def output_items(message: dict[str, Any], finish_reason: str | None = None) -> list[dict]:
+    """Output items of a chat assistant `message` (text first, then each call); the last is
+    "incomplete" when the token limit cut it (`finish_reason` "length")."""
     items = [message_item(message["content"])] if message.get("content") else []
     for call in message.get("tool_calls") or []:
         function = call["function"]
         items.append(call_item(call["id"], function["name"], function["arguments"]))
+    if items and finish_reason == "length":
+        items[-1]["status"] = "incomplete"
     return items
 
 
@@ -161,7 +164,8 @@ class ResponseEventStream:
         """The closing events and the final response object."""
         events = []
         for index, item in enumerate(self.items):
-            item["status"] = "completed"
+            cut = finish_reason == "length" and index == len(self.items) - 1
+            item["status"] = "incomplete" if cut else "completed"
             if item["type"] == "message":
                 part = item["content"][0]
                 events.append(self.event("response.output_text.done", item_id=item["id"],

@@ -1,4 +1,5 @@
-"""POST /v1/responses and GET /v1/responses/{id}: OpenAI's Responses API over the chat path.
+"""POST /v1/responses, GET and DELETE /v1/responses/{id}: OpenAI's Responses API over the chat
+path.
 
 A request becomes the chat completion that answers it (`input`): the stored
 conversation of `previous_response_id`, then `instructions` and `input`. The answer is written
@@ -53,10 +54,13 @@ from loraplex.platform.api.state import ServerState, server_state
 from loraplex.platform.api.tenancy.auth import admit, tenant_of
 from loraplex.platform.api.tenancy.limits import reservation
 from loraplex.platform.core.outputs import RequestOutput
+from loraplex.platform.core.sampling_params import SamplingParams
 from loraplex.platform.engine.request_stream import RequestStream
 
 router = APIRouter()
 BODY_MODELS = (ResponsesRequest,)
+# The engine's field names (errors' `param`) as a Responses request names them.
+RESPONSES_FIELDS = {"prompt": "input", "max_tokens": "max_output_tokens"}
 
 
 def response_store(request: Request) -> ResponseStore:
@@ -64,23 +68,24 @@ def response_store(request: Request) -> ResponseStore:
     return request.app.state.responses
 
 
-def _not_found(response_id: str) -> APIError:
+def _not_found(response_id: str, param: str = "previous_response_id") -> APIError:
     return APIError(
         404,
         f"No response with id '{response_id}' found.",
         type="not_found_error",
-        param="previous_response_id",
+        param=param,
         code="response_not_found",
     )
 
 
-def _echoed(body: ResponsesRequest) -> dict[str, Any]:
-    """The request fields a response object repeats."""
+def _echoed(body: ResponsesRequest, params: SamplingParams) -> dict[str, Any]:
+    """The request fields a response object repeats (sampling as it ran: the request's
+    values, else the server's defaults)."""
     return {
         "instructions": body.instructions,
         "max_output_tokens": body.max_output_tokens,
-        "temperature": 1.0 if body.temperature is None else body.temperature,
-        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
         "tools": body.tools or [],
         "tool_choice": body.tool_choice or "auto",
         "parallel_tool_calls": True
@@ -114,9 +119,14 @@ async def create_response(request: Request) -> Response:
     tools = tool_request_for(chat)
     tokenizer = await state.tokenizer_of(served)
     parser = tool_parser(state, tokenizer)
-    params = with_tool_grammar(chat_sampling_params(chat, state.limits_for(tokenizer)), tools)
+    defaults = state.engine.generation_defaults
+    params = chat_sampling_params(chat, state.limits_for(tokenizer), defaults)
+    params = with_tool_grammar(params, tools)
     prompt = await asyncio.to_thread(render_chat_prompt, tokenizer, chat, tools, parser)
-    admit(request, *reservation(state.engine.max_model_len, params, [len(prompt.token_ids)]))
+    admit(
+        request,
+        *reservation(state.engine.max_model_len, params, [len(prompt.token_ids)], defaults),
+    )
     response_id = new_id("resp").replace("-", "_")
     created = now_s()
 
@@ -124,23 +134,25 @@ async def create_response(request: Request) -> Response:
         if body.store:
             store.put(tenant, response_id, StoredResponse(final, (*conversation, message)))
 
-    streams = await submit_chat(state, prompt, params, response_id, tenant, served, tools, parser)
+    streams = await submit_chat(state, prompt, params, response_id, tenant, served, tools, parser,
+                                RESPONSES_FIELDS)  # fmt: skip
     if body.stream:
         outputs = await first_output_then_rest(request, streams, state.settings.disconnect_poll_s)
-        base = response_json(response_id, created, served.name, _echoed(body), [], "in_progress",
+        base = response_json(response_id, created, served.name, _echoed(body, params), [], "in_progress",
                              None, None)  # fmt: skip
         mode = "none" if tools is None else tools.mode
-        calls = ToolCallStream(mode, parser, None if tools is None else tools.named, new_call_id)
+        named, names = (None, ()) if tools is None else (tools.named, tools.names)
+        calls = ToolCallStream(mode, parser, named, new_call_id, names)
         events = _events(request, state, streams, outputs, ResponseEventStream(base), calls, save)
         return StreamingResponse(
             events, media_type="text/event-stream", background=BackgroundTask(abort_all, streams)
         )
     with abort_on_disconnect(request, streams, state.settings.disconnect_poll_s):
         (choice,), usage = await collect(streams, 1)
-    message, _ = assistant_message(choice.full_text, tools, parser)
-    final = response_json(response_id, created, served.name, _echoed(body),
-                          output_items(message), "completed", choice.finish_reason,
-                          usage_json(usage))  # fmt: skip
+    message, _ = assistant_message(choice.full_text, tools, parser, choice.finish_reason)
+    final = response_json(response_id, created, served.name, _echoed(body, params),
+                          output_items(message, choice.finish_reason), "completed",
+                          choice.finish_reason, usage_json(usage))  # fmt: skip
     await asyncio.to_thread(save, final, message)
     return JSONResponse(final)
 
@@ -167,7 +179,7 @@ async def _events(
                     pieces = calls.feed(delta.text)
                     if delta.finish_reason is not None:
                         finish = delta.finish_reason
-                        pieces += calls.finish()
+                        pieces += calls.finish(delta.finish_reason)
                     for piece in pieces:
                         for event in events.delta(piece):
                             yield event
@@ -202,7 +214,14 @@ async def get_response(request: Request, response_id: str) -> JSONResponse:
         response_store(request).get, tenant_of(request).name, response_id
     )
     if stored is None:
-        error = _not_found(response_id)
-        error.param = "response_id"
-        raise error
+        raise _not_found(response_id, "response_id")
     return JSONResponse(stored.body)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(request: Request, response_id: str) -> JSONResponse:
+    """OpenAI's delete: the caller's stored response is gone (another tenant's is a 404)."""
+    store = response_store(request)
+    if not await asyncio.to_thread(store.delete, tenant_of(request).name, response_id):
+        raise _not_found(response_id, "response_id")
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})

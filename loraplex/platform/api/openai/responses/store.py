@@ -86,6 +86,15 @@ class ResponseStore:
             return None
         return StoredResponse(json.loads(row[0]), tuple(json.loads(row[1])))
 
+    def delete(self, tenant: str, response_id: str) -> bool:
+        """Forget the tenant's response `response_id`; False when there is none (unknown,
+        evicted, or another tenant's)."""
+        with self._lock:
+            cursor = self._db.execute(
+                "DELETE FROM responses WHERE tenant = ? AND id = ?", (tenant, response_id)
+            )
+        return cursor.rowcount > 0
+
     def close(self) -> None:
         with self._lock:
             self._db.close()

@@ -12,6 +12,7 @@ The text it yields is what the model wrote in the template's format: the parser 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from dataclasses import replace
 
 from loraplex.adapters.request import LoRARequest
@@ -191,6 +192,7 @@ async def submit_auto(
     parser: ToolParser,
     tenant: str,
     lora_request: LoRARequest | None,
+    fields: Mapping[str, str] | None = None,
 ) -> list[AutoToolChoices]:
     """Start every choice of an `auto` tool request; if any is refused, abort the others and
     raise 4xx (as `request_streams.submit`)."""
@@ -206,7 +208,7 @@ async def submit_auto(
     except ValueError as error:
         for stream in children:
             stream.abort()
-        raise from_engine_error(error) from None
+        raise from_engine_error(error, fields) from None
     except BaseException:
         for stream in children:
             stream.abort()

@@ -20,12 +20,13 @@ _WHITESPACE = " \t\r\n"
 
 @dataclass(frozen=True)
 class CallScan:
-    """One call of a partial `required` output: its name once whole, and where its arguments
-    start and (once whole) end in the text."""
+    """One call of a partial `required` output: its name once whole (else the part of it
+    written so far), and where its arguments start and (once whole) end in the text."""
 
     name: str | None
     arguments_start: int | None
     arguments_end: int | None
+    partial_name: str | None = None  # the name's first characters, while it is cut short
 
 
 def _skip(text: str, pos: int) -> int:
@@ -86,17 +87,21 @@ def scan_required(text: str) -> tuple[list[CallScan], bool]:
         if text[i] != "{":
             return calls, False
         members, end = _scan_object(text, i)
-        name = None
-        if "name" in members and members["name"][1] is not None:
+        name = partial = None
+        if "name" in members:
             start, stop = members["name"]
-            value = json.loads(text[start:stop])
-            name = value if isinstance(value, str) else None
+            if stop is not None:
+                value = json.loads(text[start:stop])
+                name = value if isinstance(value, str) else None
+            elif text[start] == '"':  # NOTE: tool names need no escapes (letters, digits, _ -)
+                partial = text[start + 1 :]
         arguments = members.get("arguments")
         calls.append(
             CallScan(
                 name,
                 arguments[0] if arguments else None,
                 arguments[1] if arguments else None,
+                partial,
             )
         )
         if end is None:
@@ -115,14 +120,30 @@ def _fragment(index: int, text: str) -> dict[str, Any]:
     return {"tool_calls": [{"index": index, "function": {"arguments": text}}]}
 
 
+def complete_name(partial: str, names: tuple[str, ...]) -> str | None:
+    """The one tool name that starts with `partial` (a call's name cut short; the grammar
+    allows only the tools' names), or None when several or none do."""
+    matches = [name for name in names if name.startswith(partial)]
+    return matches[0] if len(matches) == 1 else None
+
+
 class ToolCallStream:
     """One choice's deltas under a tool mode: `feed` each new piece of text, then `finish`.
 
     Both return OpenAI `delta` objects (`{"content": ...}` or `{"tool_calls": [...]}`);
-    `has_calls` tells whether the choice made a call (finish_reason "tool_calls")."""
+    `has_calls` tells whether the choice made a call (finish_reason "tool_calls", or "length"
+    for a forced call cut short, whose arguments are then what was written of them)."""
 
-    def __init__(self, mode: str, parser: ToolParser, named: str | None, new_id) -> None:
+    def __init__(
+        self,
+        mode: str,
+        parser: ToolParser,
+        named: str | None,
+        new_id,
+        names: tuple[str, ...] = (),
+    ) -> None:
         self.mode, self.parser, self.named, self._new_id = mode, parser, named, new_id
+        self.names = names  # the tools' names, to complete a name cut short
         self.text = ""
         self._sent_content = 0  # characters of text sent as content (auto)
         self._ids: list[str] = []
@@ -139,7 +160,9 @@ class ToolCallStream:
             return self._auto_content(final=False)
         return [{"content": piece}] if piece else []
 
-    def finish(self) -> list[dict[str, Any]]:
+    def finish(self, finish_reason: str | None = None) -> list[dict[str, Any]]:
+        if self.mode == "required" and finish_reason == "length":
+            return self._cut_call_header()
         if self.mode == "auto":
             parsed = self.parser.parse(self.text)
             if not parsed.tool_calls:
@@ -177,6 +200,20 @@ class ToolCallStream:
                 self._sent_args[k] += len(new)
                 out.append(_fragment(k, new))
         return out
+
+    def _cut_call_header(self) -> list[dict[str, Any]]:
+        """The header of a call whose name the token limit cut short, when the tools' names
+        complete it (its arguments: none yet), as the whole answer reports it."""
+        calls, _ = scan_required(self.text)
+        if len(calls) <= len(self._ids) or calls[len(self._ids)].partial_name is None:
+            return []
+        name = complete_name(calls[len(self._ids)].partial_name or "", self.names)
+        if name is None:
+            return []
+        self._ids.append(self._new_id())
+        self._sent_args.append(0)
+        self.has_calls = True
+        return [_header(len(self._ids) - 1, self._ids[-1], name)]
 
     def _auto_content(self, final: bool) -> list[dict[str, Any]]:
         if final:

@@ -20,7 +20,7 @@ from typing import Any
 from loraplex.grammar.tool_grammar import ToolFunction, function_schema, required_calls_schema
 from loraplex.platform.api.errors import bad_request
 from loraplex.platform.api.openai.protocol import ChatCompletionRequest, ChatMessage
-from loraplex.platform.api.openai.tools.tool_call_stream import scan_required
+from loraplex.platform.api.openai.tools.tool_call_stream import complete_name, scan_required
 from loraplex.platform.api.openai.tools.tool_parsers import ParsedOutput, ParsedToolCall, ToolParser
 from loraplex.platform.core.structured_outputs import StructuredOutputs
 
@@ -47,6 +47,10 @@ class ToolRequest:
     tools: tuple[dict[str, Any], ...]  # as the client sent them (for templates with tools)
     named: str | None = None  # the function `tool_choice` names
     parallel: bool = True
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.functions)
 
     @property
     def shown(self) -> bool:
@@ -200,8 +204,14 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def parse_output(text: str, tools: ToolRequest, parser: ToolParser) -> ParsedOutput:
-    """The content and calls of one choice's whole text under `tools`' mode."""
+def parse_output(
+    text: str, tools: ToolRequest, parser: ToolParser, truncated: bool = False
+) -> ParsedOutput:
+    """The content and calls of one choice's whole text under `tools`' mode. `truncated`: the
+    token limit cut it (finish reason "length"): a forced call (`required`, named) is still a
+    call, with the arguments written so far, as OpenAI reports a call cut short."""
+    if truncated and tools.mode in ("named", "required"):
+        return ParsedOutput("", truncated_calls(text, tools))
     if tools.mode == "named":
         assert tools.named is not None
         try:
@@ -224,6 +234,25 @@ def required_calls(text: str) -> list[ParsedToolCall] | None:
     if not complete or any(c.arguments_end is None for c in calls):
         return None
     return [ParsedToolCall(c.name or "", text[c.arguments_start : c.arguments_end]) for c in calls]
+
+
+def truncated_calls(text: str, tools: ToolRequest) -> tuple[ParsedToolCall, ...]:
+    """The calls of a forced-call output cut short, each with its arguments as far as they
+    were written ("" before they start); a call whose name the tools' names cannot complete
+    yet is left out."""
+    if tools.mode == "named":
+        assert tools.named is not None
+        return (ParsedToolCall(tools.named, text),)
+    calls = []
+    for scan in scan_required(text)[0]:
+        name = scan.name
+        if name is None and scan.partial_name is not None:
+            name = complete_name(scan.partial_name, tools.names)
+        if name is None:
+            break
+        start, end = scan.arguments_start, scan.arguments_end
+        calls.append(ParsedToolCall(name, "" if start is None else text[start:end]))
+    return tuple(calls)
 
 
 def tool_calls_json(calls: tuple[ParsedToolCall, ...], ids: list[str]) -> list[dict[str, Any]]:

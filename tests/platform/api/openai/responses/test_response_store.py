@@ -34,3 +34,13 @@ def test_another_process_and_a_restart_see_stored_responses(tmp_path):
     first.close()
     second.close()
     assert ResponseStore(tmp_path).get("alpha", "r1") == _stored(1)
+
+
+def test_a_tenant_deletes_only_its_own(tmp_path):
+    store = ResponseStore(tmp_path)
+    store.put("alpha", "r1", _stored(1))
+    assert not store.delete("beta", "r1")  # another tenant's id is not found
+    assert store.get("alpha", "r1") == _stored(1)
+    assert store.delete("alpha", "r1") and store.get("alpha", "r1") is None
+    assert not store.delete("alpha", "r1")
+    store.close()
