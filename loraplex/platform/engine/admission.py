@@ -17,6 +17,7 @@ from loraplex.adapters.request import LoRARequest
 from loraplex.config import EngineConfig
 from loraplex.grammar.errors import GrammarError
 from loraplex.platform.core.errors import PromptTooLongError
+from loraplex.platform.core.generation_defaults import GenerationDefaults
 from loraplex.platform.core.request import Request
 from loraplex.platform.core.sampling_params import SamplingParams
 from loraplex.platform.engine.output_processor import OutputProcessor, core_request_ids
@@ -40,6 +41,7 @@ class RequestAdmission:
         eos_token_ids: tuple[int, ...],
         max_model_len: int,
         vocab_size: int,
+        generation_defaults: GenerationDefaults,
     ) -> None:
         self.config = config
         self.scheduler = scheduler
@@ -50,6 +52,7 @@ class RequestAdmission:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.generation_defaults = generation_defaults  # a missing max_tokens' default
         self._ids = itertools.count()
         # NOTE: a request without a seed gets one from here when it is added, so every row of
         # the device sampler draws counter-based noise, and a seeded engine (model.seed) gives
@@ -160,7 +163,7 @@ class RequestAdmission:
                 f"{num_prompt} tokens. Please shorten the prompt."
             )
         if params.max_tokens is None:
-            return limit - num_prompt
+            return self.generation_defaults.max_tokens_for(None, num_prompt, limit)
         if num_prompt + params.max_tokens > limit:
             raise PromptTooLongError(
                 f"This model's maximum context length is {limit} tokens. However, you requested "

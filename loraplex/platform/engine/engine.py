@@ -104,6 +104,7 @@ class Engine:
             self.eos_token_ids,
             self.max_model_len,
             arch.vocab_size,
+            self.generation_defaults,
         )
         tune_for_serving()  # NOTE: thousands of short-lived objects a step (see gc_tuning)
         self.served_model_name = config.model.served_model_name or self.model_dir.stem
