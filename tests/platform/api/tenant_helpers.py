@@ -47,6 +47,7 @@ def start_server(
     import uvicorn
 
     from loraplex.platform.api.app import build_app
+    from loraplex.platform.api.read_deadlines import uvicorn_options
     from loraplex.platform.api.settings import ServerSettings
     from loraplex.platform.engine.async_engine import AsyncEngine
 
@@ -62,8 +63,13 @@ def start_server(
     )
     engine = AsyncEngine(config)
     settings.setdefault("admin_key", ADMIN_KEY)
-    app = build_app(engine, ServerSettings(port=port, data_dir=str(data_dir), **settings))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server_settings = ServerSettings(port=port, data_dir=str(data_dir), **settings)
+    app = build_app(engine, server_settings)
+    # NOTE: with the connection timeouts `loraplex serve` sets (read_deadlines)
+    options = uvicorn_options(server_settings)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **options)
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

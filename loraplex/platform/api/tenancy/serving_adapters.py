@@ -3,12 +3,14 @@ and vLLM's `load_lora_adapter` / `unload_lora_adapter`."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
-from starlette.datastructures import UploadFile
+from starlette.datastructures import FormData, UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
 
 from loraplex.adapters.upload import UploadedFile
 from loraplex.platform.api.errors import APIError, bad_request
@@ -25,6 +27,9 @@ from loraplex.platform.api.tenancy.auth import caller_of, require_admin, tenant_
 
 router = APIRouter()
 _MAX_FILES = 8
+# the multipart framing and the `name` field an upload may carry beyond its files' bytes
+_FORM_OVERHEAD_BYTES = 64 * 1024
+ADAPTERS_PREFIX = "/v1/adapters/"
 
 
 # NOTE: the JSON bodies below are read and checked by the routes themselves (field by field,
@@ -81,31 +86,54 @@ def _too_large(limit: int) -> APIError:
 
 @router.post("/v1/adapters", openapi_extra=_UPLOAD_BODY)
 async def upload_adapter(request: Request) -> JSONResponse:
-    """multipart/form-data: `name`, and `files` (the two PEFT files, or one .zip / .tar.gz)."""
+    """multipart/form-data: `name`, and `files` (the two PEFT files, or one .zip / .tar.gz).
+
+    The body is counted as it arrives, chunked or not (413 past `--max-adapter-bytes`, without
+    reading the rest), its files are spooled to temporary files rather than held in memory, and
+    at most `--max-concurrent-uploads` are read at once per process (503 beyond)."""
     tenant = tenant_of(request).name
     service = _service(request)
     limit = server_state(request).settings.max_adapter_bytes
     length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit + 64 * 1024:
+    if length is not None and length.isdigit() and int(length) > limit + _FORM_OVERHEAD_BYTES:
         raise _too_large(limit)
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise bad_request("send the adapter as multipart/form-data: `name` and `files`")
-    try:
-        form = await request.form(max_files=_MAX_FILES, max_fields=_MAX_FILES)
-    except Exception as error:  # starlette raises its own MultiPartException / HTTPException
-        raise bad_request(f"unreadable multipart body: {error}") from None
-    name = check_adapter_name(form.get("name"), service.base_name)
-    uploads = [f for f in form.getlist("files") if isinstance(f, UploadFile)]
-    files = []
-    total = 0
-    for upload in uploads:
-        data = await upload.read(limit + 1 - total)
-        total += len(data)
-        if total > limit:
-            raise _too_large(limit)
-        files.append(UploadedFile(upload.filename or "", data))
-    record, replaced = await service.install(tenant, name, files_from_upload(files))
+    async with service.upload_slot():
+        form = await _read_form(request, limit)
+        try:
+            name = check_adapter_name(form.get("name"), service.base_name)
+            files = [
+                UploadedFile(upload.filename or "", upload.file)
+                for upload in form.getlist("files")
+                if isinstance(upload, UploadFile)
+            ]
+            record, replaced = await service.install(tenant, name, files_from_upload(files))
+        finally:
+            await form.close()
     return JSONResponse({**card(record, service.base_name), "replaced": replaced}, status_code=201)
+
+
+async def _read_form(request: Request, limit: int) -> FormData:
+    """The multipart body, its files spooled to temporary files; 413 as soon as more than
+    `limit` bytes (plus the form's own framing) have arrived."""
+    budget = limit + _FORM_OVERHEAD_BYTES
+
+    async def counted() -> AsyncIterator[bytes]:
+        received = 0
+        async for chunk in request.stream():
+            received += len(chunk)
+            if received > budget:
+                raise _too_large(limit)
+            yield chunk
+
+    parser = MultiPartParser(
+        request.headers, counted(), max_files=_MAX_FILES, max_fields=_MAX_FILES
+    )
+    try:
+        return await parser.parse()
+    except MultiPartException as error:
+        raise bad_request(f"unreadable multipart body: {error.message}") from None
 
 
 def _target_tenant(request: Request, body: dict[str, Any]) -> str:
@@ -167,13 +195,24 @@ async def list_adapters(request: Request) -> JSONResponse:
     return JSONResponse({"object": "list", "data": [card(r, service.base_name) for r in records]})
 
 
-@router.get("/v1/adapters/{name:path}")
+def _name_in_path(request: Request) -> str:
+    """The adapter name of `/v1/adapters/{name}` exactly as sent.
+
+    NOTE: starlette's `{name:path}` matches `.*$`, which stops before a trailing newline: for
+    `/v1/adapters/x%0A` it would give `x`. The path itself holds the whole name, so a name an
+    older version stored with a newline can still be read and deleted (and never another)."""
+    path = request.scope["path"]
+    return path[path.index(ADAPTERS_PREFIX) + len(ADAPTERS_PREFIX) :]
+
+
+@router.get(ADAPTERS_PREFIX + "{name:path}")
 async def get_adapter(name: str, request: Request) -> JSONResponse:
     service = _service(request)
-    return JSONResponse(card(service.get(tenant_of(request).name, name), service.base_name))
+    record = service.get(tenant_of(request).name, _name_in_path(request))
+    return JSONResponse(card(record, service.base_name))
 
 
-@router.delete("/v1/adapters/{name:path}")
+@router.delete(ADAPTERS_PREFIX + "{name:path}")
 async def delete_adapter(name: str, request: Request) -> JSONResponse:
-    record = await _service(request).remove(tenant_of(request).name, name)
+    record = await _service(request).remove(tenant_of(request).name, _name_in_path(request))
     return JSONResponse({"id": record.name, "object": "adapter", "deleted": True})

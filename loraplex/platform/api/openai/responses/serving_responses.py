@@ -115,7 +115,7 @@ async def create_response(request: Request) -> Response:
     tokenizer = await state.tokenizer_of(served)
     parser = tool_parser(state, tokenizer)
     params = with_tool_grammar(chat_sampling_params(chat, state.limits_for(tokenizer)), tools)
-    prompt = await asyncio.to_thread(render_chat_prompt, tokenizer, chat, tools, parser)
+    prompt = await render_chat_prompt(state, tokenizer, chat, tenant, tools, parser)
     admit(request, *reservation(state.engine.max_model_len, params, [len(prompt.token_ids)]))
     response_id = new_id("resp").replace("-", "_")
     created = now_s()
