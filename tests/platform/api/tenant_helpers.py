@@ -42,6 +42,7 @@ def start_server(
     max_num_seqs: int = 8,
     grammar: GrammarConfig | None = None,
     lora: LoRAConfig | None = None,
+    served_model_name: str | None = None,
     **settings,
 ) -> TenantServer:
     import uvicorn
@@ -55,7 +56,13 @@ def start_server(
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     config = EngineConfig(
-        model=ModelConfig(model=str(model_dir), dtype="float32", max_model_len=512, device="cpu"),
+        model=ModelConfig(
+            model=str(model_dir),
+            dtype="float32",
+            max_model_len=512,
+            device="cpu",
+            served_model_name=served_model_name,
+        ),
         cache=CacheConfig(num_kv_blocks=512),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
         grammar=grammar or GrammarConfig(),
