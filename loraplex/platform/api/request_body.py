@@ -26,10 +26,18 @@ def _too_large(limit: int) -> APIError:
     )
 
 
+def declared_length(request: Request) -> int | None:
+    """The body size the Content-Length header declares (None without a number there)."""
+    value = request.headers.get("content-length", "")
+    if not (value.isascii() and value.isdigit()):
+        return None
+    return int(value) if len(value) <= 18 else 10**18  # more digits: more than any limit
+
+
 async def read_body_bytes(request: Request, limit: int) -> bytes:
     """The raw body, refusing (413) anything over `limit` bytes before reading it all."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    declared = declared_length(request)
+    if declared is not None and declared > limit:
         raise _too_large(limit)
     chunks: list[bytes] = []
     size = 0

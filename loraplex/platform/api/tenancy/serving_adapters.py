@@ -14,7 +14,12 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 
 from loraplex.adapters.upload import UploadedFile
 from loraplex.platform.api.errors import APIError, bad_request
-from loraplex.platform.api.request_body import json_body, parse_json
+from loraplex.platform.api.request_body import (
+    declared_length,
+    json_body,
+    parse_json,
+    read_body_bytes,
+)
 from loraplex.platform.api.state import server_state
 from loraplex.platform.api.tenancy.adapter_service import (
     AdapterService,
@@ -94,8 +99,8 @@ async def upload_adapter(request: Request) -> JSONResponse:
     tenant = tenant_of(request).name
     service = _service(request)
     limit = server_state(request).settings.max_adapter_bytes
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit + _FORM_OVERHEAD_BYTES:
+    declared = declared_length(request)
+    if declared is not None and declared > limit + _FORM_OVERHEAD_BYTES:
         raise _too_large(limit)
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise bad_request("send the adapter as multipart/form-data: `name` and `files`")
@@ -136,6 +141,11 @@ async def _read_form(request: Request, limit: int) -> FormData:
         raise bad_request(f"unreadable multipart body: {error.message}") from None
 
 
+async def _read_body(request: Request) -> bytes:
+    """A JSON route's body, within --max-request-body-bytes (413 past it, as it arrives)."""
+    return await read_body_bytes(request, server_state(request).settings.max_request_body_bytes)
+
+
 def _target_tenant(request: Request, body: dict[str, Any]) -> str:
     """The tenant an admin acts for: the body's `tenant` (the open server's one by default)."""
     own = caller_of(request).tenant  # set on an open server only
@@ -152,7 +162,7 @@ def _target_tenant(request: Request, body: dict[str, Any]) -> str:
 
 async def _register(request: Request, name_field: str, path_field: str) -> JSONResponse:
     require_admin(request)
-    body = parse_json(await request.body())
+    body = parse_json(await _read_body(request))
     service = _service(request)
     name = check_adapter_name(body.get(name_field), service.base_name)
     path = body.get(path_field)
@@ -178,7 +188,7 @@ async def load_lora_adapter(request: Request) -> JSONResponse:
 @router.post("/v1/unload_lora_adapter", openapi_extra=json_body(UnloadLoRAAdapterRequest))
 async def unload_lora_adapter(request: Request) -> JSONResponse:
     """vLLM-compatible: `{"lora_name"}`, one of the caller's adapters."""
-    body = parse_json(await request.body())
+    body = parse_json(await _read_body(request))
     name = body.get("lora_name")
     if not isinstance(name, str):
         raise bad_request("`lora_name` must be a string", param="lora_name")
