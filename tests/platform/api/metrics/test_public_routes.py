@@ -125,7 +125,13 @@ def test_the_lora_gauge_names_running_adapters_only_to_the_key(world):
         return family.samples[0].labels
 
     body = {"model": "support", "prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": True}
-    running = threading.Thread(target=alpha.post, args=("/v1/completions",), kwargs={"json": body})
+    done = threading.Event()
+
+    def keep_running() -> None:
+        while not done.is_set():
+            assert alpha.post("/v1/completions", json=body).status_code == 200
+
+    running = threading.Thread(target=keep_running)
     running.start()
     try:
         deadline = time.monotonic() + 60
@@ -135,6 +141,7 @@ def test_the_lora_gauge_names_running_adapters_only_to_the_key(world):
             time.sleep(0.01)
         public = lora_info(None)
     finally:
+        done.set()
         running.join()
     assert public["running_lora_adapters"] == "" and public["max_lora"].isdigit()
 

@@ -20,7 +20,7 @@ from tenant_helpers import create_tenants, start_server
 sys.path.insert(0, str(Path(__file__).parents[3] / "adapters"))
 from random_adapters import write_adapter, write_tiny_model  # noqa: E402
 
-TIMEOUT_S = 3.0  # --chat-template-timeout: long beside a render, short beside a bomb
+TIMEOUT_S = 5.0  # --chat-template-timeout: long beside a render, short beside a bomb
 LOOPS = "{% for a in range(100000) %}{% for b in range(100000) %}{% for c in range(100000) %}" + (
     "{% endfor %}{% endfor %}{% endfor %}"
 )
