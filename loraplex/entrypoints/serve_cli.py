@@ -140,7 +140,8 @@ _ISOLATION_OPTIONS = (
     _Option("--chat-template-workers", 2, "chat template render processes per API process; "
             "one tenant's renders use at most all but one of them", int),
     _Option("--max-concurrent-uploads", 2, "adapter uploads one API process reads at once "
-            "(each streamed to disk and counted as it arrives); more answer 503", int),
+            "(each streamed to disk and counted as it arrives); more answer 503, and one tenant "
+            "holds at most all but one (429)", int),
     _Option("--request-read-timeout", 30.0, "seconds a connection may take to send a request's "
             "headers, and the longest pause while it sends a body; past it: 408 and the "
             "connection closes", float),

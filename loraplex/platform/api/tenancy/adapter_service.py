@@ -104,22 +104,42 @@ class AdapterService:
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._registered: set[str] = set()  # engine names this process registered
         self._uploads = asyncio.Semaphore(state.settings.max_concurrent_uploads)
+        self._uploading: dict[str, int] = {}  # uploads in progress, by tenant
 
     @contextlib.asynccontextmanager
-    async def upload_slot(self) -> AsyncIterator[None]:
+    async def upload_slot(self, tenant: str) -> AsyncIterator[None]:
         """Hold one of this process's `max_concurrent_uploads` upload slots while an upload is
-        read and installed; 503 (with Retry-After) when every slot is taken."""
+        read and installed: 503 (with Retry-After) when every slot is taken, 429 when the
+        tenant already holds all but one of them (so a tenant trickling its uploads in never
+        holds every slot)."""
+        slots = self.state.settings.max_concurrent_uploads
+        per_tenant = max(1, slots - 1)
+        if self._uploading.get(tenant, 0) >= per_tenant:
+            raise APIError(
+                429,
+                f"this tenant already has {per_tenant} adapter upload(s) in progress on this "
+                "server process; wait for them to finish",
+                type="rate_limit_error",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": "5"},
+            )
         if self._uploads.locked():
             raise APIError(
                 503,
-                f"{self.state.settings.max_concurrent_uploads} adapter uploads are already being "
-                "read by this server process (--max-concurrent-uploads); try again shortly",
+                f"{slots} adapter uploads are already being read by this server process "
+                "(--max-concurrent-uploads); try again shortly",
                 type="service_unavailable",
                 code="uploads_busy",
                 headers={"Retry-After": "5"},
             )
-        async with self._uploads:
-            yield
+        self._uploading[tenant] = self._uploading.get(tenant, 0) + 1
+        try:
+            async with self._uploads:
+                yield
+        finally:
+            self._uploading[tenant] -= 1
+            if not self._uploading[tenant]:
+                del self._uploading[tenant]
 
     @property
     def base_name(self) -> str:

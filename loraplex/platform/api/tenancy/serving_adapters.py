@@ -95,7 +95,8 @@ async def upload_adapter(request: Request) -> JSONResponse:
 
     The body is counted as it arrives, chunked or not (413 past `--max-adapter-bytes`, without
     reading the rest), its files are spooled to temporary files rather than held in memory, and
-    at most `--max-concurrent-uploads` are read at once per process (503 beyond)."""
+    at most `--max-concurrent-uploads` are read at once per process (503 beyond; 429 for a
+    tenant already holding all but one of them)."""
     tenant = tenant_of(request).name
     service = _service(request)
     limit = server_state(request).settings.max_adapter_bytes
@@ -104,7 +105,7 @@ async def upload_adapter(request: Request) -> JSONResponse:
         raise _too_large(limit)
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise bad_request("send the adapter as multipart/form-data: `name` and `files`")
-    async with service.upload_slot():
+    async with service.upload_slot(tenant):
         form = await _read_form(request, limit)
         try:
             name = check_adapter_name(form.get("name"), service.base_name)

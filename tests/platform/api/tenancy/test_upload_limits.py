@@ -1,7 +1,7 @@
 """Limits enforced while a request is read: an upload over the size limit is refused (413) as
-its bytes arrive, chunked or not, without reading the rest; uploads are read one at a time
-here (503 for another meanwhile) into temporary files, not memory; a connection that sends no
-headers, or stalls in its body, is answered 408 and closed. On a tiny random Llama."""
+its bytes arrive, chunked or not, without reading the rest; uploads are read two at a time here
+(no tenant holding both) into temporary files, not memory; a connection that sends no headers,
+or stalls in its body, is answered 408 and closed. On a tiny random Llama."""
 
 from __future__ import annotations
 
@@ -29,12 +29,12 @@ def world(model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("uploads")
     tiny = write_tiny_model(root / "tiny", Path(model_dir))
     server = start_server(
-        tiny, root / "data", max_adapter_bytes=LIMIT, max_concurrent_uploads=1,
+        tiny, root / "data", max_adapter_bytes=LIMIT, max_concurrent_uploads=2,
         request_read_timeout_s=READ_TIMEOUT_S,
     )  # fmt: skip
-    key = create_tenants(server, "alpha")["alpha"]
+    keys = create_tenants(server, "alpha", "bob", "carol")
     adapter = write_adapter(root / "adapter", json.loads((tiny / "config.json").read_text()), 2)
-    yield {"server": server, "key": key, "adapter": adapter}
+    yield {"server": server, "key": keys["alpha"], "keys": keys, "adapter": adapter}
     server.stop()
 
 
@@ -43,9 +43,9 @@ def _connect(world) -> socket.socket:
     return socket.create_connection((host, int(port)), timeout=30)
 
 
-def _upload_head(world, framing: str) -> bytes:
+def _upload_head(world, framing: str, key: str | None = None) -> bytes:
     return (
-        f"POST /v1/adapters HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer {world['key']}\r\n"
+        f"POST /v1/adapters HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer {key or world['key']}\r\n"
         f"Content-Type: multipart/form-data; boundary={BOUNDARY}\r\n{framing}\r\n\r\n"
     ).encode()
 
@@ -99,19 +99,32 @@ def test_a_declared_length_over_the_limit_is_refused_before_reading(world):
     assert status == 413 and body["error"]["code"] == "adapter_too_large"
 
 
-def test_uploads_are_read_one_at_a_time_and_a_good_one_follows(world):
-    client = world["server"].client(world["key"])
-    held = _connect(world)  # an upload that has sent part of its body
-    held.sendall(_upload_head(world, "Transfer-Encoding: chunked") + _chunk(_part_head()))
-    held.sendall(_chunk(b"\0" * 1000))
-    time.sleep(0.2)  # the server reads its head and takes the one upload slot
-    busy = upload(client, "other", world["adapter"])
+def test_upload_slots_are_bounded_and_no_tenant_holds_them_all(world):
+    """Two slots: a tenant trickling an upload in holds one (its second upload: 429), another
+    tenant's takes the other, a third tenant's then answers 503; once they end, it is served."""
+    keys, adapter = world["keys"], world["adapter"]
+    clients = {name: world["server"].client(key) for name, key in keys.items()}
+
+    def hold(key: str) -> socket.socket:  # an upload that has sent part of its body
+        sock = _connect(world)
+        sock.sendall(_upload_head(world, "Transfer-Encoding: chunked", key) + _chunk(_part_head()))
+        sock.sendall(_chunk(b"\0" * 1000))
+        time.sleep(0.3)  # the server reads its head and takes an upload slot
+        return sock
+
+    alpha = hold(keys["alpha"])
+    second = upload(clients["alpha"], "other", adapter)
+    assert second.status_code == 429, second.text
+    assert second.json()["error"]["type"] == "rate_limit_error"
+    bob = hold(keys["bob"])
+    busy = upload(clients["carol"], "other", adapter)
     assert busy.status_code == 503, busy.text
     assert busy.json()["error"]["code"] == "uploads_busy" and busy.headers["Retry-After"]
-    held.close()  # the held upload ends (client gone), and its slot frees
+    alpha.close()  # the held uploads end (their clients gone), and their slots free
+    bob.close()
     deadline = time.monotonic() + 10
-    while (response := upload(client, "other", world["adapter"])).status_code == 503:
-        assert time.monotonic() < deadline, "the held upload's slot never freed"
+    while (response := upload(clients["carol"], "other", adapter)).status_code == 503:
+        assert time.monotonic() < deadline, "the held uploads' slots never freed"
         time.sleep(0.1)
     assert response.status_code == 201, response.text
 
