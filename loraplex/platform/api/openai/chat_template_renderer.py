@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import struct
 import sys
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from loraplex.platform.api.errors import APIError, bad_request
+
+logger = logging.getLogger(__name__)
 
 _CHILD = Path(__file__).with_name("_chat_template_child.py")
 _HEADER = struct.Struct(">I")
@@ -185,7 +188,9 @@ class ChatTemplateRenderer:
 
     async def _run(self, tenant: str, job: dict[str, Any]) -> dict[str, Any]:
         """One job on a free process, within the time limits (see the module's docstring)."""
-        turn = self._tenants.setdefault(tenant, asyncio.Semaphore(self.per_tenant))
+        turn = self._tenants.get(tenant)
+        if turn is None:
+            turn = self._tenants[tenant] = asyncio.Semaphore(self.per_tenant)
         try:
             await asyncio.wait_for(turn.acquire(), self.timeout_s)
         except asyncio.TimeoutError:
@@ -218,7 +223,17 @@ class ChatTemplateRenderer:
 
     async def _exchange(self, process: _RenderProcess, job: dict[str, Any]) -> dict[str, Any]:
         # NOTE: starting a process is not the template's time; its render is.
-        await process.start()
+        try:
+            await process.start()
+        except (OSError, RuntimeError, asyncio.TimeoutError) as error:
+            logger.error("a chat template render process did not start: %s", error)
+            raise APIError(
+                503,
+                "The chat template renderer is unavailable; try again shortly.",
+                type="service_unavailable",
+                code="chat_template_unavailable",
+                headers={"Retry-After": "5"},
+            ) from None
         try:
             return await asyncio.wait_for(process.exchange(job), self.timeout_s)
         except asyncio.TimeoutError:
