@@ -55,7 +55,7 @@ def world(model_dir, tmp_path_factory):
     alpha = server.client(keys["alpha"])
     body = {"model": "support", "prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0}
     assert alpha.post("/v1/completions", json=body).status_code == 200
-    yield {"server": server, "alpha": alpha, "refused": refused}
+    yield {"server": server, "alpha": alpha, "refused": refused, "tiny": tiny, "adapter": adapter}
     server.stop()
 
 
@@ -114,10 +114,11 @@ def test_public_routes_name_no_tenant_or_adapter_without_the_key(world):
         assert "support" in [a["id"] for a in resident.json()["data"]]
 
 
-def test_the_lora_gauge_names_running_adapters_only_to_the_key(world):
-    """The GIE gauge keeps its layout without the key, but lists no tenant's adapter (unless
-    the server runs with --metrics-public-adapter-names)."""
-    server, alpha = world["server"], world["alpha"]
+def _lora_info_while_running(
+    server, alpha, public_shows: str = ""
+) -> tuple[dict[str, str], dict[str, str]]:
+    """`lora_requests_info`'s labels for the metrics key and for no key, read together while
+    requests run on alpha's adapter `support` (until the public view lists `public_shows`)."""
 
     def lora_info(key: str | None) -> dict[str, str]:
         families = parser.text_string_to_metric_families(_metrics(server, key))
@@ -135,15 +136,40 @@ def test_the_lora_gauge_names_running_adapters_only_to_the_key(world):
     running.start()
     try:
         deadline = time.monotonic() + 60
-        # NOTE: `x\n` is a copy of support (one digest, one slot): it shows as running too
-        while "support" not in lora_info(METRICS_KEY)["running_lora_adapters"].split(","):
-            assert running.is_alive() and time.monotonic() < deadline, "support never ran"
+        # NOTE: a copy of support (one digest, one slot) shows as running too
+        while True:
+            keyed, public = lora_info(METRICS_KEY), lora_info(None)
+            if "support" in keyed["running_lora_adapters"] and (
+                public_shows in public["running_lora_adapters"]
+            ):
+                return keyed, public
+            assert running.is_alive() and time.monotonic() < deadline, (keyed, public)
             time.sleep(0.01)
-        public = lora_info(None)
     finally:
         done.set()
         running.join()
-    assert public["running_lora_adapters"] == "" and public["max_lora"].isdigit()
+
+
+def test_the_lora_gauge_names_running_adapters_only_to_the_key(world):
+    """The GIE gauge keeps its layout without the key, but lists no tenant's adapter."""
+    keyed, public = _lora_info_while_running(world["server"], world["alpha"])
+    assert "support" in keyed["running_lora_adapters"].split(",")
+    assert public["running_lora_adapters"] == "" and public["max_lora"] == keyed["max_lora"]
+
+
+def test_public_adapter_names_list_adapters_for_the_picker_but_no_tenant(world, tmp_path):
+    server = start_server(
+        world["tiny"], tmp_path, metrics_key=METRICS_KEY, metrics_public_adapter_names=True
+    )
+    try:
+        key = create_tenants(server, "alpha")["alpha"]
+        assert upload(server.client(key), "support", world["adapter"]).status_code == 201
+        _, public = _lora_info_while_running(server, server.client(key), public_shows="support")
+        assert public["running_lora_adapters"] == "support"
+        text = _metrics(server, None)
+        assert "alpha" not in text and "loraplex:tenant_requests_total" not in text
+    finally:
+        server.stop()
 
 
 def test_an_adapter_stored_under_a_bad_name_stays_deletable(world):
