@@ -15,6 +15,7 @@ from loraplex.platform.core.generation_defaults import GenerationDefaults
 from loraplex.platform.spec.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+MAX_SERVED_NAME_CHARS = 256
 _DTYPE_ALIASES = {
     "fp32": "float32",
     "float": "float32",
@@ -63,6 +64,18 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        name = self.served_model_name
+        # NOTE: the name is a label on every /metrics series and in every response: no control
+        # characters (a newline would break the exposition format), no surrounding spaces.
+        if name is not None and (
+            not 1 <= len(name) <= MAX_SERVED_NAME_CHARS
+            or not name.isprintable()
+            or name != name.strip()
+        ):
+            raise ValueError(
+                f"served_model_name must be 1-{MAX_SERVED_NAME_CHARS} printable characters "
+                f"without surrounding spaces, got {name!r}"
+            )
 
     @property
     def generation_overrides(self) -> dict[str, Any]:

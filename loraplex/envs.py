@@ -51,6 +51,11 @@ def allow_runtime_lora_updating() -> bool:
     )
 
 
+def metrics_key() -> str | None:
+    """The key that opens every series of /metrics (LORAPLEX_METRICS_KEY), if set."""
+    return os.environ.get("LORAPLEX_METRICS_KEY") or None
+
+
 def log_level() -> str:
     return os.environ.get("LORAPLEX_LOG_LEVEL", "INFO").upper()
 

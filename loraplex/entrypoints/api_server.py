@@ -22,6 +22,7 @@ from typing import Any
 import uvicorn
 
 from loraplex.platform.api.app import build_app
+from loraplex.platform.api.read_deadlines import uvicorn_options as read_deadline_options
 from loraplex.platform.api.settings import ServerSettings
 from loraplex.platform.engine.core_client import EngineCoreClient
 
@@ -104,6 +105,7 @@ def run_api_server(
     config = uvicorn.Config(
         app,
         timeout_graceful_shutdown=int(shutdown_timeout_s + DRAIN_MARGIN_S) + 1,
+        **read_deadline_options(settings),
         **uvicorn_options,
     )
     server = _DrainingServer(config, client, shutdown_timeout_s, ready)

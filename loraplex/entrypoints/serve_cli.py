@@ -159,13 +159,39 @@ _OPTIONS = (
             "credentials); a shared one serves every adapter uploaded through any replica"),
     _Option("--max-adapter-bytes", 512 * 1024 * 1024, "the largest adapter upload", int),
 )  # fmt: skip
+# What one tenant may cost the others, and what the public routes show (README, "Security").
+_ISOLATION_OPTIONS = (
+    _Option("--metrics-key", None, "a key (Authorization: Bearer) that opens every /metrics "
+            "series and /adapters/resident on a server with tenants; without it, or the admin "
+            "key, they name no tenant and no tenant's adapter (default: LORAPLEX_METRICS_KEY)"),
+    _Option("--metrics-public-adapter-names", False, "list every adapter requests run on or "
+            "wait for in /metrics' loraplex:lora_requests_info without a key (by the name "
+            "clients send in `model`; tenant names stay hidden), for the Gateway API Inference "
+            "Extension's endpoint picker, which sends no key", boolean=True),
+    _Option("--chat-template-timeout", 5.0, "seconds one chat template render may take, in a "
+            "render process that is killed past it; slower renders answer 400, and an "
+            "adapter's template that takes longer on a small conversation is refused at upload",
+            float),
+    _Option("--chat-template-workers", 2, "chat template render processes per API process; "
+            "one tenant's renders use at most all but one of them", int),
+    _Option("--max-concurrent-uploads", 2, "adapter uploads one API process reads at once "
+            "(each streamed to disk and counted as it arrives); more answer 503, and one tenant "
+            "holds at most all but one (429)", int),
+    _Option("--request-read-timeout", 30.0, "seconds a connection may take to send a request's "
+            "headers, and the longest pause while it sends a body; past it: 408 and the "
+            "connection closes", float),
+    _Option("--timeout-keep-alive", 5, "seconds an idle keep-alive connection stays open "
+            "(uvicorn's option)", int),
+)  # fmt: skip
+_OPTIONS = _OPTIONS + _ISOLATION_OPTIONS
 _KEYS = {option.key for option in _OPTIONS}
 # Options the HTTP server itself uses; every other option configures the engine.
 _SERVER_KEYS = {"host", "port", "max_request_body_bytes", "uvicorn_log_level", "data_dir",
                 "adapter_registry", "api_server_count", "shutdown_timeout",
                 "tenants", "admin_key", "admin_key_file", "max_adapter_bytes", "max_n",
                 "max_prompts_per_request", "tool_call_parser", "lora_modules",
-                "allow_runtime_lora_updating"}  # fmt: skip
+                "allow_runtime_lora_updating",
+                *(option.key for option in _ISOLATION_OPTIONS)}  # fmt: skip
 _ENGINE_KEYS = sorted(_KEYS - _SERVER_KEYS)
 DESCRIPTION = (
     "Serve a model through an OpenAI-compatible HTTP API: /v1/chat/completions, "
@@ -307,6 +333,13 @@ def server_settings(values: dict[str, Any]) -> ServerSettings:
         tool_call_parser=values["tool_call_parser"],
         lora_modules=parse_lora_modules(values["lora_modules"]),
         allow_runtime_lora_updating=values["allow_runtime_lora_updating"],
+        metrics_key=values["metrics_key"],
+        metrics_public_adapter_names=values["metrics_public_adapter_names"],
+        chat_template_timeout_s=values["chat_template_timeout"],
+        chat_template_workers=values["chat_template_workers"],
+        max_concurrent_uploads=values["max_concurrent_uploads"],
+        request_read_timeout_s=values["request_read_timeout"],
+        timeout_keep_alive_s=values["timeout_keep_alive"],
     )
 
 

@@ -87,3 +87,22 @@ def test_the_engine_mapping_names_metrics_loraplex_renders():
     assert scorers <= defined
     mount = _one("Deployment", "loraplex-epp")["spec"]["template"]["spec"]["containers"][0]
     assert "--config-file=/config/epp-config.yaml" in mount["args"]
+
+
+def test_the_picker_reads_the_lora_gauge_without_a_key():
+    """GIE's metrics source sends no credentials, and on a server with tenants /metrics names no
+    tenant's adapter without a key: the replicas let the LoRA gauge name them for the picker's
+    affinity scorer, and take the metrics key for everything else from a Secret."""
+    from loraplex.cli import build_parser
+    from loraplex.entrypoints.serve_cli import resolve_options as resolve
+    from loraplex.entrypoints.serve_cli import server_settings
+
+    config = yaml.safe_load(_one("ConfigMap", "loraplex-epp")["data"]["epp-config.yaml"])
+    [source] = [p for p in config["plugins"] if p["type"] == "metrics-data-source"]
+    assert source["parameters"]["path"] == "/metrics"
+    assert set(source["parameters"]) <= {"scheme", "path", "insecureSkipVerify"}  # no key
+    [container] = _one("Deployment", "loraplex")["spec"]["template"]["spec"]["containers"]
+    settings = server_settings(resolve(build_parser().parse_args(container["args"])))
+    assert settings.metrics_public_adapter_names
+    env = {e["name"]: e for e in container["env"]}
+    assert env["LORAPLEX_METRICS_KEY"]["valueFrom"]["secretKeyRef"]["optional"] is True

@@ -184,3 +184,26 @@ def test_the_admin_key_from_a_file_not_the_command_line(tmp_path, capsys):
     assert "holds no key" in capsys.readouterr().err
     assert main(["serve", "--admin-key-file", str(tmp_path / "missing")]) == 2
     assert "--admin-key-file" in capsys.readouterr().err
+
+
+def test_the_isolation_options_reach_the_server_settings():
+    from loraplex.entrypoints.serve_cli import server_settings
+
+    defaults = server_settings(resolve_options(_parse()))
+    assert (defaults.metrics_key, defaults.metrics_public_adapter_names) == (None, False)
+    assert (defaults.chat_template_timeout_s, defaults.request_read_timeout_s) == (5.0, 30.0)
+    assert (defaults.max_concurrent_uploads, defaults.timeout_keep_alive_s) == (2, 5)
+    values = resolve_options(_parse(
+        "--metrics-key", "sk-m", "--metrics-public-adapter-names", "--chat-template-timeout",
+        "0.5", "--chat-template-workers", "3", "--max-concurrent-uploads", "1",
+        "--request-read-timeout", "7", "--timeout-keep-alive", "2",
+    ))  # fmt: skip
+    settings = server_settings(values)
+    assert settings.metrics_key == "sk-m" and settings.metrics_public_adapter_names
+    assert (settings.chat_template_timeout_s, settings.chat_template_workers) == (0.5, 3)
+    assert (settings.max_concurrent_uploads, settings.request_read_timeout_s) == (1, 7.0)
+    assert settings.timeout_keep_alive_s == 2
+    with pytest.raises(ValueError, match="chat_template_workers"):
+        server_settings({**values, "chat_template_workers": 0})
+    with pytest.raises(ValueError, match="served_model_name"):
+        engine_config({**values, "served_model_name": "evil\nname"})

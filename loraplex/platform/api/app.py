@@ -21,9 +21,11 @@ from loraplex.platform.api.openai import (
     serving_models,
     serving_tokenize,
 )
+from loraplex.platform.api.openai.chat_template_renderer import ChatTemplateRenderer
 from loraplex.platform.api.openai.protocol import ChatCompletionRequest, CompletionRequest
 from loraplex.platform.api.openai.responses import serving_responses
 from loraplex.platform.api.openai.responses.store import ResponseStore
+from loraplex.platform.api.read_deadlines import BodyReadDeadline
 from loraplex.platform.api.request_body import body_schemas
 from loraplex.platform.api.settings import ServerSettings
 from loraplex.platform.api.state import ServerState
@@ -78,6 +80,9 @@ def build_app(
         models=models or TenantModelResolver(engine.served_model_name, tenancy.registry),
         metrics=metrics,
         tenancy=tenancy,
+        chat_templates=ChatTemplateRenderer(
+            settings.chat_template_workers, settings.chat_template_timeout_s
+        ),
     )
     dashboard = serving_dashboard.Dashboard(state, admin_key)
     responses = ResponseStore(settings.data_dir or envs.data_dir())
@@ -86,13 +91,16 @@ def build_app(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
         try:
+            await state.chat_templates.start()
             await serving_admin.sync_weights(state)
             await app.state.adapters.register_stored()
             await app.state.adapters.register_lora_modules()
             async with dashboard.stats.sampling(), app.state.adapters.following_registry():
                 yield
         finally:
+            await state.chat_templates.close()
             engine.shutdown()
+            dashboard.sessions.close()
             tenancy.close()
             responses.close()
 
@@ -105,6 +113,7 @@ def build_app(
     for router in ROUTERS:
         app.include_router(router)
     app.add_middleware(AuthMiddleware, tenancy=tenancy, sessions=dashboard.sessions)
+    app.add_middleware(BodyReadDeadline, timeout_s=settings.request_read_timeout_s)
     _document_bodies(app)
     return app
 

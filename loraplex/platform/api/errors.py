@@ -177,5 +177,5 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error serving %s %s", request.method, request.url.path)
+        logger.exception("unhandled error serving %s %r", request.method, request.url.path)
         return APIError(500, "internal server error", type="internal_server_error").response()

@@ -12,6 +12,11 @@ from loraplex.platform.api.openai.tools.tool_parsers import TOOL_PARSERS
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_ADAPTER_BYTES = 512 * 1024 * 1024
+DEFAULT_MAX_CONCURRENT_UPLOADS = 2
+DEFAULT_REQUEST_READ_TIMEOUT_S = 30.0
+DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5
+DEFAULT_CHAT_TEMPLATE_TIMEOUT_S = 5.0
+DEFAULT_CHAT_TEMPLATE_WORKERS = 2
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,17 @@ class ServerSettings:
             return self.allow_runtime_lora_updating
         return envs.allow_runtime_lora_updating()
 
+    # -- what one tenant's requests may cost the others (see README, "Security") --
+    metrics_key: str | None = None  # opens every /metrics series; None: LORAPLEX_METRICS_KEY
+    # list tenants' adapter names in /metrics' lora_requests_info without a key (GIE's picker)
+    metrics_public_adapter_names: bool = False
+    chat_template_timeout_s: float = DEFAULT_CHAT_TEMPLATE_TIMEOUT_S  # one render's time
+    chat_template_workers: int = DEFAULT_CHAT_TEMPLATE_WORKERS  # render processes per API process
+    max_concurrent_uploads: int = DEFAULT_MAX_CONCURRENT_UPLOADS  # per API process; more: 503
+    # headers must arrive within it, and a body may pause no longer (408)
+    request_read_timeout_s: float = DEFAULT_REQUEST_READ_TIMEOUT_S
+    timeout_keep_alive_s: int = DEFAULT_TIMEOUT_KEEP_ALIVE_S  # idle keep-alive connections close
+
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in [1, 65535], got {self.port}")
@@ -74,6 +90,12 @@ class ServerSettings:
         check_registry_url(self.adapter_registry)
         if self.registry_sync_s <= 0:
             raise ValueError(f"registry_sync_s must be positive, got {self.registry_sync_s}")
+        for name in ("chat_template_timeout_s", "request_read_timeout_s"):
+            if not 0 < getattr(self, name) <= 3600:
+                raise ValueError(f"{name} must be in (0, 3600], got {getattr(self, name)}")
+        for name in ("chat_template_workers", "max_concurrent_uploads", "timeout_keep_alive_s"):
+            if not 1 <= getattr(self, name) <= 1024:
+                raise ValueError(f"{name} must be in [1, 1024], got {getattr(self, name)}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(
                 f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}, "

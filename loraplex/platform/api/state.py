@@ -1,4 +1,5 @@
-"""What every route reaches: the engine, the server settings, the model names, the metrics."""
+"""What every route reaches: the engine, the server settings, the model names, the metrics, the
+tenants and the chat template renderer."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from loraplex.platform.api.metrics.server_metrics import ServerMetrics
+from loraplex.platform.api.openai.chat_template_renderer import ChatTemplateRenderer
 from loraplex.platform.api.openai.sampling import RequestLimits
 from loraplex.platform.api.settings import ServerSettings
 from loraplex.platform.api.tenancy.model_resolver import ModelResolver, ServedModel
@@ -23,6 +25,7 @@ class ServerState:
     models: ModelResolver
     metrics: ServerMetrics
     tenancy: Tenancy
+    chat_templates: ChatTemplateRenderer  # every chat template render, in killable processes
 
     async def tokenizer_of(self, served: ServedModel) -> Tokenizer | TokenIdsOnlyTokenizer:
         """The tokenizer requests on `served` are encoded and decoded with: its adapter's own
@@ -42,6 +45,7 @@ class ServerState:
             vocab_size=tokenizer.vocab_size,
             max_n=self.settings.max_n,
             max_prompts_per_request=self.settings.max_prompts_per_request,
+            max_model_len=self.engine.max_model_len,
         )
 
 

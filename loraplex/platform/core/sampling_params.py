@@ -8,6 +8,10 @@ from dataclasses import dataclass, field, replace
 from loraplex.platform.core.structured_outputs import StructuredOutputs
 
 _GREEDY_EPS = 1e-5
+MAX_STOP_STRINGS = 16
+# NOTE: every new token of every sample is searched for each stop string over a window as long as
+# the longest one; bounding both keeps that search small whatever a request asks for.
+MAX_STOP_CHARS = 1024
 
 
 class RequestOutputKind(enum.Enum):
@@ -61,8 +65,9 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        def bad(name: str, why: str) -> ValueError:
-            err = ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+        def bad(name: str, why: str, got: object = None) -> ValueError:
+            shown = getattr(self, name) if got is None else got
+            err = ValueError(f"{name} {why}, got {shown!r}")
             err.param = name  # type: ignore[attr-defined]
             return err
 
@@ -96,8 +101,11 @@ class SamplingParams:
             raise bad("prompt_logprobs", "must be in [0, 20]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
-        if len(self.stop) > 16:
-            raise bad("stop", "may hold at most 16 strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise bad("stop", f"may hold at most {MAX_STOP_STRINGS} strings", len(self.stop))
+        longest = max((len(s) for s in self.stop), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise bad("stop", f"strings may be at most {MAX_STOP_CHARS} characters", longest)
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
         if self.seed is not None and not isinstance(self.seed, int):

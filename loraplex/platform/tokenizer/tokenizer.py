@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+
+from loraplex.platform.tokenizer.chat_template import compile_chat_template, render_chat_template
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 
 def _token_text(value: Any) -> str | None:
@@ -29,12 +30,8 @@ class Tokenizer:
         if not path.is_file():
             raise ValueError(f"{model_dir} has no tokenizer.json")
         self._tok = HFTokenizer.from_file(str(path))
-        cfg_path = model_dir / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        self.chat_template: str | None = cfg.get("chat_template")
-        template_file = model_dir / "chat_template.jinja"
-        if self.chat_template is None and template_file.is_file():
-            self.chat_template = template_file.read_text()
+        cfg = _tokenizer_config(model_dir)
+        self.chat_template: str | None = read_chat_template(model_dir)
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.add_bos_token = bool(cfg.get("add_bos_token", False))
@@ -46,14 +43,15 @@ class Tokenizer:
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self._template: jinja2.Template | None = None
 
     @property
     def backend(self) -> HFTokenizer:
         return self._tok
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # NOTE: encode_batch, not encode: it releases the GIL while it works, so a long text
+        # tokenized in a worker thread does not stop the event loop (and every stream) with it.
+        ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if (
             add_special_tokens
             and self.add_bos_token
@@ -69,6 +67,28 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
+    def chat_template_context(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """The variables a chat template renders with: the conversation, its tools, the
+        special tokens, and the caller's extra `kwargs` (TypeError if one of them would replace
+        any of the others)."""
+        context = {
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+            "tools": tools,
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
+        }
+        clash = sorted(set(kwargs) & set(context))
+        if clash:
+            raise TypeError(f"chat template kwargs may not set {clash}")
+        return {**context, **kwargs}
+
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
@@ -76,34 +96,34 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None = None,
         **kwargs: Any,
     ) -> str:
+        """The conversation through the chat template, in this process (no time limit: the API
+        renders tenants' templates in killable processes instead, `ChatTemplateRenderer`)."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template; use completions instead")
-        if self._template is None:
-            env = ImmutableSandboxedEnvironment(
-                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-            )
-            env.globals["raise_exception"] = _raise_template_error
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
-                x, indent=indent, ensure_ascii=ensure_ascii
-            )
-            self._template = env.from_string(self.chat_template)
-        return self._template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            tools=tools,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-            **kwargs,
-        )
+        context = self.chat_template_context(messages, add_generation_prompt, tools, **kwargs)
+        return render_chat_template(compile_chat_template(self.chat_template), context)
 
     def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
         # NOTE: the template writes any BOS itself, so special tokens are not added again.
         return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)
 
 
-def _raise_template_error(message: str) -> None:
-    raise ValueError(f"chat template error: {message}")
+def _tokenizer_config(folder: Path) -> dict[str, Any]:
+    path = folder / "tokenizer_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def read_chat_template(folder: Path) -> str | None:
+    """The folder's chat template: tokenizer_config.json's `chat_template` (of a list of named
+    templates, the one named "default"), else chat_template.jinja; None if it has neither (or
+    the config's is not text)."""
+    template = _tokenizer_config(Path(folder)).get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if not isinstance(template, str) and (Path(folder) / CHAT_TEMPLATE_FILE).is_file():
+        template = (Path(folder) / CHAT_TEMPLATE_FILE).read_text()
+    return template if isinstance(template, str) else None
 
 
 class TokenIdsOnlyTokenizer:

@@ -54,11 +54,13 @@ def start_server(
     grammar: GrammarConfig | None = None,
     lora: LoRAConfig | None = None,
     override_generation_config: dict | None = None,
+    served_model_name: str | None = None,
     **settings,
 ) -> TenantServer:
     import uvicorn
 
     from loraplex.platform.api.app import build_app
+    from loraplex.platform.api.read_deadlines import uvicorn_options
     from loraplex.platform.api.settings import ServerSettings
     from loraplex.platform.engine.inproc_client import InprocClient
 
@@ -72,6 +74,7 @@ def start_server(
             max_model_len=512,
             device="cpu",
             override_generation_config=override_generation_config,
+            served_model_name=served_model_name,
         ),  # fmt: skip
         cache=CacheConfig(num_kv_blocks=512),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
@@ -80,8 +83,13 @@ def start_server(
     )
     engine = InprocClient(config)
     settings.setdefault("admin_key", ADMIN_KEY)
-    app = build_app(engine, ServerSettings(port=port, data_dir=str(data_dir), **settings))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server_settings = ServerSettings(port=port, data_dir=str(data_dir), **settings)
+    app = build_app(engine, server_settings)
+    # NOTE: with the connection timeouts `loraplex serve` sets (read_deadlines)
+    options = uvicorn_options(server_settings)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **options)
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     wait_until(lambda: server.started or not thread.is_alive(), 60, "the test server to start")

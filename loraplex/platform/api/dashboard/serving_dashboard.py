@@ -28,6 +28,7 @@ STATIC_DIR = Path(__file__).parent / "static"
 #: the page's assets, by URL name -> media type (nothing else under STATIC_DIR is served)
 ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 MAX_LOGIN_BODY_BYTES = 4096
+MAX_LOGIN_FIELDS = 4
 # NOTE: the page runs only its own script and style; no frame may embed it.
 SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
@@ -42,7 +43,9 @@ class Dashboard:
     """The dashboard's state in one server: its sessions and the stats sampler."""
 
     def __init__(self, state: ServerState, admin_key: str | None) -> None:
-        self.sessions = DashboardSessions(admin_key)
+        # NOTE: beside the tenants, so every API process (and replica) sharing them shares the
+        # sessions, and a logout ends a session everywhere.
+        self.sessions = DashboardSessions(admin_key, state.tenancy.registry.root)
         self.stats = StatsCollector(state)
 
 
@@ -88,7 +91,10 @@ async def dashboard_login(request: Request) -> Response:
         body += chunk
         if len(body) > MAX_LOGIN_BODY_BYTES:
             return _page("login.html", 413, "The login form was too large.")
-    form = parse_qs(body.decode("utf-8", "replace"), max_num_fields=4)
+    try:
+        form = parse_qs(body.decode("utf-8", "replace"), max_num_fields=MAX_LOGIN_FIELDS)
+    except ValueError:  # more fields than that
+        return _page("login.html", 400, "The login form holds too many fields.")
     key = (form.get("key") or [""])[0].strip()
     if not key or not tenants.is_admin_key(key):
         return _page("login.html", 401, "That is not the admin key.")
@@ -106,7 +112,10 @@ async def dashboard_login(request: Request) -> Response:
 
 
 @router.post("/dashboard/logout", include_in_schema=False)
-async def dashboard_logout() -> Response:
+async def dashboard_logout(request: Request) -> Response:
+    """End the session of the request's cookie (in every API process) and drop the cookie."""
+    token = cookie_value(request.headers.get("cookie", ""), COOKIE)
+    dashboard_of(request).sessions.revoke(token)
     response = RedirectResponse("/dashboard", status_code=303, headers=SECURITY_HEADERS)
     response.delete_cookie(COOKIE, path="/", httponly=True, samesite="strict")
     return response

@@ -25,6 +25,10 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)  # fmt: skip
 
 
+# The exposition format's escapes in a label value: backslash, double quote, line feed.
+_LABEL_ESCAPES = str.maketrans({"\\": "\\\\", '"': '\\"', "\n": "\\n"})
+
+
 def token_buckets(max_model_len: int) -> tuple[int, ...]:
     """1, 2, 5, 10, 20, 50, ... up to `max_model_len` (vLLM's buckets of token counts)."""
     buckets, scale = [], 1
@@ -37,12 +41,12 @@ def token_buckets(max_model_len: int) -> tuple[int, ...]:
 
 
 def _labels(labels: dict[str, str]) -> str:
+    """`{k="v",...}`, every value escaped as the exposition format requires, so no name (a
+    tenant's, an adapter's, one stored by an older version) can break the page. The one place
+    /metrics writes labels."""
     if not labels:
         return ""
-    escaped = (
-        f'{k}="{v.replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
-        for k, v in labels.items()
-    )
+    escaped = (f'{k}="{v.translate(_LABEL_ESCAPES)}"' for k, v in labels.items())
     return "{" + ",".join(escaped) + "}"
 
 

@@ -78,7 +78,9 @@ class TenantMetrics:
             self.adapter_requests[key] += 1
         self._limiter.charge(timing.tenant, timing.num_prompt_tokens + timing.num_generation_tokens)
 
-    def render(self, lora: LoRAStats | None, adapters_on_disk: int) -> str:
+    def render(self, lora: LoRAStats | None, adapters_on_disk: int, with_names: bool = True) -> str:
+        """The series as Prometheus text; without names, only the residency by tier (no series
+        that names a tenant or an adapter)."""
         lines: list[str] = []
         with self._lock:
             per_tenant = (
@@ -94,6 +96,8 @@ class TenantMetrics:
                 ("loraplex:adapter_requests_total", "Finished engine requests.",
                  self.adapter_requests),
             )  # fmt: skip
+            if not with_names:
+                per_tenant = per_adapter = ()
             for name, help, counter in per_tenant:
                 lines += [f"# HELP {name} {help}", f"# TYPE {name} counter"]
                 for tenant, value in sorted(counter.items()):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 MAX_INT32 = 2**31 - 1
 MAX_INT64 = 2**63 - 1
@@ -79,10 +79,34 @@ class SamplingFields(_Body):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+def _prompt_form(value: Any) -> str:
+    """Which form of `prompt` a value is, from its first item.
+
+    NOTE: a plain union would try every form in turn, and collect an error per item for each
+    form that fails: a quarter of a second for 600,000 token ids. Picking the form first keeps
+    validation one pass. (The tags are capitalized, so error paths skip them.)"""
+    if isinstance(value, str):
+        return "Text"
+    if isinstance(value, list) and value and isinstance(value[0], str):
+        return "Texts"
+    if isinstance(value, list) and value and isinstance(value[0], list):
+        return "TokenIdLists"
+    return "TokenIds"
+
+
+Prompts = Annotated[
+    Annotated[str, Tag("Text")]
+    | Annotated[list[str], Tag("Texts")]
+    | Annotated[list[TokenId], Tag("TokenIds")]
+    | Annotated[list[list[TokenId]], Tag("TokenIdLists")],
+    Discriminator(_prompt_form),
+]
+
+
 class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    prompt: Prompts
     max_tokens: Count | None = 16
     logprobs: Logprobs | None = None
     echo: bool = False
@@ -100,7 +124,7 @@ class CompletionRequest(SamplingFields):
         prompt = self.prompt
         if isinstance(prompt, str):
             return [prompt]
-        if all(isinstance(p, int) for p in prompt):
+        if not prompt or isinstance(prompt[0], int):  # one prompt of token ids (see _prompt_form)
             return [list(prompt)]  # type: ignore[arg-type]
         return list(prompt)  # type: ignore[arg-type]
 

@@ -7,7 +7,6 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 from typing import Any
 
-import jinja2
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
@@ -65,28 +64,40 @@ def tool_parser(state: ServerState, tokenizer: Tokenizer | None = None) -> ToolP
     return get_tool_parser(name) if name else parser_for_template(template)
 
 
-def render_chat_prompt(
+async def render_chat_prompt(
+    state: ServerState,
     tokenizer: Tokenizer,
     body: ChatCompletionRequest,
+    tenant: str,
     tools: ToolRequest | None = None,
     parser: ToolParser | None = None,
 ) -> Prompt:
     """The conversation (with its tools, calls and tool results) through the model's chat
-    template, as text and token ids."""
+    template, as text and token ids. The template renders in one of the server's render
+    processes under its time limit (`ChatTemplateRenderer`, 400 when it fails or is too slow),
+    its text at most what the context could hold."""
+    if tokenizer.chat_template is None:
+        raise bad_request(
+            "this model has no chat template; use completions instead", param="messages"
+        )
     native = template_supports_tools(tokenizer.chat_template)
     messages, template_tools = template_messages(
         body.messages, tools, parser or parser_for_template(None), native
     )
     try:
-        text = tokenizer.apply_chat_template(
+        context = tokenizer.chat_template_context(
             messages,
-            add_generation_prompt=body.add_generation_prompt,
-            tools=template_tools,
+            body.add_generation_prompt,
+            template_tools,
             **(body.chat_template_kwargs or {}),
         )
-    except (ValueError, TypeError, jinja2.TemplateError) as error:
-        raise bad_request(f"The chat template failed: {error}", param="messages") from None
-    return Prompt(text, tokenizer.encode(text, add_special_tokens=False))
+    except TypeError as error:
+        raise bad_request(str(error), param="chat_template_kwargs") from None
+    max_chars = (
+        state.limits_for(tokenizer).max_prompt_chars or state.settings.max_request_body_bytes
+    )
+    text = await state.chat_templates.render(tokenizer.chat_template, context, max_chars, tenant)
+    return Prompt(text, await asyncio.to_thread(tokenizer.encode, text, False))
 
 
 def with_tool_grammar(params: SamplingParams, tools: ToolRequest | None) -> SamplingParams:
@@ -164,7 +175,7 @@ async def create_chat_completion(request: Request) -> Response:
     defaults = state.engine.generation_defaults
     params = chat_sampling_params(body, state.limits_for(tokenizer), defaults)
     params = with_tool_grammar(params, tools)
-    prompt = await asyncio.to_thread(render_chat_prompt, tokenizer, body, tools, parser)
+    prompt = await render_chat_prompt(state, tokenizer, body, tenant, tools, parser)
     admit(
         request,
         *reservation(state.engine.max_model_len, params, [len(prompt.token_ids)], defaults),

@@ -19,7 +19,11 @@ from loraplex.platform.api.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from loraplex.platform.api.openai.sampling import check_text_content, check_token_ids
+from loraplex.platform.api.openai.sampling import (
+    check_prompt_size,
+    check_text_content,
+    check_token_ids,
+)
 from loraplex.platform.api.openai.serving_chat import render_chat_prompt, tool_parser
 from loraplex.platform.api.openai.tools.tool_calls import tool_request_for
 from loraplex.platform.api.request_body import json_body, read_json_model
@@ -50,14 +54,15 @@ async def tokenize(request: Request) -> JSONResponse:
             chat_template_kwargs=body.chat_template_kwargs,
         )
         tools = tool_request_for(chat)
-        prompt = await asyncio.to_thread(
-            render_chat_prompt, tokenizer, chat, tools, tool_parser(state, tokenizer)
+        prompt = await render_chat_prompt(
+            state, tokenizer, chat, tenant_of(request).name, tools, tool_parser(state, tokenizer)
         )
         ids = prompt.token_ids
         if body.add_special_tokens:  # the template writes its own; add them only if asked
             ids = tokenizer.encode(prompt.text, add_special_tokens=True)
     else:
         add = True if body.add_special_tokens is None else body.add_special_tokens
+        check_prompt_size(body.prompt or "", state.limits_for(tokenizer), "prompt")
         try:
             ids = await asyncio.to_thread(tokenizer.encode, body.prompt or "", add)
         except ValueError as error:  # a model served without a tokenizer

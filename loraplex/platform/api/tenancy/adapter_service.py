@@ -22,6 +22,7 @@ import shutil
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+from loraplex.adapters.adapter_tokenizer import TOKENIZER_FILE
 from loraplex.adapters.blob_store import present_files
 from loraplex.adapters.errors import without_path
 from loraplex.adapters.peft_format import AdapterValidationError
@@ -30,9 +31,11 @@ from loraplex.adapters.upload import UploadedFile, UploadTooLargeError, unpack_u
 from loraplex.platform.api.errors import APIError, bad_request
 from loraplex.platform.api.state import ServerState
 from loraplex.platform.core.commands import AddAdapter
+from loraplex.platform.models.tokenizer import read_chat_template
 
 logger = logging.getLogger(__name__)
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
+# NOTE: matched whole (`fullmatch`): `$` would also match before a trailing newline.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
 
 
 def adapter_not_found(name: str, param: str = "name") -> APIError:
@@ -46,7 +49,7 @@ def adapter_not_found(name: str, param: str = "name") -> APIError:
 
 def valid_adapter_name(name: str) -> bool:
     """Letters, digits and `_ . : -` (1-128, a letter or digit first), no `..`: never a path."""
-    return bool(_NAME.match(name)) and ".." not in name
+    return _NAME.fullmatch(name) is not None and ".." not in name
 
 
 def check_adapter_name(name: object, base_name: str, param: str = "name") -> str:
@@ -105,6 +108,43 @@ class AdapterService:
         self.state = state
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._registered: set[str] = set()  # engine names this process registered
+        self._uploads = asyncio.Semaphore(state.settings.max_concurrent_uploads)
+        self._uploading: dict[str, int] = {}  # uploads in progress, by tenant
+
+    @contextlib.asynccontextmanager
+    async def upload_slot(self, tenant: str) -> AsyncIterator[None]:
+        """Hold one of this process's `max_concurrent_uploads` upload slots while an upload is
+        read and installed: 503 (with Retry-After) when every slot is taken, 429 when the
+        tenant already holds all but one of them (so a tenant trickling its uploads in never
+        holds every slot)."""
+        slots = self.state.settings.max_concurrent_uploads
+        per_tenant = max(1, slots - 1)
+        if self._uploading.get(tenant, 0) >= per_tenant:
+            raise APIError(
+                429,
+                f"this tenant already has {per_tenant} adapter upload(s) in progress on this "
+                "server process; wait for them to finish",
+                type="rate_limit_error",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": "5"},
+            )
+        if self._uploads.locked():
+            raise APIError(
+                503,
+                f"{slots} adapter uploads are already being read by this server process "
+                "(--max-concurrent-uploads); try again shortly",
+                type="service_unavailable",
+                code="uploads_busy",
+                headers={"Retry-After": "5"},
+            )
+        self._uploading[tenant] = self._uploading.get(tenant, 0) + 1
+        try:
+            async with self._uploads:
+                yield
+        finally:
+            self._uploading[tenant] -= 1
+            if not self._uploading[tenant]:
+                del self._uploading[tenant]
 
     @property
     def base_name(self) -> str:
@@ -138,6 +178,11 @@ class AdapterService:
         except (AdapterValidationError, OSError) as error:
             registry.discard(staging)
             raise bad_request(_public(error, staging), code="invalid_adapter") from None
+        try:
+            await self._probe_chat_template(staging)
+        except APIError:
+            registry.discard(staging)
+            raise
         async with self._lock(tenant, name):
             record, old = await asyncio.to_thread(registry.commit, tenant, name, staging, weights)
             try:
@@ -156,6 +201,24 @@ class AdapterService:
                 await self.state.engine.remove_adapter(old.engine_name)
                 self._registered.discard(old.engine_name)
         return record, old is not None
+
+    async def _probe_chat_template(self, folder: Path) -> None:
+        """400 if the adapter's own chat template (if it has one) is not a template, or is too
+        slow, too large or too greedy on a short conversation (`ChatTemplateRenderer.probe`)."""
+        try:
+            template = await asyncio.to_thread(_own_chat_template, folder)
+        except (ValueError, OSError) as error:  # an unreadable tokenizer_config.json
+            raise bad_request(_public(error, folder), code="invalid_adapter") from None
+        if template is None:
+            return
+        base = self.state.engine.tokenizer
+        max_chars = self.state.limits_for(base).max_prompt_chars
+        await self.state.chat_templates.probe(
+            template,
+            getattr(base, "bos_token", None) or "",
+            getattr(base, "eos_token", None) or "",
+            max_chars or self.state.settings.max_request_body_bytes,
+        )
 
     async def remove(self, tenant: str, name: str, param: str = "name") -> AdapterRecord:
         """Delete (tenant, name); 404 naming `param` if the tenant holds no such adapter."""
@@ -299,7 +362,7 @@ class AdapterService:
                            tenant=record.tenant, label=record.name)
             )  # fmt: skip
         except (OSError, ValueError) as error:
-            logger.warning("stored adapter %s: %s", record.engine_name, without_path(
+            logger.warning("stored adapter %r: %s", record.engine_name, without_path(
                 str(error), Path(record.path)))  # fmt: skip
             return False
         self._registered.add(record.engine_name)
@@ -313,6 +376,12 @@ class AdapterService:
 
     def _lock(self, tenant: str, name: str) -> asyncio.Lock:
         return self._locks.setdefault((tenant, name), asyncio.Lock())
+
+
+def _own_chat_template(folder: Path) -> str | None:
+    """The chat template an adapter carries (only an adapter with its own tokenizer.json has one:
+    without it the base tokenizer, and its template, serve the adapter)."""
+    return read_chat_template(folder) if (folder / TOKENIZER_FILE).is_file() else None
 
 
 def _public(error: Exception, folder: Path) -> str:

@@ -5,17 +5,24 @@ tenant-scoped form (README, "Tenants and adapters", says who may call what)."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
-from starlette.datastructures import UploadFile
+from starlette.datastructures import FormData, UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
 
 from loraplex.adapters.upload import UploadedFile
 from loraplex.platform.api.errors import APIError, bad_request
-from loraplex.platform.api.request_body import json_body, parse_json
+from loraplex.platform.api.request_body import (
+    declared_length,
+    json_body,
+    parse_json,
+    read_body_bytes,
+)
 from loraplex.platform.api.state import server_state
 from loraplex.platform.api.tenancy.adapter_service import (
     AdapterService,
@@ -29,6 +36,9 @@ from loraplex.platform.api.tenancy.auth import caller_of, require_admin, tenant_
 
 router = APIRouter()
 _MAX_FILES = 8
+# the multipart framing and the `name` field an upload may carry beyond its files' bytes
+_FORM_OVERHEAD_BYTES = 64 * 1024
+ADAPTERS_PREFIX = "/v1/adapters/"
 
 
 # NOTE: the JSON bodies below are read and checked by the routes themselves (field by field,
@@ -88,31 +98,60 @@ def _too_large(limit: int) -> APIError:
 
 @router.post("/v1/adapters", openapi_extra=_UPLOAD_BODY)
 async def upload_adapter(request: Request) -> JSONResponse:
-    """multipart/form-data: `name`, and `files` (the two PEFT files, or one .zip / .tar.gz)."""
+    """multipart/form-data: `name`, and `files` (the two PEFT files, or one .zip / .tar.gz).
+
+    The body is counted as it arrives, chunked or not (413 past `--max-adapter-bytes`, without
+    reading the rest), its files are spooled to temporary files rather than held in memory, and
+    at most `--max-concurrent-uploads` are read at once per process (503 beyond; 429 for a
+    tenant already holding all but one of them)."""
     tenant = tenant_of(request).name
     service = _service(request)
     limit = server_state(request).settings.max_adapter_bytes
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit + 64 * 1024:
+    declared = declared_length(request)
+    if declared is not None and declared > limit + _FORM_OVERHEAD_BYTES:
         raise _too_large(limit)
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise bad_request("send the adapter as multipart/form-data: `name` and `files`")
-    try:
-        form = await request.form(max_files=_MAX_FILES, max_fields=_MAX_FILES)
-    except Exception as error:  # starlette raises its own MultiPartException / HTTPException
-        raise bad_request(f"unreadable multipart body: {error}") from None
-    name = check_adapter_name(form.get("name"), service.base_name)
-    uploads = [f for f in form.getlist("files") if isinstance(f, UploadFile)]
-    files = []
-    total = 0
-    for upload in uploads:
-        data = await upload.read(limit + 1 - total)
-        total += len(data)
-        if total > limit:
-            raise _too_large(limit)
-        files.append(UploadedFile(upload.filename or "", data))
-    record, replaced = await service.install(tenant, name, files_from_upload(files))
+    async with service.upload_slot(tenant):
+        form = await _read_form(request, limit)
+        try:
+            name = check_adapter_name(form.get("name"), service.base_name)
+            files = [
+                UploadedFile(upload.filename or "", upload.file)
+                for upload in form.getlist("files")
+                if isinstance(upload, UploadFile)
+            ]
+            record, replaced = await service.install(tenant, name, files_from_upload(files))
+        finally:
+            await form.close()
     return JSONResponse({**card(record, service.base_name), "replaced": replaced}, status_code=201)
+
+
+async def _read_form(request: Request, limit: int) -> FormData:
+    """The multipart body, its files spooled to temporary files; 413 as soon as more than
+    `limit` bytes (plus the form's own framing) have arrived."""
+    budget = limit + _FORM_OVERHEAD_BYTES
+
+    async def counted() -> AsyncIterator[bytes]:
+        received = 0
+        async for chunk in request.stream():
+            received += len(chunk)
+            if received > budget:
+                raise _too_large(limit)
+            yield chunk
+
+    parser = MultiPartParser(
+        request.headers, counted(), max_files=_MAX_FILES, max_fields=_MAX_FILES
+    )
+    try:
+        return await parser.parse()
+    except MultiPartException as error:
+        raise bad_request(f"unreadable multipart body: {error.message}") from None
+
+
+async def _read_body(request: Request) -> bytes:
+    """A JSON route's body, within --max-request-body-bytes (413 past it, as it arrives)."""
+    return await read_body_bytes(request, server_state(request).settings.max_request_body_bytes)
 
 
 def _target_tenant(request: Request, body: dict[str, Any]) -> str:
@@ -151,7 +190,7 @@ def _server_path(body: dict[str, Any], field: str) -> str:
 @router.post("/v1/adapters/register", openapi_extra=json_body(RegisterAdapterRequest))
 async def register_adapter(request: Request) -> JSONResponse:
     """Admin only: `{"name", "path", "tenant"}`, a PEFT folder on the server."""
-    return await _register(request, parse_json(await request.body()), "name", "path")
+    return await _register(request, parse_json(await _read_body(request)), "name", "path")
 
 
 _SWITCH = (
@@ -200,7 +239,7 @@ async def load_lora_adapter(request: Request) -> Response:
     """vLLM's route: `{"lora_name", "lora_path"}` serves a server-local PEFT folder to every
     tenant as `lora_name` (runtime updates allowed; the admin key where the server has one);
     with `tenant` (admin key), that tenant's adapter, as /v1/adapters/register."""
-    body = parse_json(await request.body())
+    body = parse_json(await _read_body(request))
     if body.get("tenant") is not None:
         return await _register(request, body, "lora_name", "lora_path")
     _check_server_wide(request, "loading")
@@ -216,7 +255,7 @@ async def unload_lora_adapter(request: Request) -> Response:
     """vLLM's route: `{"lora_name"}`. A server-wide adapter (runtime updates allowed; the
     admin key where the server has one), else one of the caller's tenant's adapters (a tenant
     key, or `tenant` with the admin key)."""
-    body = parse_json(await request.body())
+    body = parse_json(await _read_body(request))
     name = body.get("lora_name")
     if not isinstance(name, str) or not name:
         raise bad_request("`lora_name` is required: the adapter's name", param="lora_name")
@@ -246,13 +285,24 @@ async def list_adapters(request: Request) -> JSONResponse:
     return JSONResponse({"object": "list", "data": [card(r, service.base_name) for r in records]})
 
 
-@router.get("/v1/adapters/{name:path}")
+def _name_in_path(request: Request) -> str:
+    """The adapter name of `/v1/adapters/{name}` exactly as sent.
+
+    NOTE: starlette's `{name:path}` matches `.*$`, which stops before a trailing newline: for
+    `/v1/adapters/x%0A` it would give `x`. The path itself holds the whole name, so a name an
+    older version stored with a newline can still be read and deleted (and never another)."""
+    path = request.scope["path"]
+    return path[path.index(ADAPTERS_PREFIX) + len(ADAPTERS_PREFIX) :]
+
+
+@router.get(ADAPTERS_PREFIX + "{name:path}")
 async def get_adapter(name: str, request: Request) -> JSONResponse:
     service = _service(request)
-    return JSONResponse(card(service.get(tenant_of(request).name, name), service.base_name))
+    record = service.get(tenant_of(request).name, _name_in_path(request))
+    return JSONResponse(card(record, service.base_name))
 
 
-@router.delete("/v1/adapters/{name:path}")
+@router.delete(ADAPTERS_PREFIX + "{name:path}")
 async def delete_adapter(name: str, request: Request) -> JSONResponse:
-    record = await _service(request).remove(tenant_of(request).name, name)
+    record = await _service(request).remove(tenant_of(request).name, _name_in_path(request))
     return JSONResponse({"id": record.name, "object": "adapter", "deleted": True})

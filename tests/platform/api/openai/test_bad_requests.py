@@ -22,7 +22,7 @@ CASES = [
     ("not an object", C, b"[1, 2, 3]", 400, None, None),
     ("invalid UTF-8", C, b'{"model": "' + MODEL.encode() + b'", "prompt": "\xff\xfe"}', 400,
      None, None),
-    ("lone surrogate", C, b'{"prompt": "\\ud800"}', 400, None, None),
+    ("lone surrogate", C, b'{"prompt": "\\ud800"}', 400, "prompt", None),
     ("deep nesting", C, b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None,
      None),
     ("max_tokens as string", C, _json({"prompt": "a", "max_tokens": "5"}), 400, "max_tokens",
@@ -122,3 +122,19 @@ def test_the_server_keeps_serving_after_bad_requests(http, server):
     response = http.post(CHAT, json={"model": server.model, "messages": USER, "max_tokens": 3})
     assert response.status_code == 200
     assert response.json()["choices"][0]["message"]["content"]
+
+
+def test_a_tool_call_with_a_huge_integer_in_its_arguments_is_rendered(http):
+    """An earlier turn's call arguments are JSON text the client wrote: an integer of 5000
+    digits in them reaches the template as text (here too long for the context), not a 500."""
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "f", "arguments": '{"x": ' + "9" * 5000 + "}"}}  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    messages = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "done"}]  # fmt: skip
+    body = {"messages": messages, "tools": tools, "max_tokens": 2}
+    response = http.post(CHAT, json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "context_length_exceeded"
+    call["function"]["arguments"] = '{"x": ' + "9" * 50 + "}"
+    assert http.post(CHAT, json=body).status_code == 200

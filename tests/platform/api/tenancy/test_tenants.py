@@ -173,7 +173,7 @@ def test_concurrency_and_token_limits_answer_429_with_retry_after(world):
 
 
 def test_metrics_per_tenant_and_adapter(world):
-    text = world["server"].client(None).get("/metrics").text
+    text = world["server"].client(ADMIN_KEY).get("/metrics").text
     assert 'loraplex:tenant_requests_total{tenant="alpha"}' in text
     assert 'loraplex:tenant_request_errors_total{tenant="beta"}' in text
     assert 'loraplex:tenant_generation_tokens_total{tenant="beta",adapter="support@' in text
@@ -193,7 +193,7 @@ def test_restart_serves_the_same_adapters_byte_identical(world, model_dir):
     assert alpha.get("/v1/adapters/support").json() == before
     digest = before["digest"].removeprefix("sha256:")
     # the stored adapters are registered with the engine at startup, before any request
-    metrics = world["server"].client(None).get("/metrics").text
+    metrics = world["server"].client(ADMIN_KEY).get("/metrics").text
     assert f'tenant="alpha",adapter="support@{digest[:12]}",tier="disk"' in metrics
     assert complete(alpha, "support", PROMPT, MAX_TOKENS).json()["choices"][0]["text"] == text
     folder, blob = world["folders"]["alpha"], world["data_dir"] / "adapters" / digest

@@ -74,8 +74,14 @@ def _text(content: Any, index: int) -> Any:
                 "server (text-only model)",
                 param=f"input.{index}.content.{j}.type",
             )
-        texts.append(part.get("text"))
-    return "".join(t for t in texts if isinstance(t, str))
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise bad_request(
+                f"a {kind} content part needs `text`, a string",
+                param=f"input.{index}.content.{j}.text",
+            )
+        texts.append(text)
+    return "".join(texts)
 
 
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:

@@ -122,7 +122,7 @@ async def create_response(request: Request) -> Response:
     defaults = state.engine.generation_defaults
     params = chat_sampling_params(chat, state.limits_for(tokenizer), defaults)
     params = with_tool_grammar(params, tools)
-    prompt = await asyncio.to_thread(render_chat_prompt, tokenizer, chat, tools, parser)
+    prompt = await render_chat_prompt(state, tokenizer, chat, tenant, tools, parser)
     admit(
         request,
         *reservation(state.engine.max_model_len, params, [len(prompt.token_ids)], defaults),

@@ -51,7 +51,7 @@ def _scan_object(text: str, pos: int) -> tuple[dict[str, tuple[int, int | None]]
             continue
         try:
             key, i = _DECODER.raw_decode(text, i)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, or an integer of too many digits
             return members, None
         i = _skip(text, i)
         if i >= len(text) or text[i] != ":":
@@ -61,7 +61,7 @@ def _scan_object(text: str, pos: int) -> tuple[dict[str, tuple[int, int | None]]
             return members, None
         try:
             _, end = _DECODER.raw_decode(text, i)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, or an integer of too many digits
             members[str(key)] = (i, None)
             return members, None
         members[str(key)] = (i, end)

@@ -92,7 +92,7 @@ def _function(tool: Any, index: int) -> ToolFunction:
     if not isinstance(spec, dict):
         raise bad_request("a function tool needs a 'function' object", param=f"{param}.function")
     name = spec.get("name")
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise bad_request(
             "a function name must be 1-64 letters, digits, '_' or '-'",
             param=f"{param}.function.name",
@@ -183,7 +183,7 @@ def _arguments(text: str) -> Any:
     """Templates index arguments as a mapping; text that is not JSON passes as it is."""
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, or an integer of too many digits
         return text
 
 
@@ -216,7 +216,7 @@ def parse_output(
         assert tools.named is not None
         try:
             json.loads(text)
-        except json.JSONDecodeError:  # cut short (max_tokens): not a call
+        except (ValueError, RecursionError):  # cut short (max_tokens): not a call
             return ParsedOutput(text)
         return ParsedOutput("", (ParsedToolCall(tools.named, text),))
     if tools.mode == "required":

@@ -41,7 +41,7 @@ def call_from_object(value: Any, arguments_keys: tuple[str, ...]) -> ParsedToolC
             if isinstance(arguments, str):  # some models write the arguments as JSON text
                 try:
                     arguments = json.loads(arguments)
-                except json.JSONDecodeError:
+                except (ValueError, RecursionError):
                     return None
             if not isinstance(arguments, dict):
                 return None
@@ -60,7 +60,7 @@ def decode_json_values(text: str) -> list[Any] | None:
             return values
         try:
             value, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, or an integer of too many digits
             return None
         values.append(value)
 
