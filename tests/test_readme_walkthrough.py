@@ -18,8 +18,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from benchmarks.server_launch import free_port
 
+from benchmarks.common.server_launch import free_port
 from loraplex.entrypoints.launcher import ready_line
 
 _TOOLS = ("make", "curl", "jq", "bash")

@@ -4,8 +4,8 @@ refuses it (never silently lowered): `loraplex serve` exits 2, `LLM(...)` raises
 from __future__ import annotations
 
 import pytest
-from benchmarks.server_launch import free_port
 
+from benchmarks.common.server_launch import free_port
 from loraplex.platform.models.arch_config import ArchConfig
 
 pytestmark = pytest.mark.slow

@@ -31,7 +31,7 @@ from loraplex.adapters.upload import UploadedFile, UploadTooLargeError, unpack_u
 from loraplex.platform.api.errors import APIError, bad_request
 from loraplex.platform.api.state import ServerState
 from loraplex.platform.core.commands import AddAdapter
-from loraplex.platform.models.tokenizer import read_chat_template
+from loraplex.platform.tokenizer.tokenizer import read_chat_template
 
 logger = logging.getLogger(__name__)
 # NOTE: matched whole (`fullmatch`): `$` would also match before a trailing newline.

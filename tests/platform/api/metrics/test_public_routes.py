@@ -22,7 +22,7 @@ from loraplex.config import ModelConfig
 from loraplex.entrypoints.lora_modules import parse_lora_modules
 
 sys.path.insert(0, str(Path(__file__).parents[3] / "adapters"))
-from random_adapters import write_adapter, write_tiny_model  # noqa: E402
+from random_adapters import write_adapter  # noqa: E402
 
 parser = pytest.importorskip("prometheus_client.parser", reason="prometheus-client: dev extra")
 
@@ -32,11 +32,11 @@ BAD = "x\n"  # what older versions accepted (`$` matches before a trailing newli
 
 
 @pytest.fixture(scope="module")
-def world(model_dir, tmp_path_factory):
+def world(tiny_llama_dir, tmp_path_factory):
     """A server with tenant alpha, its adapter `support`, and `x\\n`, a copy of it stored under
     the name an older version accepted (planted in the catalogue between two starts)."""
     root = tmp_path_factory.mktemp("public")
-    tiny = write_tiny_model(root / "tiny", Path(model_dir))
+    tiny = tiny_llama_dir
     adapter = write_adapter(root / "adapter", json.loads((tiny / "config.json").read_text()), 5)
     data = root / "data"
     options = dict(served_model_name=SERVED, metrics_key=METRICS_KEY)

@@ -18,7 +18,7 @@ import pytest
 from tenant_helpers import create_tenants, start_server
 
 sys.path.insert(0, str(Path(__file__).parents[3] / "adapters"))
-from random_adapters import write_adapter, write_tiny_model  # noqa: E402
+from random_adapters import write_adapter  # noqa: E402
 
 TIMEOUT_S = 5.0  # --chat-template-timeout: long beside a render, short beside a bomb
 LOOPS = "{% for a in range(100000) %}{% for b in range(100000) %}{% for c in range(100000) %}" + (
@@ -31,9 +31,9 @@ TRAP += PLAIN
 
 
 @pytest.fixture(scope="module")
-def world(model_dir, tmp_path_factory):
+def world(tiny_llama_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("bomb")
-    tiny = write_tiny_model(root / "tiny", Path(model_dir))
+    tiny = tiny_llama_dir
     hf_config = json.loads((tiny / "config.json").read_text())
     server = start_server(tiny, root / "data", chat_template_timeout_s=TIMEOUT_S)
     keys = create_tenants(server, "mallory", "bob")

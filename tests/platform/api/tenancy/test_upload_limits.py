@@ -17,7 +17,7 @@ import pytest
 from tenant_helpers import create_tenants, start_server, upload
 
 sys.path.insert(0, str(Path(__file__).parents[3] / "adapters"))
-from random_adapters import write_adapter, write_tiny_model  # noqa: E402
+from random_adapters import write_adapter  # noqa: E402
 
 LIMIT = 8 * 1024 * 1024  # --max-adapter-bytes
 READ_TIMEOUT_S = 1.0  # --request-read-timeout
@@ -25,9 +25,9 @@ BOUNDARY = "loraplexboundary"
 
 
 @pytest.fixture(scope="module")
-def world(model_dir, tmp_path_factory):
+def world(tiny_llama_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("uploads")
-    tiny = write_tiny_model(root / "tiny", Path(model_dir))
+    tiny = tiny_llama_dir
     server = start_server(
         tiny, root / "data", max_adapter_bytes=LIMIT, max_concurrent_uploads=2,
         request_read_timeout_s=READ_TIMEOUT_S,
