@@ -1,7 +1,7 @@
 """The code the fused W4A16 kernel makes for sm_90 (Hopper), compiled on the CPU: a look at each
 launch of `TUNED_CONFIGS` before any GPU time is spent.
 
-    python -m benchmarks.quant_sass [--dtype bf16] [--group-size 128] [--act-order]
+    python -m benchmarks.quant_sass [--dtype bf16] [--group-size 128]
         [--candidates 1,128]
 
 Each distinct launch (of `TUNED_CONFIGS`, or with --candidates of the sweep's candidates at those
@@ -46,7 +46,7 @@ class KernelFigures:
     memory_ops: tuple[tuple[str, int], ...]
 
 
-def compile_sm90(config: W4A16Config, dtype: str, group_size: int, act_order: bool):
+def compile_sm90(config: W4A16Config, dtype: str, group_size: int):
     """The fused kernel of `config` compiled for sm_90 (no GPU needed)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -58,14 +58,14 @@ def compile_sm90(config: W4A16Config, dtype: str, group_size: int, act_order: bo
     magic, offset = _MAGIC[dtype]
     constants = dict(
         GROUP_SIZE=group_size, SCALE_DOTS=scale_dots(group_size, 4096, 4), BITS=4, MAGIC=magic,
-        OFFSET=offset, HAS_PERM=act_order, HAS_BIAS=False, BLOCK_M=config.block_m,
+        OFFSET=offset, HAS_BIAS=False, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, NUM_STAGES=config.num_stages, DOT_PRECISION="tf32",
         USE_ASM=True, SCALE_WEIGHTS=config.kind == "mma_wscale", PREFETCH=config.prefetch,
         TILE_K=TILE_K,
         LANES=FRAGMENT_LANES,
     )  # fmt: skip
     types = dict(x_ptr=f"*{dtype}", qw_ptr="*i16", scales_ptr=f"*{dtype}", zeros_ptr=f"*{dtype}",
-                 perm_ptr="*i32", bias_ptr=f"*{dtype}", out_ptr=f"*{dtype}", ws_ptr="*fp32",
+                 bias_ptr=f"*{dtype}", out_ptr=f"*{dtype}", ws_ptr="*fp32",
                  lock_ptr="*i32", **dict.fromkeys(_INTS, "i32"))  # fmt: skip
     signature = {name: "constexpr" if name in constants else types[name] for name in fn.arg_names}
     divisible = [n for n in fn.arg_names if n not in constants
@@ -101,8 +101,8 @@ def loop_opcodes(text: str) -> list[str]:
     return [opcode.split(".")[0] for address, opcode, _ in lines if start <= address <= end]
 
 
-def figures(config: W4A16Config, dtype: str, group_size: int, act_order: bool) -> KernelFigures:
-    kernel = compile_sm90(config, dtype, group_size, act_order)
+def figures(config: W4A16Config, dtype: str, group_size: int) -> KernelFigures:
+    kernel = compile_sm90(config, dtype, group_size)
     text = _cuobjdump(kernel.asm["cubin"], "-sass")
     registers = re.search(r"REG:(\d+)", _cuobjdump(kernel.asm["cubin"], "-res-usage"))
     opcodes = loop_opcodes(text)
@@ -128,7 +128,6 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=sorted(_MAGIC), default="bf16")
     parser.add_argument("--group-size", type=int, default=128)
-    parser.add_argument("--act-order", action="store_true")
     parser.add_argument("--candidates", default="", help="token counts: the sweep's candidates")
     args = parser.parse_args()
     launches = list(TUNED_CONFIGS.values())
@@ -137,7 +136,7 @@ def main() -> int:
         launches = [c for m in tokens for c in w4a16_candidates(m, 4096, 4096, 132)]
     configs = dict.fromkeys(replace(c, split_k=1) for c in launches if c.kind != "dequant")
     for config in configs:
-        f = figures(config, args.dtype, args.group_size, args.act_order)
+        f = figures(config, args.dtype, args.group_size)
         c = config
         ahead = " prefetch" if c.prefetch else ""
         print(f"{c.kind:10s} {c.block_m:3d}x{c.block_n:<3d} w{c.num_warps} s{c.num_stages}{ahead}: "

@@ -42,7 +42,7 @@ def test_decode_kernel_loop_feeds_hgmma_at_under_three_instructions_per_weight()
     code = (
         "import json; from benchmarks.quant_sass import figures; "
         "from loraplex.kernels.w4a16.dispatch import TUNED_CONFIGS; "
-        "f = figures(TUNED_CONFIGS[(4, 1, 4096, 4096)], 'bf16', 128, False); "
+        "f = figures(TUNED_CONFIGS[(4, 1, 4096, 4096)], 'bf16', 128); "
         "print(json.dumps([f.spills, dict(f.top), f.per_weight]))"
     )
     env = {**os.environ, "TRITON_INTERPRET": "0"}

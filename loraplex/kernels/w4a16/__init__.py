@@ -117,13 +117,11 @@ def w4a16_dequantize(
     return out
 
 
-def _dequant_matmul(x, qweight, scales, zeros, group_size, bits, perm, bias, config):
-    """Dequantize the weight into the reused buffer, then cuBLAS."""
+def _dequant_matmul(x, qweight, scales, zeros, group_size, bits, bias, config):
+    """Dequantize the weight into the reused buffer, then cuBLAS (x in weight row order)."""
     n, k = qweight.shape[0], x.shape[1]
     w = _dequant_buffer(x.device, n * k, x.dtype)[: n * k].view(n, k)  # [N, K]
     _launch_dequant(qweight, scales, zeros, group_size, bits, w, config.block_n, config.num_warps)
-    if perm is not None:
-        x = x.index_select(1, perm)  # [M, K], features in weight order
     return torch.nn.functional.linear(x, w, bias)
 
 
@@ -161,9 +159,15 @@ def w4a16_gemm_triton(
     config = resolve(config, m, n, k, group_size, bits, num_sms(x.device))
     if m == 0:
         return torch.empty(0, n, dtype=x.dtype, device=x.device)
+    if perm is not None:
+        # NOTE: act-order: the activations are gathered into the weight's row order once, and
+        # the plain kernel runs. A gather inside the fused kernel (an address loaded per tile)
+        # kept the pipeline from prefetching: GPTQ act-order decoded at 1.22x bf16's time per
+        # token on the H200 against AWQ's 0.67x, and served 256 sequences at 0.23x bf16.
+        x = x.index_select(1, perm)  # [M, K], features in weight row order
     x = x if x.stride(1) == 1 else x.contiguous()
     if config.kind == "dequant":
-        return _dequant_matmul(x, qweight, scales, zeros, group_size, bits, perm, bias, config)
+        return _dequant_matmul(x, qweight, scales, zeros, group_size, bits, bias, config)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     k_tiles = triton.cdiv(k, TILE_K)
     tiles_per_split = triton.cdiv(k_tiles, config.split_k)
@@ -173,11 +177,10 @@ def w4a16_gemm_triton(
     magic, offset = _magic(x.dtype, bits)
     halves = qweight.view(torch.int16)  # [N, 2 * K_pad / pack]
     w4a16_mma_kernel[(tiles, split)](
-        x, halves, scales, zeros, perm if perm is not None else qweight,
-        bias if bias is not None else scales, out, ws, locks,
+        x, halves, scales, zeros, bias if bias is not None else scales, out, ws, locks,
         m, n, k, tiles_per_split, x.stride(0), halves.stride(0), scales.stride(0), out.stride(0),
         GROUP_SIZE=group_size, SCALE_DOTS=scale_dots(group_size, k, bits), BITS=bits,
-        MAGIC=magic, OFFSET=offset, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
+        MAGIC=magic, OFFSET=offset, HAS_BIAS=bias is not None,
         SPLIT_K=split, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         NUM_STAGES=config.num_stages, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         USE_ASM=x.is_cuda and magic > 0, SCALE_WEIGHTS=config.kind == "mma_wscale", PREFETCH=config.prefetch, TILE_K=TILE_K, LANES=FRAGMENT_LANES, num_warps=config.num_warps, num_stages=config.num_stages,

@@ -27,10 +27,10 @@ from loraplex.kernels.w4a16.triton_prologue import group_of, pair_operand, unshu
 
 @triton.jit(do_not_specialize=["M", "tiles_per_split", "SPLIT_K"])
 def w4a16_mma_kernel(
-    x_ptr, qw_ptr, scales_ptr, zeros_ptr, perm_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr,
+    x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr,
     M, N, K, tiles_per_split, stride_xm, stride_qn, stride_sg, stride_om,
     GROUP_SIZE: tl.constexpr, SCALE_DOTS: tl.constexpr, BITS: tl.constexpr,
-    MAGIC: tl.constexpr, OFFSET: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    MAGIC: tl.constexpr, OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_ASM: tl.constexpr,
     SCALE_WEIGHTS: tl.constexpr, PREFETCH: tl.constexpr, TILE_K: tl.constexpr,
@@ -81,12 +81,8 @@ def w4a16_mma_kernel(
             k0 = t * TILE_K + p * DEPTH
             offs_k = k0 + offs_d
             mask_k = offs_k < K
-            if HAS_PERM:
-                src_k = tl.load(perm_ptr + offs_k, mask=mask_k, other=0)
-            else:
-                src_k = offs_k
             x_p = tl.load(
-                x_ptr + offs_m[:, None] * stride_xm + src_k[None, :],
+                x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                 mask=mask_m[:, None] & mask_k[None, :],
                 other=0.0,
             )  # [BLOCK_M, DEPTH]
