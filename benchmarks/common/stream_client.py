@@ -113,15 +113,20 @@ async def _lean_load(
 
 
 def _lean_client_main(conn, *args) -> None:
+    import resource
+
     try:
-        conn.send(asyncio.run(_lean_load(*args)))
+        metrics = asyncio.run(_lean_load(*args))
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        metrics["client_cpu_s"] = usage.ru_utime + usage.ru_stime
+        conn.send(metrics)
     except BaseException as error:  # reported to the parent, which raises it
         conn.send(error)
 
 
 def lean_client_run(*args) -> dict[str, float]:
     """`_lean_load(*args)` in a process of its own (the client shares no core's GIL with the
-    benchmark driver)."""
+    benchmark driver); its metrics and the client process's CPU seconds (`client_cpu_s`)."""
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")

@@ -23,6 +23,7 @@ import uvicorn
 from loraplex.platform.api.app import build_app
 from loraplex.platform.api.settings import ServerSettings
 from loraplex.platform.engine.core_client import EngineCoreClient
+from loraplex.platform.engine.gc_tuning import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -92,4 +93,5 @@ def run_api_server(
         **uvicorn_options,
     )
     server = _DrainingServer(config, client, shutdown_timeout_s)
+    freeze_startup_heap()  # NOTE: per-token garbage must not make the collector scan the imports
     server.run(sockets=[listener])

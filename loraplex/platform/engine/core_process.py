@@ -27,6 +27,7 @@ from multiprocessing.connection import Connection
 from loraplex.config import EngineConfig
 from loraplex.platform.engine.engine import Engine
 from loraplex.platform.engine.engine_loop import EngineLoop
+from loraplex.platform.engine.gc_tuning import freeze_startup_heap
 from loraplex.platform.engine.ipc import PROTOCOL_VERSION, EngineInfo
 from loraplex.platform.engine.zmq_transport import ZmqTransport
 from loraplex.platform.runner.cpu_threads import configure_cpu_threads
@@ -99,4 +100,5 @@ def run_engine_core(config: EngineConfig, address: str, refusals: Connection | N
     engine = loop.engine
     logger.info("engine core %d serving %s on %s", os.getpid(), engine.served_model_name, address)
     engine.structured.prepare()  # the grammar compiler, before the first request needs it
+    freeze_startup_heap()
     loop.run()

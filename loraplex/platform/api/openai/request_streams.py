@@ -77,11 +77,16 @@ def _checked(output: RequestOutput) -> RequestOutput:
     return output
 
 
-async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from all streams as they arrive; aborts them all if closed early.
+async def merge_streams(
+    streams: list[RequestStream], first: tuple[int, RequestOutput] | None = None
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from all streams as they arrive (after `first`, an output already
+    taken from them); aborts them all if closed early.
 
     Raises APIError (400) when the engine ended a request early (`RequestOutput.error`)."""
     try:
+        if first is not None:
+            yield first
         if len(streams) == 1:
             async for output in streams[0]:
                 yield 0, _checked(output)
@@ -113,16 +118,36 @@ async def first_output_then_rest(
     A streamed response waits for this before it sends its 200, so that whatever the engine
     refuses before the first token (a grammar that fails to compile in the background) is
     answered as a 4xx JSON error, not as an error event inside a 200. Raises APIError."""
+    if len(streams) == 1:
+        # NOTE: one stream (nearly every request): its first output is read here, and the
+        # rest of it through one generator, which costs less per token than two.
+        with abort_on_disconnect(request, streams, poll_s):
+            try:
+                first = await anext(streams[0])
+            except StopAsyncIteration:
+                return merge_streams(streams)
+            except BaseException:
+                abort_all(streams)
+                raise
+        return merge_streams(streams, (0, _checked_or_abort(first, streams)))
     merged = merge_streams(streams)
     with abort_on_disconnect(request, streams, poll_s):
         try:
-            first = await anext(merged)
+            first_item = await anext(merged)
         except StopAsyncIteration:
             return merged
         except BaseException:
             await merged.aclose()
             raise
-    return _prepend(first, merged)
+    return _prepend(first_item, merged)
+
+
+def _checked_or_abort(output: RequestOutput, streams: list[RequestStream]) -> RequestOutput:
+    try:
+        return _checked(output)
+    except BaseException:
+        abort_all(streams)
+        raise
 
 
 async def _prepend(

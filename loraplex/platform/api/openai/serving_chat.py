@@ -25,7 +25,7 @@ from loraplex.platform.api.openai.request_streams import (
     submit,
 )
 from loraplex.platform.api.openai.sampling import chat_sampling_params
-from loraplex.platform.api.openai.sse import SSE_DONE, error_event, sse
+from loraplex.platform.api.openai.sse import SSE_DONE, ChunkFrames, error_event, sse
 from loraplex.platform.api.openai.tools.tool_auto import submit_auto
 from loraplex.platform.api.openai.tools.tool_call_stream import ToolCallStream
 from loraplex.platform.api.openai.tools.tool_calls import (
@@ -238,19 +238,25 @@ async def _chat_events(
     }
     if body.include_usage:
         head["usage"] = None
+    frames = ChunkFrames(head)
     usage = UsageCounter()
     mode = "none" if tools is None else tools.mode
     named = None if tools is None else tools.named
     calls = [ToolCallStream(mode, parser, named, new_call_id) for _ in range(body.n)]
+    # NOTE: without tools and logprobs a running choice's delta is its text as content
+    plain = mode == "none" and not body.logprobs
     try:
         with abort_on_disconnect(request, streams, state.settings.disconnect_poll_s):
             for i in range(body.n):
                 role = {"index": i, "delta": {"role": "assistant", "content": ""}}
-                yield sse({**head, "choices": [{**role, "logprobs": None, "finish_reason": None}]})
+                yield frames.choice({**role, "logprobs": None, "finish_reason": None})
             async for _, output in outputs:
                 usage.add(0, output)
                 for delta in output.outputs:
                     if not (delta.text or delta.logprobs or delta.finish_reason):
+                        continue
+                    if plain and delta.finish_reason is None and delta.text:
+                        yield frames.content(delta.index, delta.text)  # nearly every chunk
                         continue
                     stream = calls[delta.index]
                     pieces = stream.feed(delta.text)
@@ -271,7 +277,7 @@ async def _chat_events(
                             finish_reason(finish, stream.has_calls),
                             delta.stop_reason,
                         )
-                        yield sse({**head, "choices": [choice]})
+                        yield frames.choice(choice)
             if body.include_usage:
                 yield sse({**head, "choices": [], "usage": usage.as_dict()})
     except Exception as error:
