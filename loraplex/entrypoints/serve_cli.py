@@ -96,8 +96,9 @@ _OPTIONS = (
     _Option("--host", "127.0.0.1", "address to listen on (0.0.0.0: every interface)"),
     _Option("--port", 8000, "TCP port to listen on", int),
     _Option("--api-server-count", None, "API server processes sharing the port (auth, "
-            "tokenization, detokenization, SSE), beside the one engine-core process (default 1; "
-            "each process counts tenants' concurrency caps on its own)", int),
+            "tokenization, detokenization, SSE), beside the one engine-core process; tenants' "
+            "caps hold across them (default: one per 4 usable cores, 1 to 4: min(4, max(1, "
+            "cores // 4)))", int),
     _Option("--shutdown-timeout", 30.0, "on SIGTERM / Ctrl-C, seconds in-flight requests may "
             "run on; then they end with a 503 error and the server exits", float),
     _Option("--max-request-body-bytes", 4 * 1024 * 1024, "larger request bodies answer 413",
@@ -241,20 +242,27 @@ def server_settings(values: dict[str, Any]) -> ServerSettings:
 def run_serve(args: argparse.Namespace) -> int:
     """Start the engine-core process and the API processes; serve until SIGTERM / Ctrl-C
     (exit status 0) or a process death (1). See `launcher`."""
-    from loraplex.entrypoints.launcher import DEFAULT_API_SERVER_COUNT, Launcher
+    from loraplex.entrypoints.launcher import (
+        API_SERVER_COUNT_RULE,
+        Launcher,
+        default_api_server_count,
+        usable_cores,
+    )
 
     values = resolve_options(args)
     count = values["api_server_count"]
+    chosen = "given" if count is not None else f"{API_SERVER_COUNT_RULE}, {usable_cores()} cores"
     launcher = Launcher(
         engine_config(values),
         server_settings(values),
-        api_server_count=DEFAULT_API_SERVER_COUNT if count is None else count,
+        api_server_count=default_api_server_count() if count is None else count,
         shutdown_timeout_s=values["shutdown_timeout"],
         uvicorn_options={"log_level": values["uvicorn_log_level"]},
     )
     logger.info(
-        "starting the engine core and %d API process(es) for http://%s:%d",
+        "starting the engine core and %d API process(es) (%s) for http://%s:%d",
         launcher.api_server_count,
+        chosen,
         values["host"],
         values["port"],
     )

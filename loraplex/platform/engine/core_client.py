@@ -28,6 +28,7 @@ from loraplex.platform.core.commands import EngineCommand
 from loraplex.platform.core.errors import EngineDeadError
 from loraplex.platform.core.sampling_params import RequestOutputKind, SamplingParams
 from loraplex.platform.core.stats import EngineSnapshot
+from loraplex.platform.core.tenant_caps import TenantReservation
 from loraplex.platform.core.timing import TimingObserver
 from loraplex.platform.engine.client_outputs import ClientOutputs
 from loraplex.platform.engine.ipc import (
@@ -181,6 +182,7 @@ class EngineCoreClient(EngineClient):
         prompt_token_ids: list[int] | None = None,
         tenant: str = "default",
         lora_request: LoRARequest | None = None,
+        reservation: TenantReservation | None = None,
     ) -> RequestStream:
         self._check_alive()
         if request_id in self._queues:
@@ -211,6 +213,7 @@ class EngineCoreClient(EngineClient):
             tenant,
             lora_to_wire(lora_request),
             time.monotonic(),
+            reservation,
         )
         await self._send(message)
         return await accepted_stream(self, request_id, outputs, params.output_kind)

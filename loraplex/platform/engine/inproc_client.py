@@ -20,6 +20,7 @@ from loraplex.platform.core.commands import EngineCommand
 from loraplex.platform.core.errors import EngineDeadError
 from loraplex.platform.core.sampling_params import SamplingParams
 from loraplex.platform.core.stats import EngineSnapshot
+from loraplex.platform.core.tenant_caps import TenantReservation
 from loraplex.platform.core.timing import TimingObserver
 from loraplex.platform.engine.engine import Engine
 from loraplex.platform.engine.engine_loop import EngineLoop
@@ -111,6 +112,7 @@ class InprocClient(EngineClient):
         prompt_token_ids: list[int] | None = None,
         tenant: str = "default",
         lora_request: LoRARequest | None = None,
+        reservation: TenantReservation | None = None,
     ) -> RequestStream:
         self._check_running()
         outputs: asyncio.Queue[StreamItem] = asyncio.Queue()
@@ -125,6 +127,7 @@ class InprocClient(EngineClient):
                 lora_request,
                 time.monotonic(),
                 sink,
+                reservation,
             )
         )
         return await accepted_stream(self, request_id, outputs, params.output_kind)

@@ -13,8 +13,11 @@ from fastapi import Request
 
 from loraplex.adapters.request import LoRARequest
 from loraplex.platform.api.errors import bad_request, from_engine_error, request_failed
+from loraplex.platform.api.tenancy.limits import limit_error, reserve
+from loraplex.platform.core.errors import TenantLimitExceeded
 from loraplex.platform.core.outputs import RequestOutput
 from loraplex.platform.core.sampling_params import SamplingParams
+from loraplex.platform.core.tenant_caps import TenantCaps
 from loraplex.platform.engine.protocol import EngineClient
 from loraplex.platform.engine.request_stream import RequestStream
 
@@ -35,8 +38,11 @@ async def submit(
     request_id: str,
     tenant: str = "default",
     lora_request: LoRARequest | None = None,
+    caps: TenantCaps | None = None,
 ) -> list[RequestStream]:
-    """Add one engine request per prompt; if any is refused, abort the others and raise 4xx."""
+    """Add one engine request per prompt, each holding its part of the tenant's `caps` (see
+    `tenancy/limits.py`); if any is refused, abort the others and raise 4xx (429 for a tenant
+    over its caps)."""
     streams: list[RequestStream] = []
     try:
         for i, prompt in enumerate(prompts):
@@ -49,11 +55,15 @@ async def submit(
                 prompt_token_ids=None if prompt.from_client_ids else prompt.token_ids,
                 tenant=tenant,
                 lora_request=lora_request,
+                reservation=reserve(caps, engine.max_model_len, params, len(prompt.token_ids)),
             )
             streams.append(stream)
     except ValueError as error:
         abort_all(streams)
         raise from_engine_error(error) from None
+    except TenantLimitExceeded as error:
+        abort_all(streams)
+        raise limit_error(error) from None
     except RecursionError:  # e.g. a structured-output spec nested too deeply to analyse
         abort_all(streams)
         raise bad_request(

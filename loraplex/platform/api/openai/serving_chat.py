@@ -49,6 +49,7 @@ from loraplex.platform.api.tenancy.limits import reservation
 from loraplex.platform.api.tenancy.model_resolver import ServedModel
 from loraplex.platform.core.outputs import RequestOutput
 from loraplex.platform.core.sampling_params import SamplingParams
+from loraplex.platform.core.tenant_caps import TenantCaps
 from loraplex.platform.engine.request_stream import RequestStream
 from loraplex.platform.tokenizer.tokenizer import Tokenizer
 
@@ -127,16 +128,19 @@ async def submit_chat(
     served: ServedModel,
     tools: ToolRequest | None,
     parser: ToolParser,
+    caps: TenantCaps | None = None,
 ) -> list[RequestStream]:
     """The engine requests of one chat prompt: one request, or under `tool_choice: "auto"` a
-    chain per choice that enforces a call once the model opens one (`tool_auto`)."""
+    chain per choice that enforces a call once the model opens one (`tool_auto`); each holds
+    its part of the tenant's `caps`."""
     if tools is not None and tools.mode == "auto":
         streams = await submit_auto(
-            state.engine, prompt, params, request_id, tools, parser, tenant, served.lora_request
-        )
+            state.engine, prompt, params, request_id, tools, parser, tenant,
+            served.lora_request, caps,
+        )  # fmt: skip
         return streams  # type: ignore[return-value]
     return await submit(
-        state.engine, [prompt], params, request_id, tenant, lora_request=served.lora_request
+        state.engine, [prompt], params, request_id, tenant, served.lora_request, caps
     )
 
 
@@ -157,9 +161,11 @@ async def create_chat_completion(request: Request) -> Response:
     parser = tool_parser(state, tokenizer)
     params = with_tool_grammar(chat_sampling_params(body, state.limits_for(tokenizer)), tools)
     prompt = await asyncio.to_thread(render_chat_prompt, tokenizer, body, tools, parser)
-    admit(request, *reservation(state.engine.max_model_len, params, [len(prompt.token_ids)]))
+    caps = admit(request, *reservation(state.engine.max_model_len, params, [len(prompt.token_ids)]))
     request_id = new_id("chatcmpl")
-    streams = await submit_chat(state, prompt, params, request_id, tenant, served, tools, parser)
+    streams = await submit_chat(
+        state, prompt, params, request_id, tenant, served, tools, parser, caps
+    )
     if body.stream:
         poll_s = state.settings.disconnect_poll_s
         outputs = await first_output_then_rest(request, streams, poll_s)

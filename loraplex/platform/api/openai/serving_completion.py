@@ -64,13 +64,13 @@ async def create_completion(request: Request) -> Response:
     tokenizer = await state.tokenizer_of(served)
     params = completion_sampling_params(body, state.limits_for(tokenizer))
     prompts = await asyncio.to_thread(tokenize_prompts, tokenizer, body.prompts)
-    admit(
+    caps = admit(
         request,
         *reservation(state.engine.max_model_len, params, [len(p.token_ids) for p in prompts]),
     )
     request_id = new_id("cmpl")
     streams = await submit(
-        state.engine, prompts, params, request_id, tenant, lora_request=served.lora_request
+        state.engine, prompts, params, request_id, tenant, served.lora_request, caps
     )
     if body.stream:
         poll_s = state.settings.disconnect_poll_s

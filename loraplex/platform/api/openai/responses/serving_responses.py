@@ -116,7 +116,7 @@ async def create_response(request: Request) -> Response:
     parser = tool_parser(state, tokenizer)
     params = with_tool_grammar(chat_sampling_params(chat, state.limits_for(tokenizer)), tools)
     prompt = await asyncio.to_thread(render_chat_prompt, tokenizer, chat, tools, parser)
-    admit(request, *reservation(state.engine.max_model_len, params, [len(prompt.token_ids)]))
+    caps = admit(request, *reservation(state.engine.max_model_len, params, [len(prompt.token_ids)]))
     response_id = new_id("resp").replace("-", "_")
     created = now_s()
 
@@ -124,7 +124,9 @@ async def create_response(request: Request) -> Response:
         if body.store:
             store.put(tenant, response_id, StoredResponse(final, (*conversation, message)))
 
-    streams = await submit_chat(state, prompt, params, response_id, tenant, served, tools, parser)
+    streams = await submit_chat(
+        state, prompt, params, response_id, tenant, served, tools, parser, caps
+    )
     if body.stream:
         outputs = await first_output_then_rest(request, streams, state.settings.disconnect_poll_s)
         base = response_json(response_id, created, served.name, _echoed(body), [], "in_progress",
