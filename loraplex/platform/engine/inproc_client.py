@@ -34,6 +34,7 @@ from loraplex.platform.engine.loop_commands import (
 from loraplex.platform.engine.protocol import EngineClient
 from loraplex.platform.engine.request_stream import RequestStream, StreamItem, accepted_stream
 from loraplex.platform.engine.thread_transport import QueueSink, ThreadTransport
+from loraplex.platform.engine.warm_up import should_warm_up, warm_up
 from loraplex.platform.tokenizer.tokenizer import TokenIdsOnlyTokenizer, Tokenizer
 
 
@@ -63,9 +64,13 @@ class InprocClient(EngineClient):
 
     def start(self) -> None:
         """Start the loop's thread (idempotent), and the grammar compiler beside it (a server
-        is long-lived: its first JSON-schema request should not wait for the vocabulary)."""
+        is long-lived: its first JSON-schema request should not wait for the vocabulary); on
+        CUDA (see `should_warm_up`) the engine runs its warm-up burst first, so the server
+        reports ready once it is warm."""
         if self._thread is None:
             self.engine.structured.prepare()
+            if should_warm_up(self.engine.runner.device.type):
+                warm_up(self.engine)
             self._thread = threading.Thread(
                 target=self._loop.run, name="loraplex-engine", daemon=True
             )
