@@ -8,8 +8,9 @@ write, norms, GEMM shapes), eager steps above the captured batch sizes, the devi
 grown to a full step's activations, chunked prefill of a long prompt, and the host paths of a
 batch of mixed sampling parameters (penalties, top-k / top-p / min-p, seeds, logprobs). The burst
 fills the batch (`max_num_seqs` requests of prompts of uneven lengths, several full prefill
-steps, a prompt longer than a step), each request with one of the sampling mixes and a few
-output tokens, so the batch shrinks through the decode sizes as they finish.
+steps, a prompt longer than a step, prompts over a cached prefix), each request with one of the
+sampling mixes and a few output tokens, so the batch shrinks through the decode sizes as they
+finish.
 
 Afterwards the engine is as it was: no request, no cached prefix, its counters at zero.
 """
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 WARM_UP_TENANT = "loraplex-warm-up"
 PREFILL_STEPS = 3  # full prefill steps of the burst (the last is mixed with decodes)
 MAX_OUTPUT_TOKENS = 8  # request i generates 1 + i % 8 tokens
+SHARED_PREFIX_EVERY = 10  # every tenth prompt starts with the long prompt's first two blocks
 DEADLINE_S = 600.0
 # The sampling fields of the burst's requests, request i taking the (i mod 7)-th.
 SAMPLING_MIXES: tuple[dict, ...] = (
@@ -84,14 +86,22 @@ def warm_up_burst(
     lengths = [long] + [
         max(1, min(room, share + (i % 17) - 8)) for i in range(1, max_num_seqs)
     ]  # uneven: token counts of every residue
-    prompts, params, used = [], [], 0
+    prompts: list[list[int]] = []
+    params: list[SamplingParams] = []
+    used = 0
     for i, length in enumerate(lengths):
         output = 1 + i % MAX_OUTPUT_TOKENS
         need = -(-(length + output) // block_size) * block_size
         if used + need > budget:
             continue
         used += need
-        prompts.append([rng.randrange(low, high) for _ in range(length)])
+        prompt = [rng.randrange(low, high) for _ in range(length)]
+        if prompts and i % SHARED_PREFIX_EVERY == 0:
+            # NOTE: the long prompt's first blocks, cached by the time this one is scheduled:
+            # a prefill over a cached prefix
+            shared = min(len(prompts[0]), 2 * block_size, length - 1)
+            prompt[:shared] = prompts[0][:shared]
+        prompts.append(prompt)
         params.append(SamplingParams(max_tokens=output, ignore_eos=True, **SAMPLING_MIXES[i % 7]))
     return WarmUpBurst(prompts, params)
 

@@ -25,6 +25,8 @@ def test_the_burst_fills_the_batch_within_half_the_cache():
     assert len({len(p) % 16 for p in burst.prompts}) == 16  # token counts of every residue
     assert sum(len(p) for p in burst.prompts) >= 2 * 512  # several full prefill steps
     assert all(100 <= t < 49152 - 100 for p in burst.prompts for t in p)
+    shared = [p for p in burst.prompts[1:] if len(p) > 16 and p[:16] == burst.prompts[0][:16]]
+    assert len(shared) >= 2  # prefills over a cached block
     for mix in SAMPLING_MIXES:  # every sampling mix is in the batch
         assert any(all(getattr(p, k) == v for k, v in mix.items()) for p in burst.params)
     assert burst.num_tokens <= 64 * 16 * 16 // 2
