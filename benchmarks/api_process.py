@@ -150,8 +150,8 @@ class Servers:
 def py_spy_top(pid: int, seconds: float, out: Path) -> subprocess.Popen:
     """Start sampling `pid` with py-spy for `seconds` into `out` (collapsed stacks)."""
     py_spy = Path(sys.executable).parent / "py-spy"
-    cmd = [str(py_spy), "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "200",
-           "--format", "raw", "-o", str(out), "--nonblocking"]  # fmt: skip
+    cmd = [str(py_spy), "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "100",
+           "--format", "raw", "-o", str(out)]  # fmt: skip
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
