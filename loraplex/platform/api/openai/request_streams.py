@@ -55,7 +55,7 @@ async def submit(
                 prompt_token_ids=None if prompt.from_client_ids else prompt.token_ids,
                 tenant=tenant,
                 lora_request=lora_request,
-                reservation=reserve(caps, engine.max_model_len, params, len(prompt.token_ids)),
+                reservation=reserve(caps, engine, params, len(prompt.token_ids)),
             )
             streams.append(stream)
     except ValueError as error:

@@ -18,6 +18,7 @@ from loraplex.platform.api.tenancy.tenant_store import Tenant
 from loraplex.platform.core.errors import TenantLimitExceeded
 from loraplex.platform.core.sampling_params import SamplingParams
 from loraplex.platform.core.tenant_caps import TenantCaps, TenantReservation
+from loraplex.platform.engine.protocol import EngineClient
 
 
 def reservation(
@@ -57,15 +58,16 @@ def check_request(tenant: Tenant, num_seqs: int, num_tokens: int) -> TenantCaps 
 
 def reserve(
     caps: TenantCaps | None,
-    max_model_len: int,
+    engine: EngineClient,
     params: SamplingParams,
     prompt_length: int,
     continuation: bool = False,
 ) -> TenantReservation | None:
-    """What one engine request (one prompt, n samples) holds of `caps` while it runs."""
+    """What one engine request (one prompt, n samples) on `engine` holds of `caps` while it
+    runs (None: no caps to hold)."""
     if caps is None:
         return None
-    num_seqs, num_tokens = reservation(max_model_len, params, [prompt_length])
+    num_seqs, num_tokens = reservation(engine.max_model_len, params, [prompt_length])
     return TenantReservation(caps, num_seqs, num_tokens, continuation)
 
 

@@ -4,6 +4,8 @@ requests reserves, and the HTTP answers to the engine's refusals."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from loraplex.platform.api.tenancy.limits import (
@@ -35,10 +37,10 @@ def test_each_engine_request_reserves_its_own_prompt_plus_max_tokens_per_sample(
     assert reservation(512, params, [10, 20]) == (6, 3 * (15 + 25))
     # Without max_tokens a sequence may run to the end of the context.
     assert reservation(512, SamplingParams(max_tokens=None), [12]) == (1, 512)
-    caps = TenantCaps(max_concurrent_requests=8)
-    assert reserve(caps, 512, params, 10) == TenantReservation(caps, 3, 45)
-    assert reserve(caps, 512, params, 10, continuation=True).continuation
-    assert reserve(None, 512, params, 10) is None
+    caps, engine = TenantCaps(max_concurrent_requests=8), SimpleNamespace(max_model_len=512)
+    assert reserve(caps, engine, params, 10) == TenantReservation(caps, 3, 45)
+    assert reserve(caps, engine, params, 10, continuation=True).continuation
+    assert reserve(None, engine, params, 10) is None
 
 
 def test_the_engines_refusals_answer_429_with_retry_after_or_400():

@@ -100,7 +100,7 @@ class AutoToolStream:
         if not first:  # the prompt's logprobs come with the first phase only
             params = replace(params, prompt_logprobs=None)
         self._constrained = constrained
-        held = reserve(self.caps, self.engine.max_model_len, params, len(ids), not first)
+        held = reserve(self.caps, self.engine, params, len(ids), not first)
         self._phase = await self.engine.add_request(
             f"{self.request_id}-{self.index}.{next(self._ids)}", text, params,
             prompt_token_ids=ids, tenant=self.tenant, lora_request=self.lora_request,
