@@ -14,11 +14,15 @@ three, their metrics named with a `t1_` / `mixed_` prefix.
     python -m benchmarks.serving --offline
     # launch a server, run concurrency 1, 8 and 32 and offline, write the results JSON
     python -m benchmarks.serving --record --concurrency 1 8 32
-    # the GPU record (issue 19): the 8B shape with random weights served by `loraplex serve`
-    # (engine-core process + API processes), a lean aiohttp streaming client in its own
-    # process at concurrency 1, 64 and 256, then the offline LLM on the same engine options;
-    # greedy, t1 and mixed (not at concurrency 1); writes benchmarks/results/h200_serving.json
-    python -m benchmarks.serving --gpu-record
+    # the GPU record (issues 19, 37): the 8B shape with random weights served by `loraplex
+    # serve` at its default flags (engine-core process + the API processes its default chose),
+    # a lean aiohttp streaming client in its own process: the first burst after start-up, then
+    # concurrency 1, 64 and 256, then steady Poisson arrivals at 50 % and 90 % of the request
+    # rate sustained at 256, then the first burst again; then the offline LLM on the same engine
+    # options; greedy, t1 and mixed (not at concurrency 1); start-up time to /health; writes
+    # benchmarks/results/h200_serving.json (about 4 minutes on the H200 with these sizes)
+    python -m benchmarks.serving --gpu-record --num-prompts 512 --input-len 256 \
+        --output-len 128 --concurrency 1 64 256 --poisson-prompts 512
 """
 
 from __future__ import annotations
@@ -36,9 +40,9 @@ from benchmarks.common.prompts import mix_params, serving_prompts
 from benchmarks.common.sampling_mixes import MIXED, mix_fields
 from benchmarks.common.server_launch import launch_server, serve_flags
 from benchmarks.common.stream_client import (
+    LeanClient,
     RequestResult,
     StreamTimer,
-    lean_client_run,
     summarize,
 )
 from benchmarks.record import write_result
@@ -52,6 +56,11 @@ CPU_ENGINE = dict(dtype="float32", device="cpu", max_model_len=512, enable_lora=
 # (request i takes the (i mod 9)-th of the sampling mixes); the metric prefix is "",
 # "t1_" or "mixed_". Each request's fields come from `mix_fields`.
 SAMPLINGS = ("greedy", "t1", MIXED)
+# Steady arrivals of the GPU record: Poisson, at these percents of the request rate the server
+# sustained at its highest concurrency.
+POISSON_PERCENTS = (50, 90)
+# What the GPU record keeps of its two timed bursts (the first after start-up, one at the end).
+BURST_FIGURES = ("duration_s", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms")
 # Request fields the openai SDK takes as arguments; the others (top_k, min_p,
 # repetition_penalty) travel in extra_body, as vLLM's extensions do.
 _SDK_FIELDS = {"temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "logprobs"}
@@ -207,13 +216,17 @@ def offline_tpot(llm, prompts: list[list[int]], output_len: int, sampling: str) 
 
 
 def record_gpu(args: argparse.Namespace) -> dict[str, float]:
-    """The GPU record: server (lean client, concurrency args.concurrency) and offline,
-    greedy, t1 and mixed (mixed not at concurrency 1); flat metrics, the sampled modes' with a
+    """The GPU record, the server at its default flags (but the engine options both sides
+    share): start-up time; the first heavy burst after start-up and the same burst at the end;
+    server (lean client, concurrency args.concurrency) and offline, greedy, t1 and mixed (mixed
+    not at concurrency 1); steady Poisson arrivals (greedy) at 50 % and 90 % of the request rate
+    the server sustained at the highest concurrency. Flat metrics, the sampled modes' with a
     `_t1` / `_mixed` suffix (`server_vs_offline_c256_t1`)."""
     import torch
 
     from benchmarks.common.engine import BENCH_ENGINE, bench_llm, resolve_model
     from benchmarks.common.model_folders import with_word_tokenizer
+    from loraplex.entrypoints.launcher import default_api_server_count
 
     on_cpu = not torch.cuda.is_available()
     model = resolve_model(args.model or (None if on_cpu else "llama-3.1-8b"))
@@ -223,43 +236,73 @@ def record_gpu(args: argparse.Namespace) -> dict[str, float]:
     flags = serve_flags(options) + (["--model", model] if model else [])
     if args.api_server_count:
         flags += ["--api-server-count", str(args.api_server_count)]
-    metrics: dict[str, float] = {}
+    # NOTE: what `loraplex serve` chooses on this host when not told (same rule, same cores)
+    metrics: dict[str, float] = {
+        "api_server_count": args.api_server_count or default_api_server_count()
+    }
     sets = iter(range(1, 1000))  # a fresh prompt set per run: no prefix-cache hits across runs
 
-    def prompts_for(c: int) -> list[list[int]]:
-        num = args.c1_prompts if c == 1 else args.num_prompts
+    def fresh(num: int) -> list[list[int]]:
         return serving_prompts(num, args.input_len, args.seed + 1000 * next(sets))
+
+    def prompts_for(c: int) -> list[list[int]]:
+        return fresh(args.c1_prompts if c == 1 else args.num_prompts)
 
     # NOTE: on a CPU host the offline engine fits beside the server, and each offline run
     # goes right after the server run it is compared with: a shared host's load drifts by
     # minutes, and a ratio of two runs far apart measures the drift. On a GPU the server
     # stops first (one engine's memory at a time).
     llm = bench_llm(model, **options) if on_cpu else None
+    top = max(args.concurrency)
+    burst = args.burst_requests or top
     pairs = [(sampling, c) for sampling in SAMPLINGS for c in args.concurrency
              if not (sampling == MIXED and c == 1)]  # fmt: skip
+    started = time.perf_counter()
     proc, base_url = launch_server(flags)
+    metrics["startup_s"] = time.perf_counter() - started
     try:
         import httpx
 
         served = httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"][0]["id"]
-        # NOTE: untimed, at the highest concurrency with short outputs: the server's first
-        # heavy batch pays first-time costs (prefill shapes, allocator growth) that would
-        # otherwise land in whichever timed run comes first.
-        top = max(args.concurrency)
-        lean_client_run(base_url, served, serving_prompts(top, args.input_len, args.seed + 999_999),
-                        16, top, MIXED)  # fmt: skip
-        for sampling, c in pairs:
-            run = lean_client_run(base_url, served, prompts_for(c), args.output_len, c,
-                                  sampling)  # fmt: skip
-            print(f"server {sampling} c{c}: {json.dumps(run)}", flush=True)
-            metrics.update({f"{_prefix(sampling)}c{c}_{k}": v for k, v in run.items()})
-            if llm is not None:
-                metrics.update(_offline_pair(llm, sampling, c, prompts_for(c), args, metrics))
+        with LeanClient() as client:
+
+            def load(prompts, output_len, c, sampling, rate=float("inf")) -> dict[str, float]:
+                return client.run(base_url, served, prompts, output_len, c, sampling, rate,
+                                  args.seed)  # fmt: skip
+
+            # NOTE: timed, the server's first heavy batch after start-up (no untimed warm-up:
+            # the server warms itself before it reports ready); the same burst ends the run.
+            first = load(fresh(burst), args.burst_output_len, burst, "greedy")
+            print(f"server first burst: {json.dumps(first)}", flush=True)
+            for sampling, c in pairs:
+                run = load(prompts_for(c), args.output_len, c, sampling)
+                print(f"server {sampling} c{c}: {json.dumps(run)}", flush=True)
+                metrics.update({f"{_prefix(sampling)}c{c}_{k}": v for k, v in run.items()})
+                if llm is not None:
+                    metrics.update(_offline_pair(llm, sampling, c, prompts_for(c), args, metrics))
+            capacity = metrics[f"c{top}_request_throughput"]
+            for percent in POISSON_PERCENTS:
+                rate = capacity * percent / 100
+                run = load(fresh(args.poisson_prompts), args.output_len, args.poisson_prompts,
+                           "greedy", rate)  # fmt: skip
+                print(f"server poisson {percent} % ({rate:.1f} req/s): {json.dumps(run)}")
+                metrics.update({f"poisson{percent}_{k}": v for k, v in run.items()})
+                metrics[f"poisson{percent}_rate_req_s"] = rate
+                metrics[f"poisson{percent}_ttft_p99_over_p50"] = (
+                    run["ttft_p99_ms"] / run["ttft_p50_ms"]
+                )
+            later = load(fresh(burst), args.burst_output_len, burst, "greedy")
+            print(f"server later burst: {json.dumps(later)}", flush=True)
+        for name, run in (("first_burst", first), ("later_burst", later)):
+            metrics.update({f"{name}_{k}": run[k] for k in BURST_FIGURES})
+        metrics["first_burst_over_later"] = first["duration_s"] / later["duration_s"]
     finally:
         proc.terminate()
         proc.wait(120)
     if llm is None:
+        started = time.perf_counter()
         llm = bench_llm(model, **options)
+        metrics["offline_startup_s"] = time.perf_counter() - started
         for sampling, c in pairs:
             metrics.update(_offline_pair(llm, sampling, c, prompts_for(c), args, metrics))
     print("offline: " + json.dumps({k: v for k, v in metrics.items() if "offline" in k}))
@@ -345,10 +388,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="requests of the concurrency-1 run of --gpu-record",
     )
     p.add_argument(
+        "--poisson-prompts",
+        type=int,
+        default=512,
+        help="requests of each steady-arrival (Poisson) run of --gpu-record",
+    )
+    p.add_argument(
+        "--burst-requests",
+        type=int,
+        default=None,
+        help="requests of --gpu-record's first burst after start-up and of the same "
+        "burst at the end, all at once (default: the highest --concurrency)",
+    )
+    p.add_argument("--burst-output-len", type=int, default=64,
+                   help="output tokens per request of those bursts")  # fmt: skip
+    p.add_argument(
         "--server-arg",
         action="append",
         help="an extra `loraplex serve` argument for --record (repeatable)",
     )
+    p.add_argument("--note", default=None, help="a line the record keeps (e.g. what was "
+                   "shrunk to fit a time budget)")  # fmt: skip
     p.add_argument("--out", default=None, help="the record's name in benchmarks/results/ "
                    "(cpu_serving.json for --record, h200_serving.json for --gpu-record)")  # fmt: skip
     return p.parse_args(argv)
@@ -393,11 +453,24 @@ def main_gpu_record(args: argparse.Namespace) -> int:
         {"offline": "the same workload through LLM.generate on the same engine options, in the "
          "same run: server_vs_offline_cN = server output tok/s at concurrency N over offline "
          "tok/s with N requests in flight; tpot_c1_over_offline = the server's median TPOT of "
-         "one stream over offline (time of N tokens - time of 1) / (N - 1)"},
+         "one stream over offline (time of N tokens - time of 1) / (N - 1)",
+         "server": "loraplex serve at its default flags but the engine options both sides "
+         "share (api_server_count: the count its default chose on this host); startup_s: "
+         "from launching it to /health 200 (model, CUDA graphs, warm-up, API processes)",
+         "burst": "cN_*: num_prompts requests at concurrency N, all sent at once (c256: the "
+         "512-request burst); first_burst_*: burst_requests requests at once, the first load "
+         "after start-up; later_burst_*: the same at the end of the server runs; "
+         "first_burst_over_later: their durations' ratio",
+         "poisson": "poissonP_*: poisson_prompts greedy requests arriving as a Poisson process "
+         "at P % of the request rate the server sustained at the highest concurrency (greedy)"},
         workload={"num_prompts": args.num_prompts, "c1_prompts": args.c1_prompts,
                   "input_len": args.input_len, "output_len": args.output_len,
                   "concurrency": args.concurrency, "api_server_count": args.api_server_count,
-                  "load_avg_at_start": load_at_start, "load_avg_at_end": os.getloadavg()},
+                  "poisson_prompts": args.poisson_prompts, "poisson_percents": POISSON_PERCENTS,
+                  "burst_requests": args.burst_requests or max(args.concurrency),
+                  "burst_output_len": args.burst_output_len,
+                  "load_avg_at_start": load_at_start, "load_avg_at_end": os.getloadavg(),
+                  "note": args.note},
     )  # fmt: skip
     return 0
 

@@ -100,3 +100,14 @@ def quant_gemm_table() -> Path | None:
     (LORAPLEX_QUANT_GEMM_TABLE); None: the built-in table."""
     value = os.environ.get("LORAPLEX_QUANT_GEMM_TABLE")
     return Path(value).expanduser() if value else None
+
+
+def warm_up() -> bool | None:
+    """Whether a server's engine runs a warm-up burst before it reports ready (LORAPLEX_WARM_UP:
+    1 always, 0 never; unset or `auto`: on CUDA, where kernels compile at first use)."""
+    value = os.environ.get("LORAPLEX_WARM_UP", "auto").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value not in ("0", "1"):
+        raise ValueError(f"LORAPLEX_WARM_UP must be 0, 1 or auto, got {value!r}")
+    return value == "1"

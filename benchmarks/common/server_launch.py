@@ -9,7 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+# NOTE: the repository root, where `python -m loraplex.cli` imports this checkout's loraplex
+# (not whichever one the environment has installed)
+REPO = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
@@ -46,7 +48,7 @@ def wait_for_health(proc: subprocess.Popen, base_url: str, timeout_s: float, nam
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.1)
     proc.terminate()
     raise RuntimeError(f"{name} did not start within {timeout_s:g} s")
 

@@ -6,7 +6,10 @@ inter-token latency per request, throughput and percentiles over a run."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import math
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -74,17 +77,21 @@ def summarize(results: list[RequestResult], duration_s: float) -> dict[str, floa
 
 async def _lean_load(
     base_url: str, model: str, prompts: list[list[int]], output_len: int, concurrency: int,
-    sampling: str,
+    sampling: str, request_rate: float = math.inf, seed: int = 0,
 ) -> dict[str, float]:  # fmt: skip
     """Stream every prompt through /v1/completions, at most `concurrency` at a time, with
-    aiohttp and nothing else per event than a timestamp and a JSON parse."""
+    aiohttp and nothing else per event than a timestamp and a JSON parse. `request_rate`
+    (requests/s): Poisson arrivals (exponential gaps drawn from `seed`), each request timed from
+    its arrival; inf: all at once."""
     import aiohttp
 
     url = f"{base_url}/v1/completions"
     limit = asyncio.Semaphore(concurrency)
 
-    async def one(session: aiohttp.ClientSession, prompt: list[int], i: int) -> RequestResult:
-        body = {"model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True,
+    async def one(
+        session: aiohttp.ClientSession, prompt: list[int], i: int, max_tokens: int = output_len
+    ) -> RequestResult:
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True},
                 **mix_fields(sampling, i)}  # fmt: skip
         async with limit:
@@ -102,34 +109,76 @@ async def _lean_load(
                     timer.chunk(event["choices"][0]["text"] if event["choices"] else "", usage)
             return timer.finish()
 
+    async def arriving(session: aiohttp.ClientSession, prompt: list[int], i: int, at: float):
+        await asyncio.sleep(max(0.0, at - time.perf_counter()))
+        return await one(session, prompt, i)
+
     connector = aiohttp.TCPConnector(limit=concurrency + 8)
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        await one(session, prompts[0][:8], 0)  # warm-up (and this sampling's first request)
+        await one(session, prompts[0][:8], 0, max_tokens=2)  # warm-up (the connection)
         start = time.perf_counter()
-        results = await asyncio.gather(*(one(session, p, i) for i, p in enumerate(prompts)))
+        if math.isinf(request_rate):
+            runs = [one(session, p, i) for i, p in enumerate(prompts)]
+        else:
+            gaps = random.Random(seed).expovariate
+            arrivals = list(itertools.accumulate(gaps(request_rate) for _ in prompts))
+            runs = [arriving(session, p, i, start + at) for i, (p, at) in
+                    enumerate(zip(prompts, arrivals))]  # fmt: skip
+        results = await asyncio.gather(*runs)
         duration = time.perf_counter() - start
     return summarize(list(results), duration)
 
 
 def _lean_client_main(conn, *args) -> None:
-    try:
-        conn.send(asyncio.run(_lean_load(*args)))
-    except BaseException as error:  # reported to the parent, which raises it
-        conn.send(error)
+    """The client process: one load per message (a tuple of `_lean_load`'s arguments) until
+    None, answering each with its metrics and the process's CPU seconds so far
+    (`client_cpu_s`), or the exception it raised."""
+    import resource
+
+    while (load := conn.recv()) is not None:
+        try:
+            metrics = asyncio.run(_lean_load(*load))
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            metrics["client_cpu_s"] = usage.ru_utime + usage.ru_stime
+            conn.send(metrics)
+        except BaseException as error:  # reported to the parent, which raises it
+            conn.send(error)
+
+
+class LeanClient:
+    """The lean client in a process of its own (it shares no core's GIL with the benchmark
+    driver), kept for several loads: `run(*args)` is `_lean_load(*args)` there."""
+
+    def __init__(self) -> None:
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_lean_client_main, args=(child,))
+        self._process.start()
+
+    def run(self, *args) -> dict[str, float]:
+        self._conn.send(args)
+        result = self._conn.recv()
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            self._conn.send(None)
+        self._process.join(30)
+
+    def __enter__(self) -> LeanClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def lean_client_run(*args) -> dict[str, float]:
-    """`_lean_load(*args)` in a process of its own (the client shares no core's GIL with the
-    benchmark driver)."""
-    import multiprocessing
-
-    context = multiprocessing.get_context("spawn")
-    parent, child = context.Pipe()
-    process = context.Process(target=_lean_client_main, args=(child, *args))
-    process.start()
-    result = parent.recv()
-    process.join()
-    if isinstance(result, BaseException):
-        raise result
-    return result
+    """`_lean_load(*args)` in a client process of its own (see `LeanClient`); its metrics and
+    the client process's CPU seconds (`client_cpu_s`)."""
+    with LeanClient() as client:
+        return client.run(*args)

@@ -25,6 +25,7 @@ from loraplex.platform.api.app import build_app
 from loraplex.platform.api.read_deadlines import uvicorn_options as read_deadline_options
 from loraplex.platform.api.settings import ServerSettings
 from loraplex.platform.engine.core_client import EngineCoreClient
+from loraplex.platform.engine.gc_tuning import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -109,4 +110,5 @@ def run_api_server(
         **uvicorn_options,
     )
     server = _DrainingServer(config, client, shutdown_timeout_s, ready)
+    freeze_startup_heap()  # NOTE: per-token garbage must not make the collector scan the imports
     server.run(sockets=[listener])

@@ -40,10 +40,32 @@ ENGINE_STOP_TIMEOUT_S = 30.0  # the engine core's time to stop after SIGTERM
 ENGINE_START_TIMEOUT_S = 3600.0  # the longest model load waited for
 
 
-# NOTE: one, as vLLM. Each API process admits requests against a tenant's concurrency and
-# reserved-token caps on its own counts, so N processes let a tenant run up to N times its
-# cap; raise it where throughput matters more than those caps (README, "The serving processes").
-DEFAULT_API_SERVER_COUNT = 1
+# The default number of API processes: one per CORES_PER_API_SERVER cores the launcher may run
+# on, at least one and at most MAX_DEFAULT_API_SERVERS. Tenants' caps hold across them (the
+# engine core counts them). One API process streams 256 streams at a fraction of a core
+# (`benchmarks/api_process.py`); more of them take requests' own work (bodies, templates,
+# tokenization) in parallel, so a burst of arrivals is admitted sooner, and leave cores to the
+# engine core and its tensor-parallel ranks.
+CORES_PER_API_SERVER = 4
+MAX_DEFAULT_API_SERVERS = 4
+API_SERVER_COUNT_RULE = (
+    f"min({MAX_DEFAULT_API_SERVERS}, max(1, usable cores // {CORES_PER_API_SERVER}))"
+)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, e.g. a container's cpuset)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def default_api_server_count(cores: int | None = None) -> int:
+    """`--api-server-count` when not given: API_SERVER_COUNT_RULE over `cores` (default: the
+    usable cores), e.g. 1 on 2-7 cores, 2 on 8-11, 4 on 16 or more."""
+    cores = usable_cores() if cores is None else cores
+    return min(MAX_DEFAULT_API_SERVERS, max(1, cores // CORES_PER_API_SERVER))
 
 
 def bind_listener(host: str, port: int) -> socket.socket:

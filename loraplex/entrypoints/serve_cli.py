@@ -133,9 +133,10 @@ _OPTIONS = (
     _Option("--host", "127.0.0.1", "address to listen on (0.0.0.0: every interface)"),
     _Option("--port", 8000, "TCP port to listen on", int),
     _Option("--api-server-count", None, "API server processes sharing the port (auth, "
-            "tokenization, detokenization, SSE), beside the one engine-core process; each "
-            "counts tenants' concurrency caps on its own, so N processes let a tenant run up to "
-            "N times its cap", int, shown_default="1"),
+            "tokenization, detokenization, SSE), beside the one engine-core process; tenants' "
+            "caps hold across them; the launcher logs the count and why", int,
+            shown_default="min(4, max(1, usable cores // 4)): 1 on 2-7 cores, 2 on 8-15, 4 on "
+            "16 or more"),
     _Option("--shutdown-timeout", 30.0, "on SIGTERM / Ctrl-C, seconds in-flight requests may "
             "run on; then they end with a 503 error and the server exits", float),
     _Option("--max-request-body-bytes", 4 * 1024 * 1024, "larger request bodies answer 413",
@@ -346,7 +347,12 @@ def server_settings(values: dict[str, Any]) -> ServerSettings:
 def run_serve(args: argparse.Namespace) -> int:
     """Start the engine-core process and the API processes; serve until SIGTERM / Ctrl-C
     (exit status 0) or a process death (1). See `launcher`."""
-    from loraplex.entrypoints.launcher import DEFAULT_API_SERVER_COUNT, Launcher
+    from loraplex.entrypoints.launcher import (
+        API_SERVER_COUNT_RULE,
+        Launcher,
+        default_api_server_count,
+        usable_cores,
+    )
 
     values = resolve_options(args)
     if args.admin_key is not None:
@@ -355,16 +361,18 @@ def run_serve(args: argparse.Namespace) -> int:
             "/proc): set LORAPLEX_ADMIN_KEY or give --admin-key-file instead"
         )
     count = values["api_server_count"]
+    chosen = "given" if count is not None else f"{API_SERVER_COUNT_RULE}, {usable_cores()} cores"
     launcher = Launcher(
         engine_config(values),
         server_settings(values),
-        api_server_count=DEFAULT_API_SERVER_COUNT if count is None else count,
+        api_server_count=default_api_server_count() if count is None else count,
         shutdown_timeout_s=values["shutdown_timeout"],
         uvicorn_options={"log_level": values["uvicorn_log_level"]},
     )
     logger.info(
-        "starting the engine core and %d API process(es) for http://%s:%d",
+        "starting the engine core and %d API process(es) (%s) for http://%s:%d",
         launcher.api_server_count,
+        chosen,
         values["host"],
         values["port"],
     )

@@ -64,8 +64,9 @@ def test_help_explains_every_option(capsys):
                  "--gpu-memory-utilization", "--num-kv-blocks", "--block-size", "--max-num-seqs",
                  "--max-num-batched-tokens", "--enable-prefix-caching", "--quantization",
                  "--enforce-eager", "--seed", "--host", "--port", "--config",
-                 "--max-request-body-bytes"):  # fmt: skip
+                 "--max-request-body-bytes", "--api-server-count"):  # fmt: skip
         assert flag in text
+    assert "min(4, max(1, cores // 4))" in " ".join(text.split())  # the default's rule
 
 
 def test_speculative_config_from_the_command_line_and_yaml(tmp_path):
@@ -155,7 +156,7 @@ def test_the_readme_options_table_is_the_parsers():
     text = README.read_text()
     assert readme_with_table(text, options_table()) == text
     for row in ("| `--enable-lora` / `--no-enable-lora` | on |", "| `--max-loras` | 8 |",
-                "| `--max-lora-rank` | 64 |", "| `--api-server-count` | 1 |"):  # fmt: skip
+                "| `--max-lora-rank` | 64 |", "| `--api-server-count` | min(4, max(1, usable cores"):  # fmt: skip
         assert row in text
 
 

@@ -6,11 +6,15 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
+import threading
 import time
+from datetime import datetime
 
 import httpx
 
+from benchmarks.common.server_launch import free_port
 from tests.platform.api.process_server import alive, launch
 from tests.waiting import wait_until
 
@@ -121,3 +125,39 @@ def test_sigterm_drains_16_streams_then_every_process_exits(model_dir, tmp_path)
         wait_until(lambda: alive(pids) == [], 10, "every server process to exit")
     finally:
         served.stop(signal.SIGKILL)
+
+
+def test_health_answers_only_once_the_engine_is_warm(tiny_llama_dir, tmp_path, monkeypatch):
+    # The warm-up runs on CUDA by default; LORAPLEX_WARM_UP=1 runs it on CPU too.
+    monkeypatch.setenv("LORAPLEX_WARM_UP", "1")
+    port = free_port()
+    answers: list[tuple[float, int]] = []  # (time.time(), status) of every /health answered
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            try:
+                status = httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5).status_code
+                answers.append((time.time(), status))
+            except httpx.HTTPError:
+                pass
+            stop.wait(0.05)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    try:
+        served = launch(tiny_llama_dir, tmp_path / "serve.log", 2, port=port)
+    finally:
+        stop.set()
+        poller.join(10)
+    try:
+        log = served.log()
+        warm = re.search(r"^(\S+ \S+) \S+ INFO warmed up: (\d+) requests", log, re.MULTILINE)
+        assert warm, log
+        warmed_at = datetime.strptime(warm[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        assert int(warm[2]) > 0
+        ready = [at for at, status in answers if status == 200]
+        assert ready and min(ready) >= warmed_at
+        assert re.search(r"engine core ready [\d.]+ s after its start", log)
+    finally:
+        assert served.stop() == 0, served.log()

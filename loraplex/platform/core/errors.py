@@ -19,3 +19,16 @@ class PromptTooLongError(ValueError):
     def __init__(self, message: str, param: str = "prompt") -> None:
         super().__init__(message)
         self.param = param
+
+
+class TenantLimitExceeded(Exception):
+    """A request refused under its tenant's caps (`core/tenant_caps.py`). `retry_after_s`: when
+    to try again (the API answers 429 with Retry-After); None when the request exceeds a cap on
+    its own and never fits (the API answers 400 naming `param`)."""
+
+    def __init__(
+        self, message: str, retry_after_s: int | None = None, param: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.param = param

@@ -10,14 +10,14 @@ the detokenizing work spreads over the API processes instead of holding up the c
 
 from __future__ import annotations
 
+import time
+
 from loraplex.platform.core.outputs import (
-    CompletionOutput,
     Logprob,
     PromptLogprobs,
     RequestOutput,
     StopHit,
 )
-from loraplex.platform.core.scheduler_output import EngineCoreOutput
 from loraplex.platform.engine.output_processor import OutputProcessor
 
 
@@ -34,26 +34,44 @@ class ClientOutputs(OutputProcessor):
     ) -> tuple[list[RequestOutput], list[StopHit]]:
         """The core's outputs of one step -> (outputs for the callers, samples that matched a
         stop string, whose core requests must be stopped)."""
-        core_outputs: list[EngineCoreOutput] = []
-        failed: dict[str, RequestOutput] = {}
+        results: list[RequestOutput] = []
+        stopped: list[StopHit] = []
+        now = time.monotonic()
+        parents = self._parents
         for output in outputs:
-            core_ids = self.core_ids(output.request_id)
-            if not core_ids:
+            parent = parents.get(output.request_id)
+            if parent is None:
                 continue  # finished here already (a stop string), or unknown
+            core_ids = list(parent.samples)
             if output.prompt_logprobs:
                 self._add_prompt_logprobs(core_ids[0], output.prompt_logprobs)
-            if output.error is not None:
-                failed[output.request_id] = output
+            num_cached = output.num_cached_tokens
+            took = False
             for sample in output.outputs:
-                core_outputs.extend(
-                    _split(core_ids[sample.index], sample, output.num_cached_tokens)
-                )
-        results, stops = self.process(core_outputs)
-        for result in results:
-            cause = failed.get(result.request_id)
-            if cause is not None and result.finished:
-                result.error, result.failure = cause.error, cause.failure
-        return results, stops
+                core_id = core_ids[sample.index]
+                logprobs = sample.logprobs
+                if not logprobs or len(sample.token_ids) <= 1:
+                    took |= self._add_step(
+                        parent, core_id, sample.token_ids,
+                        _entries(logprobs[0]) if logprobs else None,
+                        sample.finish_reason, sample.stop_reason, num_cached, now, stopped,
+                    )  # fmt: skip
+                    continue
+                # NOTE: with logprobs, one token at a time (each carries one token's logprobs)
+                last = len(sample.token_ids) - 1
+                for i, (token, token_logprobs) in enumerate(zip(sample.token_ids, logprobs)):
+                    took |= self._add_step(
+                        parent, core_id, [token], _entries(token_logprobs),
+                        sample.finish_reason if i == last else None,
+                        sample.stop_reason if i == last else None, num_cached, now, stopped,
+                    )  # fmt: skip
+            result = self._make_output(parent) if took else None
+            if result is None:
+                continue
+            if output.error is not None and result.finished:
+                result.error, result.failure = output.error, output.failure
+            results.append(result)
+        return results, stopped
 
     def _add_prompt_logprobs(self, core_id: str, logprobs: PromptLogprobs) -> None:
         # NOTE: position by position: a prompt's first token has none (None), and rare
@@ -66,34 +84,3 @@ class ClientOutputs(OutputProcessor):
 def _entries(logprobs: dict[int, Logprob]) -> list[tuple[int, float, int]]:
     """A token's logprobs as the runner reports them: the sampled token first, then top-k."""
     return [(token_id, lp.logprob, lp.rank) for token_id, lp in logprobs.items()]
-
-
-def _split(core_id: str, sample: CompletionOutput, num_cached: int) -> list[EngineCoreOutput]:
-    """One sample's step as the scheduler reported it. With logprobs, one output per token
-    (each carries one token's logprobs); otherwise the step's tokens together, as a
-    speculative step hands them to the detokenizer."""
-    logprobs = sample.logprobs
-    if not logprobs or len(sample.token_ids) <= 1:
-        entries = _entries(logprobs[0]) if logprobs else None
-        return [
-            EngineCoreOutput(
-                core_id,
-                sample.token_ids,
-                entries,
-                sample.finish_reason,
-                sample.stop_reason,
-                num_cached,
-            )
-        ]
-    last = len(sample.token_ids) - 1
-    return [
-        EngineCoreOutput(
-            core_id,
-            [token],
-            _entries(token_logprobs),
-            sample.finish_reason if i == last else None,
-            sample.stop_reason if i == last else None,
-            num_cached,
-        )
-        for i, (token, token_logprobs) in enumerate(zip(sample.token_ids, logprobs))
-    ]

@@ -28,6 +28,7 @@ from loraplex.platform.core.commands import EngineCommand
 from loraplex.platform.core.errors import EngineDeadError
 from loraplex.platform.core.sampling_params import RequestOutputKind, SamplingParams
 from loraplex.platform.core.stats import EngineSnapshot
+from loraplex.platform.core.tenant_caps import TenantReservation
 from loraplex.platform.core.timing import TimingObserver
 from loraplex.platform.engine.client_outputs import ClientOutputs
 from loraplex.platform.engine.ipc import (
@@ -182,6 +183,7 @@ class EngineCoreClient(EngineClient):
         prompt_token_ids: list[int] | None = None,
         tenant: str = "default",
         lora_request: LoRARequest | None = None,
+        reservation: TenantReservation | None = None,
     ) -> RequestStream:
         self._check_alive()
         if request_id in self._queues:
@@ -212,6 +214,7 @@ class EngineCoreClient(EngineClient):
             tenant,
             lora_to_wire(lora_request),
             time.monotonic(),
+            reservation,
         )
         await self._send(message)
         return await accepted_stream(self, request_id, outputs, params.output_kind)
@@ -247,16 +250,25 @@ class EngineCoreClient(EngineClient):
         await self._socket.send(self._codec.encode(message))
 
     async def _read(self) -> None:
-        assert self._socket is not None
+        socket = self._socket
+        assert socket is not None
         while True:
-            data = await self._socket.recv()
-            try:
-                message = self._codec.decode_core(data)
-            except Exception:
-                logger.exception("a malformed message from the engine core was dropped")
-                continue
-            if isinstance(message, CoreBatch):
-                self._apply(message)
+            frames = [await socket.recv()]
+            # NOTE: awaiting a message that is already there does not yield to the event loop,
+            # so a reader that fell behind the core would hand out batch after batch while no
+            # stream sends a byte. Every batch waiting is applied, then the streams run (each
+            # one's waiting deltas merge into one event: see `RequestStream`).
+            while socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                frames.append(await socket.recv())
+            for data in frames:
+                try:
+                    message = self._codec.decode_core(data)
+                except Exception:
+                    logger.exception("a malformed message from the engine core was dropped")
+                    continue
+                if isinstance(message, CoreBatch):
+                    self._apply(message)
+            await asyncio.sleep(0)
 
     def _apply(self, batch: CoreBatch) -> None:
         # NOTE: observers (metrics, tenants' token budgets) see a finished request before its

@@ -22,12 +22,15 @@ import logging
 import os
 import signal
 import sys
+import time
 from multiprocessing.connection import Connection
 
 from loraplex.config import EngineConfig
 from loraplex.platform.engine.engine import Engine
 from loraplex.platform.engine.engine_loop import EngineLoop
+from loraplex.platform.engine.gc_tuning import freeze_startup_heap
 from loraplex.platform.engine.ipc import PROTOCOL_VERSION, EngineInfo
+from loraplex.platform.engine.warm_up import should_warm_up, warm_up
 from loraplex.platform.engine.zmq_transport import ZmqTransport
 from loraplex.platform.runner.cpu_threads import configure_cpu_threads
 from loraplex.platform.runner.model_runner import resolve_device
@@ -78,6 +81,7 @@ def run_engine_core(config: EngineConfig, address: str, refusals: Connection | N
     """The EngineCore process's entry point (a multiprocessing target). A model or option the
     engine refuses at start-up is sent on `refusals` as its message, and the process exits with
     STARTUP_REFUSED_EXIT (no traceback: it is the user's input, not a crash)."""
+    started = time.monotonic()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # NOTE: a tensor-parallel rank that dies ends this process at once with status 1 (a step
@@ -100,4 +104,10 @@ def run_engine_core(config: EngineConfig, address: str, refusals: Connection | N
     engine = loop.engine
     logger.info("engine core %d serving %s on %s", os.getpid(), engine.served_model_name, address)
     engine.structured.prepare()  # the grammar compiler, before the first request needs it
+    # NOTE: before the loop answers any API process's handshake: none starts (so /health does
+    # not answer) until the engine is warm.
+    if should_warm_up(engine.runner.device.type):
+        warm_up(engine)
+    freeze_startup_heap()
+    logger.info("engine core ready %.1f s after its start", time.monotonic() - started)
     loop.run()

@@ -22,6 +22,7 @@ from loraplex.platform.core.outputs import RequestOutput, StopHit
 from loraplex.platform.core.request import RequestStatus
 from loraplex.platform.core.sampling_params import SamplingParams
 from loraplex.platform.core.scheduler_output import EngineCoreOutput, SchedulerOutput
+from loraplex.platform.core.spec_stats import SpecDecodingStats
 from loraplex.platform.core.stats import EngineStats
 from loraplex.platform.engine.admission import RequestAdmission
 from loraplex.platform.engine.engine_commands import handle_command
@@ -34,6 +35,7 @@ from loraplex.platform.models.generation_config import read_generation_defaults
 from loraplex.platform.models.model_loader import generation_eos_ids
 from loraplex.platform.models.model_store import resolve_model_path
 from loraplex.platform.runner.model_runner import LaunchedStep, ModelRunner, StepOutput
+from loraplex.platform.scheduler.kv_cache_manager import PrefixCacheStats
 from loraplex.platform.scheduler.scheduler import Scheduler
 from loraplex.platform.spec.proposer import can_speculate
 from loraplex.platform.tokenizer.adapter_tokenizers import AdapterTokenizers
@@ -358,6 +360,16 @@ class Engine:
         if self.lora_manager is not None:
             self.lora_manager.shutdown()
         self.runner.shutdown()
+
+    def reset_counters(self) -> None:
+        """Forget what was served so far (a warm-up burst): the cached prefixes, and the token,
+        preemption, prefix-cache and speculation counters. Call while no request runs."""
+        self.scheduler.kv.reset_prefix_cache()
+        self.scheduler.kv.stats = PrefixCacheStats()
+        self.scheduler.num_preemptions = 0
+        self.scheduler.spec_stats = SpecDecodingStats()
+        self.admission.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
 
     def stats(self) -> EngineStats:
         kv = self.scheduler.kv

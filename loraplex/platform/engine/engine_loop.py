@@ -1,8 +1,9 @@
 """EngineLoop: one Engine stepped on one thread, serving the requests a transport brings.
 
 The loop owns what serving adds to the engine: the table of requests in flight and where their
-answers go, their latencies (handed to timing observers), the watchdog, recovery after a step
-that raised, and the snapshot of gauges published after every pass. Two transports plug into
+answers go, their latencies (handed to timing observers), tenants' caps (`TenantLimits`: every
+request passes here, whichever API process sent it), the watchdog, recovery after a step that
+raised, and the snapshot of gauges published after every pass. Two transports plug into
 it: the thread transport of `InprocClient` (asyncio callers in the same process) and the
 ZeroMQ transport of the EngineCore process (API processes). The loop knows neither: commands
 arrive typed (`loop_commands`), and each request's answers go to the sink it came with.
@@ -22,7 +23,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from loraplex.platform.core.errors import EngineDeadError, RequestStalledError
+from loraplex.platform.core.errors import (
+    EngineDeadError,
+    RequestStalledError,
+    TenantLimitExceeded,
+)
 from loraplex.platform.core.outputs import RequestOutput
 from loraplex.platform.core.stats import EngineSnapshot
 from loraplex.platform.core.timing import RequestTiming, TimingObserver
@@ -37,6 +42,7 @@ from loraplex.platform.engine.loop_commands import (
     Shutdown,
     StopSamples,
 )
+from loraplex.platform.engine.tenant_limits import TenantLimits
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +88,7 @@ class EngineLoop:
         self.engine = engine
         self.transport = transport
         self._live: dict[str, LiveRequest] = {}
+        self.tenant_limits = TenantLimits()
         self._observers: list[TimingObserver] = []
         self._stall_timeout_s = engine.config.scheduler.request_stall_timeout_s
         self._next_watchdog = 0.0
@@ -152,9 +159,18 @@ class EngineLoop:
     # -- commands --------------------------------------------------------------------------
 
     def _add(self, command: NewRequest) -> None:
+        request_id = command.request_id
+        # NOTE: a request id already in flight is the engine's to refuse; it holds nothing here
+        limited = command.reservation is not None and request_id not in self._live
+        if limited:
+            try:
+                self.tenant_limits.admit(request_id, command.tenant, command.reservation)
+            except TenantLimitExceeded as exc:
+                command.sink.refused(request_id, exc)
+                return
         try:
             self.engine.add_request(
-                command.request_id,
+                request_id,
                 command.prompt,
                 command.params,
                 prompt_token_ids=command.prompt_token_ids,
@@ -162,10 +178,12 @@ class EngineLoop:
                 lora_request=command.lora_request,
             )
         except Exception as exc:
-            command.sink.refused(command.request_id, exc)
+            if limited:
+                self.tenant_limits.release(request_id)
+            command.sink.refused(request_id, exc)
             return
-        self._live[command.request_id] = LiveRequest(command, command.sink)
-        command.sink.accepted(command.request_id)
+        self._live[request_id] = LiveRequest(command, command.sink)
+        command.sink.accepted(request_id)
 
     def _abort(self, command: AbortRequests) -> None:
         for request_id in command.request_ids:
@@ -175,6 +193,8 @@ class EngineLoop:
             final = self.engine.abort_request(request_id)
             if final is not None:
                 self._finish(live, final, time.monotonic())
+            else:
+                self.tenant_limits.release(request_id)
 
     def _stop_samples(self, command: StopSamples) -> None:
         self._route(self.engine.stop_samples(command.hits), time.monotonic())
@@ -212,12 +232,14 @@ class EngineLoop:
     def _finish(self, live: LiveRequest, final: RequestOutput, now: float) -> None:
         """Hand out a request's final output (it has left the table).
 
-        NOTE: observers (metrics, the tenant's token budget) see a request before its caller
+        NOTE: its tenant is charged and observers (metrics) see the request before its caller
         does, so a caller's next request is admitted against the charged budget."""
-        self._observe(live, final, now)
+        timing = self._observe(live, final, now)
+        used = timing.num_prompt_tokens + timing.num_generation_tokens
+        self.tenant_limits.finish(live.request.request_id, used)
         live.sink.output(final)
 
-    def _observe(self, live: LiveRequest, output: RequestOutput, now: float) -> None:
+    def _observe(self, live: LiveRequest, output: RequestOutput, now: float) -> RequestTiming:
         request = live.request
         lora = request.lora_request
         first = output.metrics.first_token_time
@@ -243,6 +265,7 @@ class EngineLoop:
                 observer(timing)
             except Exception:
                 logger.exception("a timing observer failed")
+        return timing
 
     # -- failures --------------------------------------------------------------------------
 
@@ -252,6 +275,7 @@ class EngineLoop:
         self.engine.end_all_requests(self._live)
         live, self._live = self._live, {}
         for request_id, request in live.items():
+            self.tenant_limits.release(request_id)
             request.sink.failed(request_id, error)
 
     def _watchdog(self) -> None:
@@ -285,11 +309,14 @@ class EngineLoop:
         final = self.engine.abort_request(request_id, error=RequestStalledError(message))
         if final is not None:
             self._finish(live, final, now)
+        else:
+            self.tenant_limits.release(request_id)
 
     def _fail_all(self, error: BaseException) -> None:
         """Fail every request in flight and every command not run (the loop is ending)."""
         live, self._live = self._live, {}
         for request_id, request in live.items():
+            self.tenant_limits.release(request_id)
             request.sink.failed(request_id, error)
         for command in self.transport.drain():
             if isinstance(command, NewRequest):

@@ -20,6 +20,7 @@ from loraplex.platform.core.commands import EngineCommand
 from loraplex.platform.core.errors import EngineDeadError
 from loraplex.platform.core.sampling_params import SamplingParams
 from loraplex.platform.core.stats import EngineSnapshot
+from loraplex.platform.core.tenant_caps import TenantReservation
 from loraplex.platform.core.timing import TimingObserver
 from loraplex.platform.engine.engine import Engine
 from loraplex.platform.engine.engine_loop import EngineLoop
@@ -33,6 +34,7 @@ from loraplex.platform.engine.loop_commands import (
 from loraplex.platform.engine.protocol import EngineClient
 from loraplex.platform.engine.request_stream import RequestStream, StreamItem, accepted_stream
 from loraplex.platform.engine.thread_transport import QueueSink, ThreadTransport
+from loraplex.platform.engine.warm_up import should_warm_up, warm_up
 from loraplex.platform.tokenizer.tokenizer import TokenIdsOnlyTokenizer, Tokenizer
 
 
@@ -63,9 +65,13 @@ class InprocClient(EngineClient):
 
     def start(self) -> None:
         """Start the loop's thread (idempotent), and the grammar compiler beside it (a server
-        is long-lived: its first JSON-schema request should not wait for the vocabulary)."""
+        is long-lived: its first JSON-schema request should not wait for the vocabulary); on
+        CUDA (see `should_warm_up`) the engine runs its warm-up burst first, so the server
+        reports ready once it is warm."""
         if self._thread is None:
             self.engine.structured.prepare()
+            if should_warm_up(self.engine.runner.device.type):
+                warm_up(self.engine)
             self._thread = threading.Thread(
                 target=self._loop.run, name="loraplex-engine", daemon=True
             )
@@ -112,6 +118,7 @@ class InprocClient(EngineClient):
         prompt_token_ids: list[int] | None = None,
         tenant: str = "default",
         lora_request: LoRARequest | None = None,
+        reservation: TenantReservation | None = None,
     ) -> RequestStream:
         self._check_running()
         outputs: asyncio.Queue[StreamItem] = asyncio.Queue()
@@ -126,6 +133,7 @@ class InprocClient(EngineClient):
                 lora_request,
                 time.monotonic(),
                 sink,
+                reservation,
             )
         )
         return await accepted_stream(self, request_id, outputs, params.output_kind)

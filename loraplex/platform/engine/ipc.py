@@ -28,17 +28,24 @@ from loraplex.adapters.request import LoRARequest
 from loraplex.adapters.validator import AdapterValidator
 from loraplex.grammar import errors as grammar_errors
 from loraplex.platform.core import commands
-from loraplex.platform.core.errors import EngineDeadError, PromptTooLongError, RequestStalledError
+from loraplex.platform.core.errors import (
+    EngineDeadError,
+    PromptTooLongError,
+    RequestStalledError,
+    TenantLimitExceeded,
+)
 from loraplex.platform.core.generation_defaults import GenerationDefaults
 from loraplex.platform.core.outputs import RequestOutput, StopHit
 from loraplex.platform.core.sampling_params import SamplingParams
 from loraplex.platform.core.stats import EngineSnapshot
+from loraplex.platform.core.tenant_caps import TenantReservation
 from loraplex.platform.core.timing import RequestTiming
 
 # 2: outputs carry token ids only; the API processes detokenize. 3: typed SamplingParams in
 # AddRequest, typed RequestMetrics in outputs, GetTenantStats, EngineInfo's generation defaults,
-# RequestTiming's queue / prefill / decode times.
-PROTOCOL_VERSION = 3
+# RequestTiming's queue / prefill / decode times. 4: AddRequest carries the tenant's caps and
+# what the request reserves of them (the core enforces them); errors carry Retry-After.
+PROTOCOL_VERSION = 4
 SNAPSHOT_INTERVAL_S = 0.05  # the most often the core publishes its gauges while busy
 
 
@@ -46,6 +53,7 @@ class ErrorInfo(msgspec.Struct, frozen=True):
     kind: str  # the exception's class name
     message: str
     param: str | None = None  # `ValueError.param` where the error names a request field
+    retry_after_s: int | None = None  # `TenantLimitExceeded.retry_after_s`
 
 
 class Hello(msgspec.Struct, tag=True, frozen=True):
@@ -73,6 +81,7 @@ class AddRequest(msgspec.Struct, tag=True, frozen=True):
     tenant: str
     lora: tuple[str, str, int] | None  # LoRARequest (name, path, int id)
     arrival: float  # time.monotonic() in the API process (one clock per host)
+    reservation: TenantReservation | None = None  # the tenant's caps and what this one holds
 
 
 class Abort(msgspec.Struct, tag=True, frozen=True):
@@ -137,7 +146,8 @@ _ERROR_TYPES: dict[str, type[BaseException]] = {
 }
 _ERROR_TYPES.update(
     {cls.__name__: cls for cls in (ValueError, KeyError, TypeError, RuntimeError,
-                                   PromptTooLongError, RequestStalledError, EngineDeadError)}
+                                   PromptTooLongError, RequestStalledError, EngineDeadError,
+                                   TenantLimitExceeded)}
 )  # fmt: skip
 # Every frozen dataclass of the commands module: the commands and their results.
 _COMMAND_TYPES: dict[str, type] = {
@@ -148,7 +158,13 @@ _COMMAND_TYPES: dict[str, type] = {
 def error_info(error: BaseException) -> ErrorInfo:
     param = getattr(error, "param", None)
     message = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
-    return ErrorInfo(type(error).__name__, message, param if isinstance(param, str) else None)
+    retry = getattr(error, "retry_after_s", None)
+    return ErrorInfo(
+        type(error).__name__,
+        message,
+        param if isinstance(param, str) else None,
+        retry if isinstance(retry, int) else None,
+    )
 
 
 def rebuild_error(info: ErrorInfo) -> BaseException:
@@ -158,8 +174,10 @@ def rebuild_error(info: ErrorInfo) -> BaseException:
     # `param` are what the API reads.
     error = cls.__new__(cls)
     Exception.__init__(error, info.message)
-    if info.param is not None:
+    if info.param is not None or isinstance(error, TenantLimitExceeded):
         error.param = info.param  # type: ignore[attr-defined]
+    if isinstance(error, TenantLimitExceeded):
+        error.retry_after_s = info.retry_after_s
     return error
 
 

@@ -18,6 +18,7 @@ from loraplex.adapters.request import LoRARequest
 from loraplex.platform.core.commands import EngineCommand
 from loraplex.platform.core.outputs import RequestOutput, StopHit
 from loraplex.platform.core.sampling_params import SamplingParams
+from loraplex.platform.core.tenant_caps import TenantReservation
 
 if TYPE_CHECKING:
     from loraplex.platform.engine.engine import Engine
@@ -44,7 +45,8 @@ class OutputSink(Protocol):
 @dataclass(frozen=True)
 class NewRequest:
     """Add a request; its answers go to `sink`. `arrival` is `time.monotonic()` when the
-    caller sent it (one clock per host), the start of its latencies."""
+    caller sent it (one clock per host), the start of its latencies. `reservation`: what it
+    holds of its tenant's caps while it runs (None: it counts against none)."""
 
     request_id: str
     prompt: str | list[int]
@@ -54,6 +56,7 @@ class NewRequest:
     lora_request: LoRARequest | None
     arrival: float
     sink: OutputSink
+    reservation: TenantReservation | None = None
 
 
 @dataclass(frozen=True)

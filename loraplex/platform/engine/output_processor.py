@@ -19,7 +19,11 @@ from loraplex.platform.core.outputs import (
     StopHit,
 )
 from loraplex.platform.core.sampling_params import RequestOutputKind, SamplingParams
-from loraplex.platform.core.scheduler_output import EngineCoreOutput, PromptLogprobScores
+from loraplex.platform.core.scheduler_output import (
+    EngineCoreOutput,
+    PromptLogprobScores,
+    TokenScores,
+)
 from loraplex.platform.tokenizer.detokenizer import IncrementalDetokenizer
 from loraplex.platform.tokenizer.tokenizer import Tokenizer
 
@@ -47,7 +51,7 @@ class _NoText:
 _NO_TEXT = _NoText()
 
 
-@dataclass
+@dataclass(slots=True)
 class _Sample:
     """One of a request's n samples (one engine-core request)."""
 
@@ -62,7 +66,7 @@ class _Sample:
     stop_reason: int | str | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class _Parent:
     request_id: str
     prompt: str | None
@@ -71,12 +75,20 @@ class _Parent:
     samples: dict[str, _Sample]  # core request id -> sample
     arrival: float
     tokenizer: Tokenizer  # the request's: its adapter's own, or the processor's
+    kind: RequestOutputKind
+    ordered: list[_Sample]  # the samples by index
+    num_unfinished: int
     num_cached_tokens: int = 0
     first_token_time: float | None = None
     first_scheduled_time: float | None = None  # when its first sample first entered a step
     num_generated: int = 0
     prompt_logprobs: PromptLogprobs | None = None
     sent_prompt_logprobs: bool = False  # DELTA mode hands them out once
+
+    def finish(self, sample: _Sample, reason: str, stop_reason: int | str | None) -> None:
+        """End `sample` (it was running) with `reason`."""
+        sample.finish_reason, sample.stop_reason = reason, stop_reason
+        self.num_unfinished -= 1
 
 
 class OutputProcessor:
@@ -121,11 +133,13 @@ class OutputProcessor:
                 index, detok, logprobs=[] if params.logprobs is not None else None
             )
             self._core_to_parent[core_id] = request_id
-        self._parents[request_id] = _Parent(
-            request_id, prompt, prompt_token_ids, params, samples, time.monotonic(), tokenizer
-        )
+        parent = _Parent(
+            request_id, prompt, prompt_token_ids, params, samples, time.monotonic(), tokenizer,
+            params.output_kind, list(samples.values()), len(samples),
+        )  # fmt: skip
         if params.prompt_logprobs is not None:
-            self._parents[request_id].prompt_logprobs = [None] * len(prompt_token_ids)
+            parent.prompt_logprobs = [None] * len(prompt_token_ids)
+        self._parents[request_id] = parent
 
     def add_prompt_logprobs(self, scores: PromptLogprobScores) -> None:
         """Record scored prompt tokens (core request id -> (first position, entries)); a
@@ -160,39 +174,62 @@ class OutputProcessor:
         touched: dict[str, _Parent] = {}
         stopped: list[StopHit] = []
         now = time.monotonic()
+        core_to_parent, parents = self._core_to_parent, self._parents
         for out in outputs:
-            parent_id = self._core_to_parent.get(out.req_id)
+            parent_id = core_to_parent.get(out.req_id)
             if parent_id is None:
                 continue
-            parent = self._parents[parent_id]
-            sample = parent.samples[out.req_id]
-            if sample.finish_reason is not None:
-                # NOTE: a core request that an API process stopped on a stop string runs on
-                # until the stop reaches the core: its later tokens are not part of the text.
-                continue
-            if parent.first_token_time is None:
-                parent.first_token_time = now
-            parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
-            new_ids, stop_str = self._detokenize(sample.detokenizer, out.new_token_ids)
-            parent.num_generated += len(new_ids)
-            sample.token_ids.extend(new_ids)
-            if sample.logprobs is not None and out.new_logprobs is not None:
-                sample.logprobs.append(self._decode_logprobs(out.new_logprobs, parent.tokenizer))
-                sample.cumulative_logprob += out.new_logprobs[0][1]
-            if stop_str is not None and out.finish_reason is None:
-                sample.finish_reason, sample.stop_reason = "stop", stop_str
-                stopped.append(StopHit(out.req_id, stop_str, len(sample.token_ids)))
-            elif out.finish_reason is not None:
-                sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
-                if stop_str is not None:
-                    sample.finish_reason, sample.stop_reason = "stop", stop_str
-            touched[parent_id] = parent
+            parent = parents[parent_id]
+            if self._add_step(
+                parent, out.req_id, out.new_token_ids, out.new_logprobs, out.finish_reason,
+                out.stop_reason, out.num_cached_tokens, now, stopped,
+            ):  # fmt: skip
+                touched[parent_id] = parent
         results = []
         for parent in touched.values():
             result = self._make_output(parent)
             if result is not None:
                 results.append(result)
         return results, stopped
+
+    def _add_step(
+        self,
+        parent: _Parent,
+        core_id: str,
+        token_ids: list[int],
+        logprobs: TokenScores | None,
+        finish_reason: str | None,
+        stop_reason: int | str | None,
+        num_cached_tokens: int,
+        now: float,
+        stopped: list[StopHit],
+    ) -> bool:
+        """One step of one sample: its new tokens (and their logprobs), how it finished, if it
+        did; a stop string its text now holds ends it (recorded in `stopped` while its core
+        request runs). -> whether the sample took it (False: it had finished already).
+
+        NOTE: a core request that an API process stopped on a stop string runs on until the
+        stop reaches the core: its later tokens are not part of the text."""
+        sample = parent.samples[core_id]
+        if sample.finish_reason is not None:
+            return False
+        if parent.first_token_time is None:
+            parent.first_token_time = now
+        if num_cached_tokens > parent.num_cached_tokens:
+            parent.num_cached_tokens = num_cached_tokens
+        new_ids, stop_str = self._detokenize(sample.detokenizer, token_ids)
+        parent.num_generated += len(new_ids)
+        sample.token_ids += new_ids
+        if sample.logprobs is not None and logprobs is not None:
+            sample.logprobs.append(self._decode_logprobs(logprobs, parent.tokenizer))
+            sample.cumulative_logprob += logprobs[0][1]
+        if stop_str is not None:
+            parent.finish(sample, "stop", stop_str)
+            if finish_reason is None:
+                stopped.append(StopHit(core_id, stop_str, len(sample.token_ids)))
+        elif finish_reason is not None:
+            parent.finish(sample, finish_reason, stop_reason)
+        return True
 
     @staticmethod
     def _detokenize(detokenizer, token_ids: list[int]) -> tuple[list[int], str | None]:
@@ -226,7 +263,7 @@ class OutputProcessor:
                 del sample.logprobs[hit.num_tokens :]
             sample.sent_tokens = min(sample.sent_tokens, hit.num_tokens)
             sample.sent_logprobs = min(sample.sent_logprobs, hit.num_tokens)
-        sample.finish_reason, sample.stop_reason = "stop", hit.stop
+        parent.finish(sample, "stop", hit.stop)
         return self._make_output(parent)
 
     def abort(self, request_id: str, finish_reason: str = "abort") -> RequestOutput | None:
@@ -235,9 +272,9 @@ class OutputProcessor:
         parent = self._parents.get(request_id)
         if parent is None:
             return None
-        for sample in parent.samples.values():
+        for sample in parent.ordered:
             if sample.finish_reason is None:
-                sample.finish_reason = finish_reason
+                parent.finish(sample, finish_reason, None)
         return self._make_output(parent)
 
     def _decode_logprobs(
@@ -258,35 +295,35 @@ class OutputProcessor:
         return decoded
 
     def _make_output(self, parent: _Parent) -> RequestOutput | None:
-        kind = parent.params.output_kind
-        finished = all(s.finish_reason is not None for s in parent.samples.values())
-        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+        kind = parent.kind
+        finished = not parent.num_unfinished
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
         completions = []
-        for sample in sorted(parent.samples.values(), key=lambda s: s.index):
+        delta = kind is RequestOutputKind.DELTA
+        for sample in parent.ordered:
             done = sample.finish_reason is not None
-            if kind == RequestOutputKind.DELTA:
-                text = sample.detokenizer.take_delta(final=done)
+            logprobs = sample.logprobs
+            if delta:
+                text = sample.detokenizer.take_delta(done)
                 token_ids = sample.token_ids[sample.sent_tokens :]
                 sample.sent_tokens = len(sample.token_ids)
-                logprobs = None
-                if sample.logprobs is not None:
-                    logprobs = sample.logprobs[sample.sent_logprobs :]
-                    sample.sent_logprobs = len(sample.logprobs)
+                if logprobs is not None:
+                    logprobs = logprobs[sample.sent_logprobs :]
+                    sample.sent_logprobs = len(sample.logprobs)  # type: ignore[arg-type]
                 if not text and not token_ids and not done:
                     continue
             else:
                 text, token_ids = sample.detokenizer.text, list(sample.token_ids)
-                logprobs = sample.logprobs
             completions.append(
                 CompletionOutput(
-                    index=sample.index,
-                    text=text,
-                    token_ids=token_ids,
-                    logprobs=logprobs,
-                    cumulative_logprob=sample.cumulative_logprob if logprobs is not None else None,
-                    finish_reason=sample.finish_reason,
-                    stop_reason=sample.stop_reason,
+                    sample.index,
+                    text,
+                    token_ids,
+                    logprobs,
+                    sample.cumulative_logprob if logprobs is not None else None,
+                    sample.finish_reason,
+                    sample.stop_reason,
                 )
             )
         if not completions and not finished:
@@ -307,7 +344,7 @@ class OutputProcessor:
             for core_id in parent.samples:
                 self._core_to_parent.pop(core_id, None)
         prompt_logprobs = parent.prompt_logprobs
-        if kind == RequestOutputKind.DELTA:
+        if delta:
             prompt_logprobs = None if parent.sent_prompt_logprobs else prompt_logprobs
             parent.sent_prompt_logprobs = True
         return RequestOutput(
@@ -318,5 +355,7 @@ class OutputProcessor:
             finished,
             parent.num_cached_tokens,
             metrics,
-            prompt_logprobs=prompt_logprobs,
+            None,
+            None,
+            prompt_logprobs,
         )

@@ -29,6 +29,7 @@ from loraplex.platform.core.generation_defaults import GenerationDefaults
 from loraplex.platform.core.outputs import RequestOutput
 from loraplex.platform.core.sampling_params import SamplingParams
 from loraplex.platform.core.stats import EngineSnapshot
+from loraplex.platform.core.tenant_caps import TenantReservation
 from loraplex.platform.core.timing import TimingObserver
 from loraplex.platform.engine.request_stream import RequestStream
 from loraplex.platform.tokenizer.tokenizer import TokenIdsOnlyTokenizer, Tokenizer
@@ -49,7 +50,9 @@ class EngineClient(Protocol):
       (prompt plus max_tokens past the context), `AdapterValidationError` (an adapter that
       cannot be served), `GrammarError` (a structured-output spec that cannot be compiled, or
       one on an adapter with its own tokenizer), a request id already in flight — or
-      `EngineDeadError` when the engine does not run. A caller cancelled while it waits
+      `TenantLimitExceeded` when `reservation` does not fit its tenant's caps (counted by the
+      engine for every caller: see `core/tenant_caps.py`), or `EngineDeadError` when the
+      engine does not run. A caller cancelled while it waits
       aborts the request. A request on an adapter that stores its own tokenizer is tokenized
       and detokenized with it (`tokenizer_for`).
     - The stream yields outputs of the params' `output_kind` and ends after the finished one;
@@ -60,8 +63,9 @@ class EngineClient(Protocol):
     - `abort` may be called from any thread, at any time; an unknown or finished id is ignored.
     - `command` runs an engine command between steps and returns its result (the commands
       module lists them) or raises its error.
-    - Timing observers see a finished request's `RequestTiming` before its caller sees the
-      final output, so a tenant's next request is admitted against the charged budget.
+    - A request's `reservation` is held until it finishes, when its tenant is charged what it
+      used, before its caller sees the final output: a tenant's next request is admitted
+      against the charged budget. Timing observers see the request before its caller too.
     - `snapshot` is the engine's gauges as of a recent step; reading it never waits.
     - `served_model_name`, `max_model_len`, `generation_defaults` (a request's default sampling
       parameters, from the model's generation config), `tokenizer` and `adapter_validator`
@@ -108,6 +112,7 @@ class EngineClient(Protocol):
         prompt_token_ids: list[int] | None = None,
         tenant: str = "default",
         lora_request: LoRARequest | None = None,
+        reservation: TenantReservation | None = None,
     ) -> RequestStream:
         """Send a request and wait until the engine accepts it (see the class docstring)."""
 

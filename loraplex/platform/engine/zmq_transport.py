@@ -172,6 +172,7 @@ class ZmqTransport:
             lora_request,
             message.arrival,
             sink,
+            message.reservation,
         )
 
     def _abort(self, client: bytes, sink: ClientSink, message: Abort) -> LoopCommand:

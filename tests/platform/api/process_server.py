@@ -83,12 +83,13 @@ def launch(
     max_model_len: int = 512,
     num_kv_blocks: int = 512,
     api_key: str | None = None,
+    port: int | None = None,
 ) -> ProcessServer:
     """Start `loraplex serve` and return once /health answers 200; `api_key`: a tenant's, to
-    list the models with on a server that is not open."""
+    list the models with on a server that is not open; `port`: default a free one."""
     from loraplex.platform.tokenizer.tokenizer import load_tokenizer
 
-    port = free_port()
+    port = port or free_port()
     cmd = [sys.executable, "-m", "loraplex.cli", "serve", "--model", str(model_dir),
            "--dtype", "float32", "--device", "cpu", "--max-model-len", str(max_model_len),
            "--num-kv-blocks", str(num_kv_blocks), "--max-num-seqs", "64", "--host", "127.0.0.1",

@@ -19,7 +19,7 @@ from api_helpers import read_metrics, wait_until_idle
 from process_server import alive, launch
 from tenant_helpers import complete, load_hf_model, make_adapter, peft_greedy, upload
 
-from loraplex import SamplingParams
+from loraplex import LLM, SamplingParams
 
 PROMPT = "The capital of France is"
 
@@ -234,5 +234,78 @@ def test_the_dashboard_shows_each_tenants_queues_from_every_api_process(model_di
             assert (alpha_running + beta_running, alpha_waiting + beta_waiting) == (2, 2), seen
         wait_until_idle(served.base_url)
         assert queues()["alpha"] == queues()["beta"] == (0, 0)
+    finally:
+        assert served.stop() == 0, served.log()
+
+
+@pytest.mark.parametrize("api_servers", [2, 4])
+def test_a_tenants_caps_hold_whichever_api_process_its_requests_land_on(
+    tiny_llama_dir, tmp_path, api_servers
+):
+    # The engine core counts the tenant's sequences for every API process: of 2 + 3 x N
+    # requests on their own connections (the kernel hands each to any API process), exactly 2
+    # run at once; the rest get 429. Counted per process, N processes would admit up to 2N.
+    cap, key = 2, "sk-capped-across-processes"
+    tenants_file = tmp_path / "tenants.yaml"
+    tenant = {"name": "capped", "key_sha256": hashlib.sha256(key.encode()).hexdigest(),
+              "max_concurrent_requests": cap}  # fmt: skip
+    tenants_file.write_text(json.dumps({"tenants": [tenant]}))  # JSON is YAML
+    served = launch(
+        tiny_llama_dir, tmp_path / "serve.log", api_servers, "--tenants", str(tenants_file),
+        max_model_len=2048, api_key=key,
+    )  # fmt: skip
+    headers = {"Authorization": f"Bearer {key}"}
+    # NOTE: long enough (1,500 tokens) that the held streams outlive the probes by far
+    held = {"model": served.model, "prompt": "Hold", "max_tokens": 1500, "ignore_eos": True,
+            "temperature": 0, "stream": True}  # fmt: skip
+    probe = {"model": served.model, "prompt": "Probe", "max_tokens": 4}
+
+    async def run() -> tuple[list[int], list[int]]:
+        clients = [httpx.AsyncClient(timeout=120, headers=headers) for _ in range(cap)]
+        holds = []
+        try:
+            for client in clients:  # each held stream on a connection of its own
+                request = client.build_request("POST", f"{served.v1}/completions", json=held)
+                response = await client.send(request, stream=True)
+                assert response.status_code == 200, await response.aread()
+                holds.append(response)
+
+            async def one() -> int:
+                async with httpx.AsyncClient(timeout=120, headers=headers) as fresh:
+                    answer = await fresh.post(f"{served.v1}/completions", json=probe)
+                    if answer.status_code == 429:
+                        assert int(answer.headers["Retry-After"]) >= 1
+                    return answer.status_code
+
+            refused = await asyncio.gather(*(one() for _ in range(3 * api_servers)))
+        finally:
+            for response in holds:  # a closed stream aborts its request, freeing its blocks
+                await response.aclose()
+            for client in clients:
+                await client.aclose()
+        wait_until_idle(served.base_url)
+        admitted = await asyncio.gather(*(one() for _ in range(cap)))
+        return refused, admitted
+
+    try:
+        refused, admitted = asyncio.run(run())
+        assert refused == [429] * (3 * api_servers)
+        assert admitted == [200] * cap  # the caps were released, whichever process held them
+        metrics = wait_until_idle(served.base_url)
+        assert metrics["loraplex:num_kv_blocks_free"] == metrics["loraplex:num_kv_blocks_total"]
+        # and a stream's tokens are the offline engine's
+        greedy = {"model": served.model, "prompt": PROMPT, "max_tokens": 12, "temperature": 0,
+                  "ignore_eos": True}  # fmt: skip
+        with httpx.Client(headers=headers) as client:
+            streamed = ""
+            with client.stream("POST", f"{served.v1}/completions", json={**greedy, "stream": True},
+                               timeout=120) as response:  # fmt: skip
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        streamed += "".join(c["text"] for c in json.loads(line[6:])["choices"])
+        offline = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=2048,
+                      num_kv_blocks=512, max_num_seqs=64)  # fmt: skip
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        assert streamed == offline.generate([PROMPT], params)[0].outputs[0].text
     finally:
         assert served.stop() == 0, served.log()

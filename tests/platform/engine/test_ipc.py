@@ -11,7 +11,11 @@ from loraplex.adapters.adapter_names import key_from_digest
 from loraplex.adapters.errors import AdapterLoadError
 from loraplex.grammar.errors import GrammarTimeoutError
 from loraplex.platform.core.commands import AdapterAdded, AddAdapter, SetTenantWeight
-from loraplex.platform.core.errors import PromptTooLongError, RequestStalledError
+from loraplex.platform.core.errors import (
+    PromptTooLongError,
+    RequestStalledError,
+    TenantLimitExceeded,
+)
 from loraplex.platform.core.outputs import (
     CompletionOutput,
     Logprob,
@@ -20,6 +24,7 @@ from loraplex.platform.core.outputs import (
 )
 from loraplex.platform.core.sampling_params import RequestOutputKind, SamplingParams
 from loraplex.platform.core.structured_outputs import StructuredOutputs
+from loraplex.platform.core.tenant_caps import TenantCaps, TenantReservation
 from loraplex.platform.engine.ipc import (
     AddRequest,
     Codec,
@@ -79,12 +84,20 @@ def test_an_add_request_with_params_that_fail_validation_is_refused_not_dropped(
 @pytest.mark.parametrize(
     "error",
     [PromptTooLongError("too long", param="prompt"), GrammarTimeoutError("slow schema"),
-     AdapterLoadError("bad weights"), RequestStalledError("stalled"), ValueError("plain")],
+     AdapterLoadError("bad weights"), RequestStalledError("stalled"), ValueError("plain"),
+     TenantLimitExceeded("busy", retry_after_s=7), TenantLimitExceeded("never", param="n")],
 )  # fmt: skip
 def test_errors_come_back_as_their_own_class_with_their_param(error):
     back = rebuild_error(error_info(error))
     assert type(back) is type(error) and str(back) == str(error)
     assert getattr(back, "param", None) == getattr(error, "param", None)
+    assert getattr(back, "retry_after_s", None) == getattr(error, "retry_after_s", None)
+
+
+def test_a_request_carries_its_tenants_caps_and_its_reservation(codec):
+    held = TenantReservation(TenantCaps(max_concurrent_requests=2, tokens_per_minute=None), 1, 40)
+    message = AddRequest("r", [1, 2], SamplingParams(), None, "t", None, 0.5, held)
+    assert codec.decode_client(codec.encode(message)).reservation == held
 
 
 def test_an_unknown_error_class_comes_back_as_runtime_error():

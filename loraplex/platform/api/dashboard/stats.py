@@ -246,8 +246,8 @@ class StatsCollector:
             prompt, generated = now_tokens.get(name, (0, 0))
             old_prompt, old_generated = old_tokens.get(name, (0, 0))
             recent[name] = (prompt - old_prompt, generated - old_generated)
-        limiter = self.state.tenancy.limiter
-        in_flight = {name: limiter.running(name) for name in names}
+        # NOTE: the engine's count, for the whole server: sequences running or queued
+        in_flight = {name: sum((queues or {}).get(name, (0, 0))) for name in names}
         active = [n for n in names if sum(recent[n]) or in_flight[n]]
         weights = {n: configured[n].weight if n in configured else 1.0 for n in names}
         share_total = sum(weights[n] for n in active or names)

@@ -2,7 +2,8 @@
 residency (GPU / CPU / disk), loads and evictions.
 
 Request and error counts come from the auth middleware (one per HTTP generation request);
-token counts come from the engine's timing observer, which also charges tenants' token budgets.
+token counts come from the engine's timing observer (tenants' token budgets are charged in the
+engine loop: `engine/tenant_limits.py`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from collections import Counter
 from dataclasses import dataclass
 
 from loraplex.platform.api.metrics.server_metrics import _labels
-from loraplex.platform.api.tenancy.limits import TenantLimiter
 from loraplex.platform.core.stats import LoRAStats
 from loraplex.platform.core.timing import RequestTiming
 
@@ -39,8 +39,7 @@ class TenantCounts:
 class TenantMetrics:
     """Counters keyed by tenant (and adapter); thread-safe."""
 
-    def __init__(self, limiter: TenantLimiter) -> None:
-        self._limiter = limiter
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self.requests: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
@@ -70,13 +69,12 @@ class TenantMetrics:
             )
 
     def observe(self, timing: RequestTiming) -> None:
-        """A TimingObserver: tokens per tenant and adapter, charged to the tenant's budget."""
+        """A TimingObserver: tokens per tenant and adapter."""
         key = (timing.tenant, adapter_label(timing.adapter))
         with self._lock:
             self.prompt_tokens[key] += timing.num_prompt_tokens
             self.generation_tokens[key] += timing.num_generation_tokens
             self.adapter_requests[key] += 1
-        self._limiter.charge(timing.tenant, timing.num_prompt_tokens + timing.num_generation_tokens)
 
     def render(self, lora: LoRAStats | None, adapters_on_disk: int, with_names: bool = True) -> str:
         """The series as Prometheus text; without names, only the residency by tier (no series

@@ -13,8 +13,11 @@ from fastapi import Request
 
 from loraplex.adapters.request import LoRARequest
 from loraplex.platform.api.errors import bad_request, from_engine_error, request_failed
+from loraplex.platform.api.tenancy.limits import limit_error, reserve
+from loraplex.platform.core.errors import TenantLimitExceeded
 from loraplex.platform.core.outputs import RequestOutput
 from loraplex.platform.core.sampling_params import SamplingParams
+from loraplex.platform.core.tenant_caps import TenantCaps
 from loraplex.platform.engine.protocol import EngineClient
 from loraplex.platform.engine.request_stream import RequestStream
 
@@ -36,9 +39,12 @@ async def submit(
     tenant: str = "default",
     lora_request: LoRARequest | None = None,
     fields: Mapping[str, str] | None = None,
+    caps: TenantCaps | None = None,
 ) -> list[RequestStream]:
-    """Add one engine request per prompt; if any is refused, abort the others and raise 4xx
-    (`fields`: the request's names of the engine's fields, see `from_engine_error`)."""
+    """Add one engine request per prompt, each holding its part of the tenant's `caps` (see
+    `tenancy/limits.py`); if any is refused, abort the others and raise 4xx (429 for a tenant
+    over its caps; `fields`: the request's names of the engine's fields, see
+    `from_engine_error`)."""
     streams: list[RequestStream] = []
     try:
         for i, prompt in enumerate(prompts):
@@ -51,11 +57,15 @@ async def submit(
                 prompt_token_ids=None if prompt.from_client_ids else prompt.token_ids,
                 tenant=tenant,
                 lora_request=lora_request,
+                reservation=reserve(caps, engine, params, len(prompt.token_ids)),
             )
             streams.append(stream)
     except ValueError as error:
         abort_all(streams)
         raise from_engine_error(error, fields) from None
+    except TenantLimitExceeded as error:
+        abort_all(streams)
+        raise limit_error(error) from None
     except RecursionError:  # e.g. a structured-output spec nested too deeply to analyse
         abort_all(streams)
         raise bad_request(
@@ -79,11 +89,16 @@ def _checked(output: RequestOutput) -> RequestOutput:
     return output
 
 
-async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from all streams as they arrive; aborts them all if closed early.
+async def merge_streams(
+    streams: list[RequestStream], first: tuple[int, RequestOutput] | None = None
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from all streams as they arrive (after `first`, an output already
+    taken from them); aborts them all if closed early.
 
     Raises APIError (400) when the engine ended a request early (`RequestOutput.error`)."""
     try:
+        if first is not None:
+            yield first
         if len(streams) == 1:
             async for output in streams[0]:
                 yield 0, _checked(output)
@@ -115,16 +130,36 @@ async def first_output_then_rest(
     A streamed response waits for this before it sends its 200, so that whatever the engine
     refuses before the first token (a grammar that fails to compile in the background) is
     answered as a 4xx JSON error, not as an error event inside a 200. Raises APIError."""
+    if len(streams) == 1:
+        # NOTE: one stream (nearly every request): its first output is read here, and the
+        # rest of it through one generator, which costs less per token than two.
+        with abort_on_disconnect(request, streams, poll_s):
+            try:
+                first = await anext(streams[0])
+            except StopAsyncIteration:
+                return merge_streams(streams)
+            except BaseException:
+                abort_all(streams)
+                raise
+        return merge_streams(streams, (0, _checked_or_abort(first, streams)))
     merged = merge_streams(streams)
     with abort_on_disconnect(request, streams, poll_s):
         try:
-            first = await anext(merged)
+            first_item = await anext(merged)
         except StopAsyncIteration:
             return merged
         except BaseException:
             await merged.aclose()
             raise
-    return _prepend(first, merged)
+    return _prepend(first_item, merged)
+
+
+def _checked_or_abort(output: RequestOutput, streams: list[RequestStream]) -> RequestOutput:
+    try:
+        return _checked(output)
+    except BaseException:
+        abort_all(streams)
+        raise
 
 
 async def _prepend(

@@ -24,7 +24,7 @@ from loraplex.platform.api.openai.request_streams import (
     submit,
 )
 from loraplex.platform.api.openai.sampling import chat_sampling_params
-from loraplex.platform.api.openai.sse import SSE_DONE, error_event, sse
+from loraplex.platform.api.openai.sse import SSE_DONE, ChunkFrames, error_event, sse
 from loraplex.platform.api.openai.tools.tool_auto import submit_auto
 from loraplex.platform.api.openai.tools.tool_call_stream import ToolCallStream
 from loraplex.platform.api.openai.tools.tool_calls import (
@@ -48,6 +48,7 @@ from loraplex.platform.api.tenancy.limits import reservation
 from loraplex.platform.api.tenancy.model_resolver import ServedModel
 from loraplex.platform.core.outputs import RequestOutput
 from loraplex.platform.core.sampling_params import SamplingParams
+from loraplex.platform.core.tenant_caps import TenantCaps
 from loraplex.platform.engine.request_stream import RequestStream
 from loraplex.platform.tokenizer.tokenizer import Tokenizer
 
@@ -142,18 +143,20 @@ async def submit_chat(
     tools: ToolRequest | None,
     parser: ToolParser,
     fields: Mapping[str, str] = CHAT_FIELDS,
+    caps: TenantCaps | None = None,
 ) -> list[RequestStream]:
     """The engine requests of one chat prompt: one request, or under `tool_choice: "auto"` a
-    chain per choice that enforces a call once the model opens one (`tool_auto`). `fields`:
-    the request's names of the engine's fields, for errors (see `from_engine_error`)."""
+    chain per choice that enforces a call once the model opens one (`tool_auto`); each holds
+    its part of the tenant's `caps`. `fields`: the request's names of the engine's fields, for
+    errors (see `from_engine_error`)."""
     if tools is not None and tools.mode == "auto":
         streams = await submit_auto(
             state.engine, prompt, params, request_id, tools, parser, tenant, served.lora_request,
-            fields,
+            fields, caps,
         )  # fmt: skip
         return streams  # type: ignore[return-value]
     return await submit(
-        state.engine, [prompt], params, request_id, tenant, served.lora_request, fields
+        state.engine, [prompt], params, request_id, tenant, served.lora_request, fields, caps
     )
 
 
@@ -176,12 +179,14 @@ async def create_chat_completion(request: Request) -> Response:
     params = chat_sampling_params(body, state.limits_for(tokenizer), defaults)
     params = with_tool_grammar(params, tools)
     prompt = await render_chat_prompt(state, tokenizer, body, tenant, tools, parser)
-    admit(
+    caps = admit(
         request,
         *reservation(state.engine.max_model_len, params, [len(prompt.token_ids)], defaults),
     )
     request_id = new_id("chatcmpl")
-    streams = await submit_chat(state, prompt, params, request_id, tenant, served, tools, parser)
+    streams = await submit_chat(
+        state, prompt, params, request_id, tenant, served, tools, parser, caps=caps
+    )
     if body.stream:
         poll_s = state.settings.disconnect_poll_s
         outputs = await first_output_then_rest(request, streams, poll_s)
@@ -260,20 +265,26 @@ async def _chat_events(
     }
     if body.include_usage:
         head["usage"] = None
+    frames = ChunkFrames(head)
     usage = UsageCounter()
     mode = "none" if tools is None else tools.mode
     named = None if tools is None else tools.named
     names = () if tools is None else tools.names
     calls = [ToolCallStream(mode, parser, named, new_call_id, names) for _ in range(body.n)]
+    # NOTE: without tools and logprobs a running choice's delta is its text as content
+    plain = mode == "none" and not body.logprobs
     try:
         with abort_on_disconnect(request, streams, state.settings.disconnect_poll_s):
             for i in range(body.n):
                 role = {"index": i, "delta": {"role": "assistant", "content": ""}}
-                yield sse({**head, "choices": [{**role, "logprobs": None, "finish_reason": None}]})
+                yield frames.choice({**role, "logprobs": None, "finish_reason": None})
             async for _, output in outputs:
                 usage.add(0, output)
                 for delta in output.outputs:
                     if not (delta.text or delta.logprobs or delta.finish_reason):
+                        continue
+                    if plain and delta.finish_reason is None and delta.text:
+                        yield frames.content(delta.index, delta.text)  # nearly every chunk
                         continue
                     stream = calls[delta.index]
                     pieces = stream.feed(delta.text)
@@ -294,7 +305,7 @@ async def _chat_events(
                             finish_reason(finish, stream.has_calls),
                             delta.stop_reason,
                         )
-                        yield sse({**head, "choices": [choice]})
+                        yield frames.choice(choice)
             if body.include_usage:
                 yield sse({**head, "choices": [], "usage": usage.as_dict()})
     except Exception as error:

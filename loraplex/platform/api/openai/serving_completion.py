@@ -28,7 +28,7 @@ from loraplex.platform.api.openai.request_streams import (
     submit,
 )
 from loraplex.platform.api.openai.sampling import completion_sampling_params
-from loraplex.platform.api.openai.sse import SSE_DONE, error_event, sse
+from loraplex.platform.api.openai.sse import SSE_DONE, ChunkFrames, error_event, sse
 from loraplex.platform.api.request_body import json_body, read_json_model
 from loraplex.platform.api.state import ServerState, server_state
 from loraplex.platform.api.tenancy.auth import admit, tenant_of
@@ -66,10 +66,10 @@ async def create_completion(request: Request) -> Response:
     params = completion_sampling_params(body, state.limits_for(tokenizer), defaults)
     prompts = await asyncio.to_thread(tokenize_prompts, tokenizer, body.prompts)
     lengths = [len(p.token_ids) for p in prompts]
-    admit(request, *reservation(state.engine.max_model_len, params, lengths, defaults))
+    caps = admit(request, *reservation(state.engine.max_model_len, params, lengths, defaults))
     request_id = new_id("cmpl")
     streams = await submit(
-        state.engine, prompts, params, request_id, tenant, lora_request=served.lora_request
+        state.engine, prompts, params, request_id, tenant, served.lora_request, caps=caps
     )
     if body.stream:
         poll_s = state.settings.disconnect_poll_s
@@ -183,9 +183,11 @@ async def _completion_events(
     }
     if body.include_usage:
         head["usage"] = None
+    frames = ChunkFrames(head)
     usage = UsageCounter()
     offsets = [0] * (len(prompts) * body.n)  # text length sent so far, per choice
     started: set[int] = set()  # prompts whose first output has arrived
+    n, want_logprobs = body.n, body.logprobs is not None
     try:
         with abort_on_disconnect(request, streams, state.settings.disconnect_poll_s):
             async for prompt_index, output in outputs:
@@ -200,25 +202,29 @@ async def _completion_events(
                         body, tokenizer, prompts, prompt_index, output
                     ):
                         offsets[index] = len(choice["text"])
-                        yield sse({**head, "choices": [choice]})
+                        yield frames.choice(choice)
                 for delta in output.outputs:
-                    if not (delta.text or delta.logprobs or delta.finish_reason):
+                    text, finish_reason = delta.text, delta.finish_reason
+                    if not (text or delta.logprobs or finish_reason):
                         continue
-                    index = prompt_index * body.n + delta.index
+                    index = prompt_index * n + delta.index
+                    if not want_logprobs and finish_reason is None:
+                        yield frames.text(index, text)  # nearly every chunk of a stream
+                        continue
                     logprobs = None
-                    if body.logprobs is not None:
+                    if want_logprobs:
                         entries = delta.logprobs or []
                         logprobs = completion_logprobs(entries, body.logprobs, offsets[index])
-                    offsets[index] += len(delta.text)
+                    offsets[index] += len(text)
                     choice = {
                         "index": index,
-                        "text": delta.text,
+                        "text": text,
                         "logprobs": logprobs,
-                        "finish_reason": delta.finish_reason,
+                        "finish_reason": finish_reason,
                     }
-                    if delta.finish_reason is not None:
+                    if finish_reason is not None:
                         choice["stop_reason"] = delta.stop_reason
-                    yield sse({**head, "choices": [choice]})
+                    yield frames.choice(choice)
             if body.include_usage:
                 yield sse({**head, "choices": [], "usage": usage.as_dict()})
     except Exception as error:

@@ -4,7 +4,8 @@
 - `tenancy`: `Tenancy`, the aggregate a server holds (tenants, the adapter registry, limits,
   per-tenant metrics), and `Caller`, who sent a request.
 - `auth`: the ASGI middleware that maps a key to a `Caller` and admits requests.
-- `limits`: `TenantLimiter`, per-tenant concurrency and tokens-per-minute caps.
+- `limits`: per-tenant concurrency and tokens-per-minute caps, as requests carry them to the
+  engine loop, which holds them for every API process (`engine/tenant_limits.py`).
 - `model_resolver`: an OpenAI `model` name in a tenant's namespace -> `ServedModel`.
 - `adapter_service` and `serving_adapters`: a tenant's adapters (upload, register, delete).
 - `serving_admin`: tenant management, for the admin key.

@@ -3,9 +3,10 @@
 It maps `Authorization: Bearer <key>` to a `Caller` (401 in OpenAI's shape if the key is missing
 or unknown) and keeps `/admin/` for the admin key (403 on a server that has none: the admin API
 is off, so an open server cannot be taken over by whoever creates the first tenant). Generation
-routes `admit` their request against the tenant's caps once they know how many sequences and
-tokens it needs (429 with Retry-After); the middleware releases that reservation when the
-response — streamed or not — ends.
+routes `admit` their request once they know how many sequences and tokens it needs: a request
+over a cap on its own is a 400 here, and the caps it carries to the engine come back, which
+counts them for the whole server (429 with Retry-After: `tenancy/limits.py`); the middleware
+counts each generation request's status per tenant.
 """
 
 from __future__ import annotations
@@ -15,15 +16,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loraplex.platform.api.dashboard.sessions import DashboardSessions
 from loraplex.platform.api.errors import APIError
-from loraplex.platform.api.tenancy.limits import Reservation
+from loraplex.platform.api.tenancy.limits import check_request, limit_error
 from loraplex.platform.api.tenancy.tenancy import Caller, Tenancy
 from loraplex.platform.api.tenancy.tenant_store import Tenant
+from loraplex.platform.core.errors import TenantLimitExceeded
+from loraplex.platform.core.tenant_caps import TenantCaps
 
 PUBLIC_PATHS = frozenset({"/health", "/metrics", "/adapters/resident", "/openapi.json", "/docs"})
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 DASHBOARD = "/dashboard"  # the page and its login check the key themselves (401: a login form)
 _CALLER = "loraplex.caller"
-_RESERVATIONS = "loraplex.reservations"
 ADMIN_DISABLED = (
     "The admin API is disabled: this server has no admin key. Start it with --admin-key "
     "(or the LORAPLEX_ADMIN_KEY environment variable) to manage tenants."
@@ -51,27 +53,17 @@ def tenant_of(request: Request) -> Tenant:
     return caller.tenant
 
 
-def admit(request: Request, num_seqs: int, num_tokens: int) -> None:
-    """Hold `num_seqs` sequences and `num_tokens` tokens of the calling tenant's caps until the
-    response ends. 429 (with Retry-After) when the caps are busy; 400 when the request alone
-    exceeds a cap, which no wait would fix."""
-    caller = caller_of(request)
-    held: list[Reservation] | None = request.scope.get(_RESERVATIONS)
-    if caller.tenant is None or held is None:
-        return
-    result = _tenancy(request).limiter.try_admit(caller.tenant, num_seqs, num_tokens)
-    if isinstance(result, Reservation):
-        held.append(result)
-        return
-    if result.retry_after_s is None:
-        raise APIError(400, result.message, param=result.param, code="tenant_limit_exceeded")
-    raise APIError(
-        429,
-        result.message,
-        type="rate_limit_error",
-        code="rate_limit_exceeded",
-        headers={"Retry-After": str(result.retry_after_s)},
-    )
+def admit(request: Request, num_seqs: int, num_tokens: int) -> TenantCaps | None:
+    """The calling tenant's caps, which each engine request of this HTTP request carries (the
+    engine holds them for the whole server); None for a caller without caps. 400 when the
+    request alone exceeds a cap, which no wait would fix."""
+    tenant = caller_of(request).tenant
+    if tenant is None:
+        return None
+    try:
+        return check_request(tenant, num_seqs, num_tokens)
+    except TenantLimitExceeded as error:
+        raise limit_error(error) from None
 
 
 def _tenancy(request: Request) -> Tenancy:
@@ -130,9 +122,7 @@ class AuthMiddleware:
     async def _serve_generation(
         self, tenant: Tenant, scope: Scope, receive: Receive, send: Send
     ) -> None:
-        """Run a generation route; release what it `admit`ted and count it once it ends."""
-        held: list[Reservation] = []
-        scope[_RESERVATIONS] = held
+        """Run a generation route; count it (by its status) once it ends."""
         status = 500
 
         async def send_status(message: Message) -> None:
@@ -144,8 +134,6 @@ class AuthMiddleware:
         try:
             await self.app(scope, receive, send_status)
         finally:
-            for reservation in held:
-                self.tenancy.limiter.release(reservation)
             self.tenancy.metrics.count_request(tenant.name, status)
 
 

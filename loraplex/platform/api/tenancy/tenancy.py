@@ -8,7 +8,6 @@ from pathlib import Path
 
 from loraplex.adapters.registry import open_registry
 from loraplex.platform.api.metrics.tenant_metrics import TenantMetrics
-from loraplex.platform.api.tenancy.limits import TenantLimiter
 from loraplex.platform.api.tenancy.tenant_store import OPEN_TENANT, TENANTS_DB, Tenant, TenantStore
 
 BEARER = "bearer "
@@ -39,8 +38,7 @@ class Tenancy:
         # folder every replica mounts (file://); an s3:// registry keeps it in the data folder
         # (share tenants between replicas then through --tenants, a file every replica reads).
         self.tenants = TenantStore(self.registry.root, tenants_file, admin_key)
-        self.limiter = TenantLimiter()
-        self.metrics = TenantMetrics(self.limiter)
+        self.metrics = TenantMetrics()
 
     def identify(self, authorization: str | None) -> Caller | None:
         """The caller of an `Authorization: Bearer <key>` header; None for a missing or unknown

@@ -1,64 +1,53 @@
-"""TenantLimiter on its own: caps count sequences and reserved tokens, released when a response
-ends; a request that alone exceeds a cap is refused for good (no Retry-After)."""
+"""The API side of tenants' caps: a request that exceeds a cap on its own is refused for good
+(400 naming the field), the caps a request carries to the engine, what each of its engine
+requests reserves, and the HTTP answers to the engine's refusals."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
+
 from loraplex.platform.api.tenancy.limits import (
-    LimitExceeded,
-    Reservation,
-    TenantLimiter,
+    check_request,
+    limit_error,
     reservation,
+    reserve,
 )
 from loraplex.platform.api.tenancy.tenant_store import Tenant
+from loraplex.platform.core.errors import TenantLimitExceeded
 from loraplex.platform.core.sampling_params import SamplingParams
+from loraplex.platform.core.tenant_caps import TenantCaps, TenantReservation
 
 
-def test_sequences_not_requests_count_against_the_concurrency_cap():
-    limiter, tenant = TenantLimiter(), Tenant("t", max_concurrent_requests=4)
-    first = limiter.try_admit(tenant, num_seqs=3)
-    assert isinstance(first, Reservation) and limiter.running("t") == 3
-    busy = limiter.try_admit(tenant, num_seqs=2)
-    assert isinstance(busy, LimitExceeded) and busy.retry_after_s == 1
-    never = limiter.try_admit(tenant, num_seqs=5)
-    assert isinstance(never, LimitExceeded) and never.retry_after_s is None
-    assert never.param == "n"
-    limiter.release(first)
-    assert limiter.running("t") == 0
-    assert isinstance(limiter.try_admit(tenant, num_seqs=4), Reservation)
+def test_a_request_over_a_cap_on_its_own_is_refused_for_good():
+    tenant = Tenant("t", max_concurrent_requests=4, tokens_per_minute=100)
+    assert check_request(tenant, 4, 100) == TenantCaps(4, 100)
+    with pytest.raises(TenantLimitExceeded) as seqs:
+        check_request(tenant, 5, 10)
+    assert (seqs.value.retry_after_s, seqs.value.param) == (None, "n")
+    with pytest.raises(TenantLimitExceeded) as tokens:
+        check_request(tenant, 1, 101)
+    assert (tokens.value.retry_after_s, tokens.value.param) == (None, "max_tokens")
+    assert check_request(Tenant("open"), 10**6, 10**9) is None  # no caps: nothing to carry
 
 
-def test_reservations_and_charges_share_the_token_budget():
-    limiter, tenant = TenantLimiter(), Tenant("t", tokens_per_minute=100)
-    held = limiter.try_admit(tenant, num_tokens=60)
-    assert isinstance(held, Reservation)
-    # 60 reserved + 50 > 100, though nothing has been charged yet.
-    assert isinstance(limiter.try_admit(tenant, num_tokens=50), LimitExceeded)
-    limiter.charge("t", 30)  # the request finished having used 30 of its 60 ...
-    limiter.release(held)  # ... and its response ended
-    assert isinstance(limiter.try_admit(tenant, num_tokens=70), Reservation)
-    refused = limiter.try_admit(tenant, num_tokens=1)
-    assert isinstance(refused, LimitExceeded) and refused.retry_after_s == 1
-    too_big = limiter.try_admit(Tenant("u", tokens_per_minute=100), num_tokens=101)
-    assert isinstance(too_big, LimitExceeded) and too_big.retry_after_s is None
-    assert too_big.param == "max_tokens"
-
-
-def test_a_spent_budget_says_when_to_retry():
-    limiter, tenant = TenantLimiter(), Tenant("t", tokens_per_minute=100)
-    limiter.charge("t", 90)
-    refused = limiter.try_admit(tenant, num_tokens=20)
-    assert isinstance(refused, LimitExceeded)
-    assert 59 <= refused.retry_after_s <= 60  # when the 90 tokens age out of the minute
-
-
-def test_other_tenants_are_unaffected():
-    limiter = TenantLimiter()
-    limiter.try_admit(Tenant("a", max_concurrent_requests=1, tokens_per_minute=10), 1, 10)
-    assert isinstance(limiter.try_admit(Tenant("b"), 100, 10**6), Reservation)
-
-
-def test_a_reservation_is_n_times_each_prompt_plus_max_tokens():
+def test_each_engine_request_reserves_its_own_prompt_plus_max_tokens_per_sample():
     params = SamplingParams(n=3, max_tokens=5)
     assert reservation(512, params, [10, 20]) == (6, 3 * (15 + 25))
     # Without max_tokens a sequence may run to the end of the context.
     assert reservation(512, SamplingParams(max_tokens=None), [12]) == (1, 512)
+    caps, engine = TenantCaps(max_concurrent_requests=8), SimpleNamespace(max_model_len=512)
+    assert reserve(caps, engine, params, 10) == TenantReservation(caps, 3, 45)
+    assert reserve(caps, engine, params, 10, continuation=True).continuation
+    assert reserve(None, engine, params, 10) is None
+
+
+def test_the_engines_refusals_answer_429_with_retry_after_or_400():
+    busy = limit_error(TenantLimitExceeded("busy", retry_after_s=7))
+    assert busy.status == 429 and busy.headers == {"Retry-After": "7"}
+    assert busy.body()["error"]["type"] == "rate_limit_error"
+    never = limit_error(TenantLimitExceeded("too big", param="n"))
+    assert never.status == 400
+    assert never.body()["error"]["code"] == "tenant_limit_exceeded"
+    assert never.body()["error"]["param"] == "n"

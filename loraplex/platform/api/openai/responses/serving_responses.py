@@ -123,7 +123,7 @@ async def create_response(request: Request) -> Response:
     params = chat_sampling_params(chat, state.limits_for(tokenizer), defaults)
     params = with_tool_grammar(params, tools)
     prompt = await render_chat_prompt(state, tokenizer, chat, tenant, tools, parser)
-    admit(
+    caps = admit(
         request,
         *reservation(state.engine.max_model_len, params, [len(prompt.token_ids)], defaults),
     )
@@ -134,8 +134,9 @@ async def create_response(request: Request) -> Response:
         if body.store:
             store.put(tenant, response_id, StoredResponse(final, (*conversation, message)))
 
-    streams = await submit_chat(state, prompt, params, response_id, tenant, served, tools, parser,
-                                RESPONSES_FIELDS)  # fmt: skip
+    streams = await submit_chat(
+        state, prompt, params, response_id, tenant, served, tools, parser, RESPONSES_FIELDS, caps
+    )
     if body.stream:
         outputs = await first_output_then_rest(request, streams, state.settings.disconnect_poll_s)
         base = response_json(response_id, created, served.name, _echoed(body, params), [], "in_progress",

@@ -20,9 +20,12 @@ from loraplex.platform.api.errors import from_engine_error
 from loraplex.platform.api.openai.request_streams import Prompt, merge_streams
 from loraplex.platform.api.openai.tools.tool_calls import ToolRequest
 from loraplex.platform.api.openai.tools.tool_parsers import ToolParser
+from loraplex.platform.api.tenancy.limits import limit_error, reserve
+from loraplex.platform.core.errors import TenantLimitExceeded
 from loraplex.platform.core.outputs import CompletionOutput, RequestOutput
 from loraplex.platform.core.sampling_params import SamplingParams
 from loraplex.platform.core.structured_outputs import StructuredOutputs
+from loraplex.platform.core.tenant_caps import TenantCaps
 from loraplex.platform.engine.protocol import EngineClient
 from loraplex.platform.engine.request_stream import RequestStream
 
@@ -45,10 +48,12 @@ class AutoToolStream:
         tenant: str,
         lora_request: LoRARequest | None,
         index: int = 0,
+        caps: TenantCaps | None = None,
     ) -> None:
         self.engine, self.prompt, self.params = engine, prompt, params
         self.request_id, self.tools, self.parser = request_id, tools, parser
         self.tenant, self.lora_request, self.index = tenant, lora_request, index
+        self.caps = caps  # each phase holds its part; after the first, never refused
         self.grammar = StructuredOutputs(
             json=parser.call_schema(list(tools.functions), tools.parallel)
         )
@@ -96,9 +101,11 @@ class AutoToolStream:
         if not first:  # the prompt's logprobs come with the first phase only
             params = replace(params, prompt_logprobs=None)
         self._constrained = constrained
+        held = reserve(self.caps, self.engine, params, len(ids), not first)
         self._phase = await self.engine.add_request(
             f"{self.request_id}-{self.index}.{next(self._ids)}", text, params,
             prompt_token_ids=ids, tenant=self.tenant, lora_request=self.lora_request,
+            reservation=held,
         )  # fmt: skip
 
     async def __anext__(self) -> RequestOutput:
@@ -193,6 +200,7 @@ async def submit_auto(
     tenant: str,
     lora_request: LoRARequest | None,
     fields: Mapping[str, str] | None = None,
+    caps: TenantCaps | None = None,
 ) -> list[AutoToolChoices]:
     """Start every choice of an `auto` tool request; if any is refused, abort the others and
     raise 4xx (as `request_streams.submit`)."""
@@ -202,13 +210,26 @@ async def submit_auto(
             child = params.for_child(i) if params.n > 1 else params
             children.append(
                 await AutoToolStream.start(
-                    engine, prompt, child, request_id, tools, parser, tenant, lora_request, i
-                )
+                    engine,
+                    prompt,
+                    child,
+                    request_id,
+                    tools,
+                    parser,
+                    tenant,
+                    lora_request,
+                    i,
+                    caps,
+                )  # fmt: skip
             )
     except ValueError as error:
         for stream in children:
             stream.abort()
         raise from_engine_error(error, fields) from None
+    except TenantLimitExceeded as error:
+        for stream in children:
+            stream.abort()
+        raise limit_error(error) from None
     except BaseException:
         for stream in children:
             stream.abort()
