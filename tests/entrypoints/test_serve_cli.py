@@ -66,7 +66,7 @@ def test_help_explains_every_option(capsys):
                  "--enforce-eager", "--seed", "--host", "--port", "--config",
                  "--max-request-body-bytes", "--api-server-count"):  # fmt: skip
         assert flag in text
-    assert "min(4, max(1, cores // 4))" in " ".join(text.split())  # the default's rule
+    assert "min(4, max(1, usable cores // 4))" in " ".join(text.split())  # the default's rule
 
 
 def test_speculative_config_from_the_command_line_and_yaml(tmp_path):

@@ -16,6 +16,7 @@ from loraplex.platform.api.tenancy.limits import (
 )
 from loraplex.platform.api.tenancy.tenant_store import Tenant
 from loraplex.platform.core.errors import TenantLimitExceeded
+from loraplex.platform.core.generation_defaults import GenerationDefaults
 from loraplex.platform.core.sampling_params import SamplingParams
 from loraplex.platform.core.tenant_caps import TenantCaps, TenantReservation
 
@@ -37,10 +38,14 @@ def test_each_engine_request_reserves_its_own_prompt_plus_max_tokens_per_sample(
     assert reservation(512, params, [10, 20]) == (6, 3 * (15 + 25))
     # Without max_tokens a sequence may run to the end of the context.
     assert reservation(512, SamplingParams(max_tokens=None), [12]) == (1, 512)
-    caps, engine = TenantCaps(max_concurrent_requests=8), SimpleNamespace(max_model_len=512)
+    caps = TenantCaps(max_concurrent_requests=8)
+    engine = SimpleNamespace(max_model_len=512, generation_defaults=GenerationDefaults())
     assert reserve(caps, engine, params, 10) == TenantReservation(caps, 3, 45)
     assert reserve(caps, engine, params, 10, continuation=True).continuation
     assert reserve(None, engine, params, 10) is None
+    # A server default max_tokens (the generation config's) is what a request without one holds.
+    engine.generation_defaults = GenerationDefaults(max_tokens=100)
+    assert reserve(caps, engine, SamplingParams(max_tokens=None), 10).num_tokens == 110
 
 
 def test_the_engines_refusals_answer_429_with_retry_after_or_400():
