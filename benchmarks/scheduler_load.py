@@ -1,4 +1,4 @@
-"""The scheduler under load, in engine steps and without a model (issues 37 and 38).
+"""The scheduler under load, in engine steps and without a model.
 
 A `FakeEngine` drives the real `Scheduler` in lock step with made-up outputs: each request
 that reaches the end of its tokens in a step samples one token, a function of its last token

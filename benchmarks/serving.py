@@ -14,7 +14,7 @@ three, their metrics named with a `t1_` / `mixed_` prefix.
     python -m benchmarks.serving --offline
     # launch a server, run concurrency 1, 8 and 32 and offline, write the results JSON
     python -m benchmarks.serving --record --concurrency 1 8 32
-    # the GPU record (issues 19, 37): the 8B shape with random weights served by `loraplex
+    # the GPU record: the 8B shape with random weights served by `loraplex
     # serve` at its default flags (engine-core process + the API processes its default chose),
     # a lean aiohttp streaming client in its own process: the first burst after start-up, then
     # concurrency 1, 64 and 256, then steady Poisson arrivals at 50 % and 90 % of the request

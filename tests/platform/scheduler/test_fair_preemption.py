@@ -1,4 +1,4 @@
-"""Memory pressure shared by fair shares (issue 38): the tenant over its share of the KV cache
+"""Memory pressure shared by fair shares: the tenant over its share of the KV cache
 yields first, its newest request first; a preempted request resumes before its tenant's newer
 ones; a tenant within its share takes back what another borrowed; one tenant's big batches
 never stall another's stream. Counted in steps, against fake model outputs."""

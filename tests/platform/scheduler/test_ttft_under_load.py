@@ -1,4 +1,4 @@
-"""Time to first token under load (issue 37), in steps against fake model outputs: decodes
+"""Time to first token under load, in steps against fake model outputs: decodes
 first, every stream a token every step; prompts in arrival (fair-share) order, a long prompt
 taking at most its share and short prompts not queued behind it; no step leaves its token
 budget idle while a prompt waits."""
