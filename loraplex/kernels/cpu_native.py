@@ -1,8 +1,7 @@
 """C kernels for the CPU engine: compiled once per host, loaded through ctypes.
 
-Where plain torch spends a step in many small passes through memory (Philox noise) or in a
-library path that is slow for the shape at hand (a few-row fp32 GEMM), a short C function does
-the work in one pass. Each kernel module holds its C source; `load_library` compiles it with the
+Where plain torch spends a step in many small passes through memory (Philox noise, the rotary
+embedding and KV write), a short C function does the work in one pass. Each kernel module holds its C source; `load_library` compiles it with the
 host's C compiler (`CC`, else `cc`) into `<cache_dir>/cpu_kernels/<name>-<machine>-<hash>.so`
 on first use (atomically, so concurrent processes never clash), and later processes load the
 cached file without a compiler. Each flag set is tried in turn; where none builds or loads, it

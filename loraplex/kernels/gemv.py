@@ -1,6 +1,6 @@
 """Dense projections: a Triton GEMV for one token where it measured faster than cuBLAS, on CPU
-the C kernel of `cpu_linear` for a few rows, else `F.linear`. Batch-1 decode is a pure weight
-read, and cuBLAS streams the smaller projections of an 8B model at about 3.0 TB/s of the H200's
+oneDNN on a packed weight for fp32 (`cpu_linear`), else `F.linear`. Batch-1 decode is a pure
+weight read, and cuBLAS streams the smaller projections of an 8B model at about 3.0 TB/s of the H200's
 ~4.2 (benchmarks/results/h200_decode_profile.json).
 """
 
@@ -35,8 +35,8 @@ GEMV_CONFIGS: dict[tuple[int, int], GemvConfig] = {
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T (+ bias): the tuned Triton GEMV when M == 1 on CUDA, the C
-    kernel of `cpu_linear` for a few rows on one CPU thread."""
+    """x [M, K] @ weight [N, K]^T (+ bias): the tuned Triton GEMV when M == 1 on CUDA, oneDNN
+    on a packed weight (`cpu_linear`) for fp32 on CPU."""
     if x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype == weight.dtype:
         config = GEMV_CONFIGS.get((weight.shape[0], weight.shape[1]))
         if (
@@ -48,8 +48,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
             from loraplex.kernels.triton_gemv import gemv_triton
 
             return gemv_triton(x, weight, bias, config)
-    if cpu_linear.wanted(x, weight):
-        out = cpu_linear.linear_cpu(x, weight)
-        if out is not None:
-            return out if bias is None else out.add_(bias)
+    if cpu_linear.wanted(x, weight, bias):
+        return cpu_linear.linear_cpu(x, weight, bias)
     return F.linear(x, weight, bias)

@@ -54,8 +54,8 @@ def peft_delta(peft_model, layer: int, module: str, x: torch.Tensor) -> torch.Te
 
 
 def our_delta(linear: Linear, x: torch.Tensor) -> torch.Tensor:
-    # NOTE: against the layer's own base projection (on one CPU thread a few rows run the C
-    # GEMM of `cpu_linear`, whose sums round unlike F.linear's), so the delta is the adapter's.
+    # NOTE: against the layer's own base projection (fp32 CPU linears run oneDNN through
+    # `cpu_linear`, whose sums round unlike F.linear's), so the delta is the adapter's.
     from loraplex.kernels.gemv import linear as base_linear
 
     with torch.no_grad():
