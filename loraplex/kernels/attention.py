@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from loraplex.kernels import cpu_attention
+
 
 def paged_attention_ref(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
@@ -55,23 +57,38 @@ def paged_attention_ref(
         out[rows] = o.squeeze(2).to(out.dtype)
 
     for i in prefill:
-        qlen, ctx_len = query_lens[i], lens[i]
-        num_blocks = -(-ctx_len // block_size)
-        table = block_tables[i, :num_blocks].long()
-        k = k_cache[table].flatten(0, 1)[:ctx_len]  # [L, Hk, D]
-        v = v_cache[table].flatten(0, 1)[:ctx_len]
-        q_pos = torch.arange(ctx_len - qlen, ctx_len, device=q.device)
-        mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos[:, None]  # [qlen, L]
-        o = F.scaled_dot_product_attention(
-            q[starts[i] : starts[i + 1]].transpose(0, 1).to(k.dtype),  # [H, qlen, D]
-            k.transpose(0, 1),
-            v.transpose(0, 1),
-            attn_mask=mask[None],
-            scale=scale,
-            enable_gqa=gqa,
+        out[starts[i] : starts[i + 1]] = _prefill_rows(
+            q, k_cache, v_cache, starts[i], starts[i + 1], lens[i], block_tables[i], scale
         )
-        out[starts[i] : starts[i + 1]] = o.transpose(0, 1).to(out.dtype)
     return out
+
+
+def _prefill_rows(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    start: int,
+    end: int,
+    ctx_len: int,
+    table: torch.Tensor,  # [max_blocks] int32: this sequence's block table
+    scale: float,
+) -> torch.Tensor:  # [end - start, num_heads, head_dim]
+    """Causal attention of one sequence's query rows `start:end`, the last of its `ctx_len`."""
+    qlen, block_size = end - start, k_cache.shape[1]
+    blocks = table[: -(-ctx_len // block_size)].long()
+    k = k_cache[blocks].flatten(0, 1)[:ctx_len]  # [L, Hk, D]
+    v = v_cache[blocks].flatten(0, 1)[:ctx_len]
+    q_pos = torch.arange(ctx_len - qlen, ctx_len, device=q.device)
+    mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos[:, None]  # [qlen, L]
+    o = F.scaled_dot_product_attention(
+        q[start:end].transpose(0, 1).to(k.dtype),  # [H, qlen, D]
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        attn_mask=mask[None],
+        scale=scale,
+        enable_gqa=q.shape[1] != k_cache.shape[2],
+    )
+    return o.transpose(0, 1).to(q.dtype)
 
 
 @dataclass(frozen=True)
@@ -141,12 +158,15 @@ def paged_attention(
     max_seq_len: int | None = None,
     plan: DecodePlan | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Dispatch: the Triton kernel on CUDA; off CUDA `paged_decode_cpu` where the step is all
-    decode and brings its `plan` (`decode_plan`), the torch reference otherwise.
+    """Dispatch: the Triton kernel on CUDA; on CPU in fp32 the C kernel of `cpu_attention`
+    (given `max_seq_len`; a sequence with a query over its MAX_QUERY_LEN tokens through torch's
+    SDPA); where that cannot run, `paged_decode_cpu` when the step is all decode and brings its
+    `plan` (`decode_plan`), the torch reference otherwise.
 
     `max_query_len` / `max_seq_len` are optional host-side ints the runner already knows; the
     Triton path uses them to pick its grid without reading the device (see
-    `paged_attention_triton`), the reference ignores them.
+    `paged_attention_triton`), the C kernel sizes its scores with `max_seq_len`, the reference
+    ignores them.
     """
     if q.is_cuda:
         from loraplex.kernels.triton_attention import paged_attention_triton
@@ -155,8 +175,36 @@ def paged_attention(
             q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
             max_query_len=max_query_len, max_seq_len=max_seq_len,
         )  # fmt: skip
+    if max_seq_len is not None and cpu_attention.supports(q, k_cache, v_cache):
+        out = torch.empty_like(q)
+        if cpu_attention.paged_attention_c(
+            q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_seq_len, out
+        ):
+            if max_query_len is None or max_query_len > cpu_attention.MAX_QUERY_LEN:
+                _long_prefills(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+                               scale, out)  # fmt: skip
+            return out
     if plan is not None:
         if plan.mask.shape[0] != q.shape[0]:
             raise ValueError(f"the plan has {plan.mask.shape[0]} rows, q {q.shape[0]}")
         return paged_decode_cpu(q, k_cache, v_cache, plan, scale)
     return paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
+
+
+def _long_prefills(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    scale: float,
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+) -> None:
+    """The rows of the sequences the C kernel leaves out (queries over its MAX_QUERY_LEN)."""
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for i, ctx_len in enumerate(lens):
+        if starts[i + 1] - starts[i] > cpu_attention.MAX_QUERY_LEN:
+            out[starts[i] : starts[i + 1]] = _prefill_rows(
+                q, k_cache, v_cache, starts[i], starts[i + 1], ctx_len, block_tables[i], scale
+            )
