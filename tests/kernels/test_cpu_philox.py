@@ -68,17 +68,21 @@ def test_bad_shapes_are_refused() -> None:
 
 
 @pytest.mark.parametrize("truncate", [False, True])
-def test_cpu_draw_matches_the_reference(truncate: bool) -> None:
+@pytest.mark.parametrize("greedy_rows", [(1,), (), (0, 1, 2, 3, 4, 5)])
+def test_cpu_draw_matches_the_reference(truncate: bool, greedy_rows: tuple[int, ...]) -> None:
+    # The CPU draw makes noise for the sampled rows only: mixed, none greedy and all greedy.
     gen = torch.Generator().manual_seed(7)
     n, vocab = 6, 1000
     logits = torch.randn(n, vocab, generator=gen) * 3
-    temperature = torch.tensor([1.0, 0.0, 0.7, 1.5, 1.0, 0.3])
+    temperature = torch.tensor([1.0, 0.5, 0.7, 1.5, 1.0, 0.3])
+    temperature[list(greedy_rows)] = 0.0
     thresholds = logits.quantile(0.9, dim=-1) if truncate else None
     seeds = torch.randint(-(2**62), 2**62, (n,), generator=gen)
     steps = torch.randint(0, 1000, (n,), generator=gen)
     tokens = draw(logits, temperature, thresholds, seeds, steps)
     assert torch.equal(tokens, draw_ref(logits, temperature, thresholds, seeds, steps))
-    assert tokens[1] == logits[1].argmax()  # the greedy row
+    for row in greedy_rows:
+        assert tokens[row] == logits[row].argmax()
     if truncate:
         kept = logits.gather(1, tokens[:, None]).squeeze(1) >= thresholds
         assert bool(kept.all())

@@ -17,7 +17,7 @@ from loraplex.kernels.sampling.reference import (
     logprobs_ref,
     truncation_thresholds_ref,
 )
-from loraplex.kernels.sampling.types import NUM_PIVOTS_BY_SIZE
+from loraplex.kernels.sampling.types import GREEDY_TEMPERATURE, NUM_PIVOTS_BY_SIZE
 
 
 def _check_rows(logits: torch.Tensor, **columns: torch.Tensor) -> None:
@@ -112,10 +112,35 @@ def draw(
 
         return draw_triton(logits, temperature, thresholds, seeds, steps)
     if logits.device.type == "cpu":
-        uniform = philox_uniform_cpu(seeds, steps, logits.shape[1])
-        if uniform is not None:
-            return draw_from_uniforms(logits, temperature, thresholds, uniform)
+        return _draw_cpu(logits, temperature, thresholds, seeds, steps)
     return draw_ref(logits, temperature, thresholds, seeds, steps)
+
+
+def _draw_cpu(
+    logits: torch.Tensor,  # [n, vocab] fp32
+    temperature: torch.Tensor,  # [n] fp32
+    thresholds: torch.Tensor | None,  # [n] fp32
+    seeds: torch.Tensor,  # [n] int64
+    steps: torch.Tensor,  # [n] int64
+) -> torch.Tensor:  # [n] int64
+    """`draw_ref` with the C uniforms, drawn for the sampled rows only: a greedy row's token is
+    its argmax, and a row's uniforms depend on its own seed and step alone, so a batch half
+    greedy makes half the noise for the same tokens."""
+    greedy = temperature < GREEDY_TEMPERATURE  # [n]
+    sampled = (~greedy).nonzero().squeeze(1)  # [m]
+    if len(sampled) == 0:
+        return logits.argmax(dim=-1)
+    if len(sampled) < len(greedy):
+        tokens = logits.argmax(dim=-1)
+        tokens[sampled] = _draw_cpu(
+            logits[sampled], temperature[sampled],
+            None if thresholds is None else thresholds[sampled], seeds[sampled], steps[sampled],
+        )  # fmt: skip
+        return tokens
+    uniform = philox_uniform_cpu(seeds, steps, logits.shape[1])
+    if uniform is None:
+        return draw_ref(logits, temperature, thresholds, seeds, steps)
+    return draw_from_uniforms(logits, temperature, thresholds, uniform)
 
 
 def warm_up(vocab: int, device: torch.device, max_rows: int, max_logprobs: int = 20) -> int:
