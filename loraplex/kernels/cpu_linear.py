@@ -42,6 +42,19 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
+def prepack(weight: torch.Tensor) -> None:
+    """Pack `weight` now if `linear_cpu` would take it ([N, K] fp32 on CPU, no autograd), so
+    the first request does not pay for it."""
+    if (
+        weight.device.type == "cpu"
+        and weight.dim() == 2
+        and weight.dtype == torch.float32
+        and not weight.requires_grad
+        and available()
+    ):
+        packed_weight(weight)
+
+
 def linear_cpu(
     x: torch.Tensor,  # [M, K] fp32 on CPU
     weight: torch.Tensor,  # [N, K] fp32 on CPU

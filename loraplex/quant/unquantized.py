@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from loraplex.kernels.cpu_linear import prepack
 from loraplex.kernels.gemv import linear
 from loraplex.quant.base import LinearMethod, set_weight_attrs
 
@@ -20,6 +21,9 @@ class UnquantizedLinearMethod(LinearMethod):
         )
         set_weight_attrs(weight, output_dim=0, output_pack=1, input_dim=1, input_pack=1)
         layer.register_parameter("weight", weight)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        prepack(layer.weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return linear(x, layer.weight, bias)

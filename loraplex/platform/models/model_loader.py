@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from loraplex.kernels.cpu_linear import prepack
 from loraplex.platform.models.arch_config import ArchConfig
 from loraplex.platform.models.dummy_weights import (
     init_random_weights,
@@ -60,12 +61,16 @@ def build_model(
 
 
 def finish_loading(model: nn.Module) -> None:
-    """Let each linear layer's weight method repack what it loaded."""
+    """Let each linear layer's weight method repack what it loaded; pack a plain LM head for
+    the CPU's fp32 linear too (`cpu_linear.prepack`)."""
     methods: dict[str, int] = {}
     for module in model.modules():
         if isinstance(module, Linear):
             module.method.process_weights_after_loading(module)
             methods[module.method.name] = methods.get(module.method.name, 0) + 1
+    lm_head = getattr(model, "lm_head", None)
+    if isinstance(lm_head, torch.Tensor):
+        prepack(lm_head)
     logger.info("linear layers by weight method: %s", methods)
 
 
