@@ -21,43 +21,16 @@ import ctypes
 
 import torch
 
-from loraplex.kernels.cpu_native import load_library
+from loraplex.kernels.cpu_native import VECTOR_PRELUDE, load_library
 
 #: Sequences with more query tokens than this are skipped by the kernel.
 MAX_QUERY_LEN = 64
 
-_SOURCE = r"""
+_SOURCE = (
+    VECTOR_PRELUDE
+    + r"""
 #include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define CLONES __attribute__((target_clones("avx512f", "avx2,fma", "default")))
-#else
-#define CLONES
-#endif
-#define INLINE static inline __attribute__((always_inline))
-
-/* 16 floats, read and written unaligned; the compiler splits them for narrower targets */
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
-typedef float v4 __attribute__((vector_size(16), aligned(4)));
-
-INLINE float hsum(v16 a) { /* a fixed tree of adds */
-  v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
-         __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-  v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
-  return (c[0] + c[2]) + (c[1] + c[3]);
-}
-
-INLINE float dot(const float *a, const float *b, int64_t n) {
-  v16 acc = {0};
-  int64_t d = 0;
-  for (; d + 16 <= n; d += 16) acc += *(const v16 *)(a + d) * *(const v16 *)(b + d);
-  float s = hsum(acc);
-  for (; d < n; d++) s += a[d] * b[d];
-  return s;
-}
 
 /* out[:n] = sum over positions l < len of w[l] * v[slot(l), :n], v's rows slot_size apart;
    16 columns at a time in registers, two accumulators over alternate positions */
@@ -80,7 +53,7 @@ INLINE void weighted_sum(const float *w, int64_t len, const float *v, const int3
   for (; d < n; d++) {
     float a = 0.0f;
     for (int64_t l = 0; l < len; l++)
-      a += w[l] * v[table[l / block_size] * block_size * slot_size + (l % block_size) * slot_size + d];
+      a += w[l] * v[(table[l / block_size] * block_size + l % block_size) * slot_size + d];
     out[d] = a;
   }
 }
@@ -101,7 +74,10 @@ CLONES int paged_attention(const float *q, float *out, int64_t num_heads, int64_
     int64_t start = query_start_loc[i], qlen = query_start_loc[i + 1] - start;
     int64_t ctx = seq_lens[i];
     if (qlen < 1 || qlen > max_query_len) continue;
-    if (ctx > max_seq_len || ctx > max_blocks * block_size || qlen > ctx) { free(scores); return -1; }
+    if (ctx > max_seq_len || ctx > max_blocks * block_size || qlen > ctx) {
+      free(scores);
+      return -1;
+    }
     const int32_t *table = block_tables + i * max_blocks;
     for (int64_t b = 0; b * block_size < ctx; b++)
       if (table[b] < 0 || table[b] >= num_blocks) { free(scores); return -1; }
@@ -136,6 +112,7 @@ CLONES int paged_attention(const float *q, float *out, int64_t num_heads, int64_
   return 0;
 }
 """
+)
 _FLAG_SETS = (("-O3",),)
 _SIGNATURES = (
     (

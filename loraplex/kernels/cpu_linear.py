@@ -1,11 +1,14 @@
-"""fp32 linears on CPU through oneDNN, with each weight packed once: y = x @ weight^T (+ bias).
+"""fp32 linears on CPU through oneDNN, each weight packed once (one row in C): y = x @ w^T (+ b).
 
 torch's `F.linear` in fp32 goes to MKL's SGEMM, which on the AMD hosts we measured runs well
 below the core's AVX-512 peak and re-packs the weight on every call: on one Zen 5 thread the
 embedded model's 30 decoder layers took 41 ms at 8 rows (the few-row C kernel this replaced) /
 48 ms (F.linear) and 70 / 104 ms at 32 rows, against 21 and 44 ms through oneDNN's matmul on a
 weight packed into its own blocked layout ahead of time; a 256-row prefill chunk 574 ms against
-253. The same packed weight serves every row count, one row included.
+253. One row (a batch-1 decode step) goes to a C GEMV instead (`cpu_native`; four weight rows
+streamed at a time): oneDNN's call costs ~17 us whatever its size, 121 calls a step, and the
+embedded model's batch-1 step measured medians of 22.1 and 22.6 ms through the GEMV against
+25.5 and 23.7 through oneDNN (two runs of six alternating pairs on one engine).
 
 The packed copy is cached on the weight tensor itself, keyed by the tensor's version counter, so
 a weight changed in place after loading (a test's, an adapter merge's) is packed again before
@@ -16,9 +19,12 @@ keeps `F.linear`.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import torch
+
+from loraplex.kernels.cpu_native import VECTOR_PRELUDE, load_library
 
 #: The attribute of a weight tensor that holds (its version when packed, the packed weight).
 _PACKED = "_loraplex_onednn_packed"
@@ -55,12 +61,60 @@ def prepack(weight: torch.Tensor) -> None:
         packed_weight(weight)
 
 
+_GEMV_SOURCE = (
+    VECTOR_PRELUDE
+    + r"""
+/* y[n] = x . w[n] (+ bias[n]) for n < N, w's rows K floats apart; four rows at a time */
+CLONES void gemv(const float *x, const float *w, const float *bias, float *y, int64_t N,
+                 int64_t K) {
+  int64_t n = 0;
+  for (; n + 4 <= N; n += 4) {
+    const float *w0 = w + n * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
+    v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+      v16 xv = *(const v16 *)(x + k);
+      a0 += xv * *(const v16 *)(w0 + k);
+      a1 += xv * *(const v16 *)(w1 + k);
+      a2 += xv * *(const v16 *)(w2 + k);
+      a3 += xv * *(const v16 *)(w3 + k);
+    }
+    float s[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)};
+    for (; k < K; k++) {
+      s[0] += x[k] * w0[k];
+      s[1] += x[k] * w1[k];
+      s[2] += x[k] * w2[k];
+      s[3] += x[k] * w3[k];
+    }
+    for (int i = 0; i < 4; i++) y[n + i] = s[i];
+  }
+  for (; n < N; n++) y[n] = dot(x, w + n * K, K);
+  if (bias)
+    for (n = 0; n < N; n++) y[n] += bias[n];
+}
+"""
+)
+_GEMV_SIGNATURES = (("gemv", (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 2, None),)
+
+
+def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """One row: x [1, K] @ weight [N, K]^T in C. -> [1, N], or None where it cannot build"""
+    lib = load_library("gemv", _GEMV_SOURCE, (("-O3",),), _GEMV_SIGNATURES)
+    if lib is None or not weight.is_contiguous() or (bias is not None and not bias.is_contiguous()):
+        return None
+    x = x.contiguous()
+    out = torch.empty(1, weight.shape[0], dtype=torch.float32)
+    lib.gemv(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+             out.data_ptr(), weight.shape[0], weight.shape[1])  # fmt: skip
+    return out
+
+
 def linear_cpu(
     x: torch.Tensor,  # [M, K] fp32 on CPU
     weight: torch.Tensor,  # [N, K] fp32 on CPU
     bias: torch.Tensor | None = None,  # [N] fp32
 ) -> torch.Tensor:  # [M, N] fp32
-    """x @ weight^T (+ bias) through oneDNN on the packed weight."""
+    """x @ weight^T (+ bias): one row in C, more through oneDNN on the packed weight."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x [M, K] and weight [N, K] expected, got {x.shape}, {weight.shape}")
     if x.dtype != torch.float32 or weight.dtype != torch.float32:
@@ -69,6 +123,10 @@ def linear_cpu(
         raise ValueError("linear_cpu takes CPU tensors")
     if x.shape[0] == 0:
         return x.new_empty(0, weight.shape[0])
+    if x.shape[0] == 1:
+        out = _gemv(x, weight, bias)
+        if out is not None:
+            return out
     return torch.ops.mkldnn._linear_pointwise(
         x.contiguous(), packed_weight(weight), bias, "none", [], ""
     )

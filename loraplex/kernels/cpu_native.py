@@ -1,11 +1,13 @@
 """C kernels for the CPU engine: compiled once per host, loaded through ctypes.
 
 Where plain torch spends a step in many small passes through memory (Philox noise, the rotary
-embedding and KV write), a short C function does the work in one pass. Each kernel module holds its C source; `load_library` compiles it with the
-host's C compiler (`CC`, else `cc`) into `<cache_dir>/cpu_kernels/<name>-<machine>-<hash>.so`
-on first use (atomically, so concurrent processes never clash), and later processes load the
-cached file without a compiler. Each flag set is tried in turn; where none builds or loads, it
-returns None and the caller keeps its torch path (logged once per kernel).
+embedding and KV write, RMSNorm, paged attention) or a library call costs more than the work
+(oneDNN's for one row), a short C function does the work in one pass. Each kernel module holds
+its C source; `load_library` compiles it with the host's C compiler (`CC`, else `cc`) into
+`<cache_dir>/cpu_kernels/<name>-<machine>-<hash>.so` on first use (atomically, so concurrent
+processes never clash), and later processes load the cached file without a compiler. Each flag
+set is tried in turn; where none builds or loads, it returns None and the caller keeps its torch
+path (logged once per kernel).
 """
 
 from __future__ import annotations
@@ -27,6 +29,41 @@ logger = logging.getLogger(__name__)
 
 #: (function name, argument types, return type) of each exported function
 Signature = tuple[str, tuple[type, ...], type | None]
+
+
+#: C shared by the vectorised kernels: CLONES (one build dispatching to AVX-512, AVX2 or plain
+#: code at load, GCC on x86-64), 16 / 8 / 4-float vectors read unaligned, `hsum` (a fixed
+#: tree) and `dot`.
+VECTOR_PRELUDE = r"""
+#include <stdint.h>
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define CLONES __attribute__((target_clones("avx512f", "avx2,fma", "default")))
+#else
+#define CLONES
+#endif
+#define INLINE static inline __attribute__((always_inline))
+
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+typedef float v4 __attribute__((vector_size(16), aligned(4)));
+
+INLINE float hsum(v16 a) {
+  v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+  v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
+  return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+/* a . b over n floats: 16 lanes, their hsum, then the tail */
+INLINE float dot(const float *a, const float *b, int64_t n) {
+  v16 acc = {0};
+  int64_t d = 0;
+  for (; d + 16 <= n; d += 16) acc += *(const v16 *)(a + d) * *(const v16 *)(b + d);
+  float s = hsum(acc);
+  for (; d < n; d++) s += a[d] * b[d];
+  return s;
+}
+"""
 
 
 def _compile(compiler: str, source: str, flag_sets: tuple[tuple[str, ...], ...],

@@ -14,28 +14,12 @@ import ctypes
 
 import torch
 
-from loraplex.kernels.cpu_native import load_library
+from loraplex.kernels.cpu_native import VECTOR_PRELUDE, load_library
 
-_SOURCE = r"""
+_SOURCE = (
+    VECTOR_PRELUDE
+    + r"""
 #include <math.h>
-#include <stdint.h>
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define CLONES __attribute__((target_clones("avx512f", "avx2,fma", "default")))
-#else
-#define CLONES
-#endif
-
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
-typedef float v4 __attribute__((vector_size(16), aligned(4)));
-
-static inline __attribute__((always_inline)) float hsum(v16 a) {
-  v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
-         __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-  v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
-  return (c[0] + c[2]) + (c[1] + c[3]);
-}
 
 /* out[i] = s * rsqrt(mean(s^2) + eps) * w with s = x[i] (+ res[i], then written to new_res[i]),
    for rows i < n of d floats; rows x_stride / res_stride apart, out and new_res contiguous. */
@@ -65,6 +49,7 @@ CLONES void rms_norm(const float *x, int64_t x_stride, const float *res, int64_t
   }
 }
 """
+)
 _FLAG_SETS = (("-O3",),)
 _SIGNATURES = (
     (

@@ -1,7 +1,7 @@
 """Dense projections: a Triton GEMV for one token where it measured faster than cuBLAS, on CPU
 oneDNN on a packed weight for fp32 (`cpu_linear`), else `F.linear`. Batch-1 decode is a pure
-weight read, and cuBLAS streams the smaller projections of an 8B model at about 3.0 TB/s of the H200's
-~4.2 (benchmarks/results/h200_decode_profile.json).
+weight read, and cuBLAS streams the smaller projections of an 8B model at about 3.0 TB/s of the
+H200's ~4.2 (benchmarks/results/h200_decode_profile.json).
 """
 
 from __future__ import annotations

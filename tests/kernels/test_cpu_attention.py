@@ -48,8 +48,9 @@ def test_a_row_is_the_same_whatever_shares_the_batch() -> None:
     batch = make_batch([(1, 50), (1, 7), (1, 33)], 8, 2, 64, dtype=torch.float32)
     full = _run(batch, 1)
     for i in range(3):
-        one = replace(batch, q=batch.q[i : i + 1], query_start_loc=batch.query_start_loc[:2],
-                      seq_lens=batch.seq_lens[i : i + 1], block_tables=batch.block_tables[i : i + 1])  # fmt: skip
+        rows = slice(i, i + 1)
+        one = replace(batch, q=batch.q[rows], query_start_loc=batch.query_start_loc[:2],
+                      seq_lens=batch.seq_lens[rows], block_tables=batch.block_tables[rows])  # fmt: skip
         assert torch.equal(_run(one, 1), full[i : i + 1])
 
 

@@ -1,5 +1,5 @@
-"""fp32 CPU linears through oneDNN on a packed weight: F.linear's results at odd shapes and
-every row count, the bias, a weight changed in place, and the dispatch in `gemv.linear`."""
+"""fp32 CPU linears through oneDNN on a packed weight (one row in C): F.linear's results at odd
+shapes and every row count, the bias, a weight changed in place, the dispatch in `gemv.linear`."""
 
 from __future__ import annotations
 
@@ -17,7 +17,17 @@ needs_onednn = pytest.mark.skipif(
 @needs_onednn
 @pytest.mark.parametrize(
     "m,n,k",
-    [(1, 1, 1), (3, 5, 17), (4, 4, 16), (5, 7, 33), (9, 13, 576), (32, 30, 100), (70, 19, 1536)],
+    [
+        (1, 1, 1),
+        (1, 5, 17),
+        (1, 37, 1536),
+        (3, 5, 17),
+        (4, 4, 16),
+        (5, 7, 33),
+        (9, 13, 576),
+        (32, 30, 100),
+        (70, 19, 1536),
+    ],
 )
 def test_matches_f_linear(m: int, n: int, k: int) -> None:
     gen = torch.Generator().manual_seed(m * n * k)
