@@ -32,6 +32,7 @@ from loraplex.platform.engine.gc_tuning import freeze_startup_heap
 from loraplex.platform.engine.ipc import PROTOCOL_VERSION, EngineInfo
 from loraplex.platform.engine.warm_up import should_warm_up, warm_up
 from loraplex.platform.engine.zmq_transport import ZmqTransport
+from loraplex.platform.runner.cpu_malloc import configure_cpu_malloc
 from loraplex.platform.runner.cpu_threads import configure_cpu_threads
 from loraplex.platform.runner.model_runner import resolve_device
 from loraplex.platform.runner.tp.workers import set_worker_death_handler
@@ -94,6 +95,7 @@ def run_engine_core(config: EngineConfig, address: str, refusals: Connection | N
             configure_cpu_threads(
                 own_process=True, tensor_parallel_size=config.parallel.tensor_parallel_size
             )
+            configure_cpu_malloc()  # NOTE: process-wide, so only where the engine owns its process
         loop, transport = build_engine_core(config, address)
     except (ValueError, FileNotFoundError) as exc:
         if refusals is None:

@@ -36,7 +36,6 @@ from loraplex.platform.parallel.parallel_state import (
 )
 from loraplex.platform.parallel.sharding import attention_shard
 from loraplex.platform.runner.batch import Batch, build_batch, fill_pending
-from loraplex.platform.runner.cpu_malloc import configure_cpu_malloc
 from loraplex.platform.runner.cpu_threads import configure_cpu_threads
 from loraplex.platform.runner.cuda_graph import CudaGraphRunner
 from loraplex.platform.runner.draft_sampler import MetadataDraftSampler
@@ -111,7 +110,6 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         if self.device.type == "cpu":
             configure_cpu_threads(tensor_parallel_size=config.parallel.tensor_parallel_size)
-            configure_cpu_malloc()
         self.workers: TensorParallelWorkers | None = None
         self._owed_tokens = 0  # rows of a launched step whose tokens were not broadcast
         if tp is None and config.parallel.tensor_parallel_size > 1:

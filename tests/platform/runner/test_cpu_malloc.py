@@ -9,8 +9,6 @@ import sys
 
 import pytest
 
-from loraplex.platform.runner.cpu_malloc import configure_cpu_malloc
-
 glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
 
 # NOTE: in a fresh interpreter, where glibc's dynamic mmap threshold has not moved yet
@@ -25,7 +23,6 @@ libc = ctypes.CDLL("libc.so.6")
 libc.mallinfo2.restype = Info
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 if sys.argv[1] == "1":
-    assert configure_cpu_malloc()
 before = libc.mallinfo2().hblks
 block = libc.malloc(24 << 20)  # a 2048-token step's gate-up output
 print(libc.mallinfo2().hblks - before)
@@ -42,4 +39,3 @@ def _mapped_blocks(configure: bool) -> int:
 def test_an_activation_sized_block_comes_from_the_heap() -> None:
     assert _mapped_blocks(configure=True) == 0
     assert _mapped_blocks(configure=False) == 1  # glibc's default: a mapping of its own
-    assert configure_cpu_malloc() and configure_cpu_malloc()  # idempotent
