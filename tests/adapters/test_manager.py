@@ -15,7 +15,7 @@ from lora_fixtures import (
     tiny_llama,
 )
 from random_adapters import add_command
-from test_lora_layer import TinyProjections, peft_delta
+from test_lora_layer import TinyProjections, our_delta, peft_delta
 
 from loraplex.adapters.errors import AdapterLoadError, AdapterNotFoundError
 from loraplex.adapters.lora_layer import attach_lora_layers
@@ -170,8 +170,7 @@ def test_requests_pin_slots_and_the_batch_applies_them(manager_and_model, tmp_pa
     writer.write(np.array([slot_b, -1, slot_a], dtype=np.int32))
     x = torch.randn(3, 64)
     linear = model.linear(1, "self_attn.o_proj")
-    with torch.no_grad():
-        delta = linear(x) - torch.nn.functional.linear(x, linear.weight)
+    delta = our_delta(linear, x)
     peft_b = PeftModel.from_pretrained(tiny_llama(), str(folders[1])).eval()
     torch.testing.assert_close(delta[0], peft_delta(peft_b, 1, "o_proj", x[:1])[0])
     assert delta[1].abs().max() == 0
