@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from loraplex.platform.runner.cpu_malloc import release_free_memory
+
 # NOTE: under pytest-xdist (`make test` runs two workers), each worker is one process of several
 # sharing the machine's cores: one intra-op thread each (and for the servers they start, which
 # inherit OMP_NUM_THREADS) keeps two workers from oversubscribing two cores. An explicit
@@ -76,15 +78,19 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 
 @pytest.fixture(scope="module", autouse=True)
 def _collect_garbage_after_each_module() -> Iterator[None]:
-    """A full collection once a module's fixtures are torn down.
+    """A full collection once a module's fixtures are torn down, then the freed heap handed back
+    to the OS.
 
     NOTE: the engine raises the collector's thresholds for serving (gc_tuning.py), so in a test
     process the old generation is almost never collected: the engines a module built and dropped
     (they hold reference cycles) would stay in memory for the rest of the run, gigabytes per
-    xdist worker by the end of the suite.
+    xdist worker by the end of the suite. Collected, their weights (and oneDNN-packed copies)
+    are free but still resident in glibc's heap (`cpu_malloc.release_free_memory`): a worker
+    would keep the largest module's footprint for the rest of the run.
     """
     yield
     gc.collect()
+    release_free_memory()
 
 
 @pytest.fixture(scope="session")

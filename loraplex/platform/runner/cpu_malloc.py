@@ -1,4 +1,5 @@
-"""glibc malloc settings for a CPU engine: a step's activations reuse memory already mapped.
+"""glibc malloc for CPU engines: settings under which a step's activations reuse memory already
+mapped, and handing freed memory back to the OS.
 
 By default glibc serves a large request (above a threshold that starts at 128 KiB and follows the
 largest block freed) with a fresh `mmap` and returns freed memory at the heap's top to the OS
@@ -15,6 +16,13 @@ Process-wide and idempotent; a no-op where the C library is not glibc. Applied b
 process of `loraplex serve`, which owns its process; an in-process engine (the offline `LLM`,
 tests, Ray Serve) leaves its caller's allocator alone: threads' arenas that keep up to 1 GiB free
 each grew a test process past 10 GB.
+
+Under glibc's defaults a block above the dynamic mmap threshold is mapped and unmapped on its
+own, but the threshold follows the largest mapped block freed (up to 32 MiB), so after the first
+few steps a model's weights and their oneDNN-packed copies (a few MiB each) come from the heap
+too. Freed, they stay in the heap (free, but resident) wherever a live block sits above them:
+a process that builds engines and drops them (a test process) keeps the high-water mark of all
+its engines so far. `release_free_memory` hands those pages back (`malloc_trim`).
 """
 
 from __future__ import annotations
@@ -32,17 +40,34 @@ SETTINGS = ((M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, 1 << 30), (M_TOP_PA
 
 
 @functools.cache
-def configure_cpu_malloc() -> bool:
-    """Apply SETTINGS through glibc's `mallopt`. -> whether every setting took"""
-    name = ctypes.util.find_library("c")
+def _glibc() -> ctypes.CDLL | None:
+    """The C library where it is glibc, else None."""
     try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
         libc.gnu_get_libc_version  # noqa: B018 (glibc only)
     except (OSError, AttributeError, TypeError):
+        return None
+    libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return libc
+
+
+@functools.cache
+def configure_cpu_malloc() -> bool:
+    """Apply SETTINGS through glibc's `mallopt`. -> whether every setting took"""
+    libc = _glibc()
+    if libc is None:
         return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    mallopt = libc.mallopt
     done = all(mallopt(param, value) == 1 for param, value in SETTINGS)
     if not done:
         logger.info("glibc refused a malloc setting of the CPU engine; its defaults stay")
     return done
+
+
+def release_free_memory() -> bool:
+    """Return the pages of every free heap block to the OS (glibc's `malloc_trim(0)`; each
+    arena is locked in turn, a few ms for gigabytes of heap). -> whether any memory was
+    released (False where the C library is not glibc)"""
+    libc = _glibc()
+    return libc is not None and libc.malloc_trim(0) == 1
