@@ -24,6 +24,7 @@ import logging
 import torch
 from torch.nn import functional as F
 
+from loraplex.adapters import zero_pages
 from loraplex.adapters.peft_config import VOCAB_MODULES
 from loraplex.adapters.peft_format import LoRAWeights
 
@@ -45,7 +46,7 @@ class SavedModules:
         self._base = {"embed_tokens": embed_weight, "lm_head": lm_head_weight}
         # module -> [num_slots, vocab, hidden]: the copy held beside LoRA slot k
         self.copies = {
-            m: torch.zeros(num_slots, vocab_size, hidden, dtype=dtype, device=device)
+            m: zero_pages.zeros((num_slots, vocab_size, hidden), dtype, device)
             for m in VOCAB_MODULES
         }
         # module -> [max_loras] bool: whether the adapter in LoRA slot s uses its copy

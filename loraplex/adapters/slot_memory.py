@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplex.adapters import zero_pages
 from loraplex.adapters.peft_format import LoRAWeights
 
 _ALIGN = 64  # elements: region offsets (and the slot stride) stay 128-byte aligned in bf16
@@ -119,7 +120,8 @@ class SlotMemory:
         self.param_rows = sum(s.params for s in shapes)
         self.dtype = dtype
         device = torch.device(device)
-        self.weights = torch.zeros(num_slots, self.slot_elems, dtype=dtype, device=device)
+        # NOTE: on the host a slot's pages become resident when an adapter is written into it
+        self.weights = zero_pages.zeros((num_slots, self.slot_elems), dtype, device)
         self.params = torch.zeros(2, self.param_rows, num_slots, dtype=torch.int32, device=device)
         self.dora = torch.ones(
             num_slots, sum(s.dora for s in shapes), dtype=torch.float32, device=device
