@@ -59,20 +59,27 @@ from loraplex.kernels.lora import (
 RANK = 16
 _D = DEFAULT_KERNEL_CONFIG
 _ALWAYS = 1 << 20
+_TOKEN = dataclasses.replace(_D, decode_max_tokens=0, token_kernels_max_tokens=_ALWAYS)
+_GROUP = dataclasses.replace(
+    _D, decode_max_tokens=0, token_kernels_max_tokens=0, prefill_min_tokens=_ALWAYS
+)
+_PREFILL = dataclasses.replace(_D, decode_max_tokens=0, token_kernels_max_tokens=0,
+                               prefill_min_tokens=0)  # fmt: skip
+#: Each regime forced, and its expand with one column tile per program (`_x0`, the kernels
+#: before chunked expands) or aiming at more programs (`_x4096`).
 VARIANTS = {
     "default": _D,
     "decode": dataclasses.replace(_D, decode_max_tokens=_ALWAYS),
-    "decode_pdl": dataclasses.replace(_D, decode_max_tokens=_ALWAYS, decode_pdl=True),
-    "decode_n128": dataclasses.replace(_D, decode_max_tokens=_ALWAYS, decode_block_n=128),
-    "decode_k512": dataclasses.replace(_D, decode_max_tokens=_ALWAYS, decode_k_per_split=512),
-    "token": dataclasses.replace(_D, decode_max_tokens=0, token_kernels_max_tokens=_ALWAYS),
-    "group": dataclasses.replace(
-        _D, decode_max_tokens=0, token_kernels_max_tokens=0, prefill_min_tokens=_ALWAYS
-    ),
-    "prefill_tiles": dataclasses.replace(
-        _D, decode_max_tokens=0, token_kernels_max_tokens=0, prefill_min_tokens=0
-    ),
+    "token": _TOKEN,
+    "token_x0": dataclasses.replace(_TOKEN, expand_programs=0),
+    "token_x4096": dataclasses.replace(_TOKEN, expand_programs=4096),
+    "group": _GROUP,
+    "group_x0": dataclasses.replace(_GROUP, expand_programs=0),
+    "group_x4096": dataclasses.replace(_GROUP, expand_programs=4096),
+    "prefill_tiles": _PREFILL,
+    "prefill_tiles_x0": dataclasses.replace(_PREFILL, expand_programs=0),
 }
+PREFILL_VARIANTS = ["default", "group", "group_x0", "prefill_tiles", "prefill_tiles_x0"]
 SIDE_STREAM = "side_stream"  # the "token" pair, its shrink on a second stream beside the GEMM
 TOLERANCE = 3e-2  # max |error| / max |reference| in bf16
 
@@ -346,7 +353,8 @@ def measure_case(
     setup, timer = bench.setup, bench.timer
     bench.set_case(num_tokens, num_adapters)
     row: dict[str, float | str] = {}
-    variants = ["default", "group", "prefill_tiles"] if prefill else [*VARIANTS, SIDE_STREAM]
+    decode_variants = [v for v in VARIANTS if not v.startswith("prefill_tiles")]
+    variants = PREFILL_VARIANTS if prefill else [*decode_variants, SIDE_STREAM]
     if num_tokens > 64:
         variants = [v for v in variants if v != SIDE_STREAM]
     ok = []

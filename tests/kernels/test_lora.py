@@ -136,6 +136,11 @@ def test_mismatched_shapes_are_refused():
         LoRAStack(lora.a[:, :6], lora.b_t, lora.ranks, lora.scaling, lora.slice_offsets)
 
 
+@pytest.mark.parametrize(
+    ("expand_programs", "expand_max_tiles"),
+    [(1024, 16), (1, 3)],
+    ids=["tile-per-program", "3-tile-chunks"],
+)
 @pytest.mark.parametrize("regime", list(REGIMES))
 @pytest.mark.parametrize(
     ("num_tokens", "in_features", "slice_sizes", "num_slots", "max_rank", "max_splits"),
@@ -147,11 +152,14 @@ def test_mismatched_shapes_are_refused():
     ],
 )
 def test_triton_matches_reference(
-    regime, num_tokens, in_features, slice_sizes, num_slots, max_rank, max_splits
-):
+    regime, num_tokens, in_features, slice_sizes, num_slots, max_rank, max_splits,
+    expand_programs, expand_max_tiles,
+):  # fmt: skip
     """Every regime's kernels, at odd sizes with mixed ranks (0 included) and base rows, equal
-    the reference; rows past the split shrink's partials hold NaN, which must not be read."""
-    config = _config(regime, max_splits=max_splits, prefill_max_splits=max_splits)
+    the reference, with one column tile per expand program or chunks of three that end inside a
+    slice; rows past the split shrink's partials hold NaN, which must not be read."""
+    config = _config(regime, max_splits=max_splits, prefill_max_splits=max_splits,
+                     expand_programs=expand_programs, expand_max_tiles=expand_max_tiles)  # fmt: skip
     lora = _stack(in_features, slice_sizes, num_slots, max_rank, 7, first=3)
     x, slots = _inputs(num_tokens, in_features, num_slots, 7)
     slots[0] = 0

@@ -57,6 +57,8 @@ class LoRAKernelConfig:
     prefill_block_n: int = 128
     prefill_block_k: int = 64
     prefill_max_splits: int = 4
+    expand_programs: int = 1024  # expands: loop over column tiles until about this many programs
+    expand_max_tiles: int = 16  # most column tiles one expand program loops over
 
     def __post_init__(self) -> None:
         for name in ("decode_block_k", "decode_block_n", "shrink_block_k", "expand_block_n",
@@ -67,11 +69,12 @@ class LoRAKernelConfig:
                 raise ValueError(f"LoRAKernelConfig.{name} must be a power of two >= 16")
         if self.decode_k_per_split % self.decode_block_k:
             raise ValueError("LoRAKernelConfig.decode_k_per_split must divide by decode_block_k")
-        for name in ("max_splits", "prefill_max_splits", "target_programs", "token_k_per_split"):
+        for name in ("max_splits", "prefill_max_splits", "target_programs", "token_k_per_split",
+                     "expand_max_tiles"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"LoRAKernelConfig.{name} must be >= 1")
-        if min(self.decode_max_tokens, self.token_kernels_max_tokens) < 0:
-            raise ValueError("LoRAKernelConfig: token limits must be >= 0")
+        if min(self.decode_max_tokens, self.token_kernels_max_tokens, self.expand_programs) < 0:
+            raise ValueError("LoRAKernelConfig: token limits and expand_programs must be >= 0")
 
     def regime(self, num_tokens: int, has_counters: bool) -> str:
         """ "decode", "token", "group" or "prefill" for a step of `num_tokens` tokens."""
