@@ -55,6 +55,7 @@ from loraplex.kernels.lora import (
     LoRAStack,
     add_lora,
     fill_kernel_meta,
+    fused_gemv_lora,
     new_counters,
 )
 
@@ -215,6 +216,15 @@ class LoRALayer:
             meta = self.meta
             add_lora(x, out, self.weights, meta.kernel_meta, meta.workspace, counters=meta.counters)
 
+    def fused(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """One token through a plain weight on CUDA: the base GEMV with the delta in one launch
+        (`fused_gemv_lora`); None otherwise, or when no adapter is in the batch."""
+        if not self.meta.active or getattr(layer.method, "name", None) != "unquantized":
+            return None
+        meta = self.meta
+        return fused_gemv_lora(x, layer.weight, layer.bias, self.weights, meta.kernel_meta,
+                               meta.workspace, meta.counters)  # fmt: skip
+
     def stage(self, image: SlotImage, weights: LoRAWeights) -> None:
         """Write this layer's modules of `weights` into its part of a host slot image (any
         thread); shards the adapter does not touch keep rank 0."""
@@ -346,8 +356,7 @@ class LoRAModelState:
         number of hook calls."""
         meta = self.meta
         device = meta.workspace.device
-        counts = {1, config.decode_max_tokens + 1, config.token_kernels_max_tokens + 1,
-                  config.prefill_min_tokens}  # fmt: skip
+        counts = {1, config.decode_max_tokens + 1, config.token_kernels_max_tokens + 1}
         embeds = [h for h in self.vocab if isinstance(h, EmbeddingLoRA)]
         calls = 0
         for n in sorted(c for c in counts if 0 < c <= meta.max_num_tokens):

@@ -10,10 +10,10 @@ segmented GEMM).
   into the tokens' output rows; a chunk spans several tiles (`expand_chunks`), so a program
   finds its tokens and sums the partials once for all of them.
 
-Two tile sets: decode-sized batches (`group_block_m`, a few tokens per adapter; the shrink
-splits its reduction to fill the GPU) and prefill steps (`prefill_block_m` rows per program,
-deeper reductions, fewer splits). Programs past the last block exit at once, so the grids
-depend on the token count only and replay from CUDA graphs.
+One tile set serves decode batches of a few tokens per adapter and prefill steps alike (64-row
+prefill tiles measured slower at 2,048 and 8,192 tokens); the shrink splits its reduction to
+fill the GPU. Programs past the last block exit at once, so the grids depend on the token count
+only and replay from CUDA graphs.
 """
 
 from __future__ import annotations
@@ -120,14 +120,6 @@ def _expand_group_kernel(
         tl.store(o_rows + offs_n[None, :], new.to(cur.dtype), mask=mask)
 
 
-def group_tiles(config: LoRAKernelConfig, prefill: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, shrink BLOCK_K, most splits) of one tile set."""
-    if prefill:
-        return (config.prefill_block_m, config.prefill_block_n, config.prefill_block_k,
-                config.prefill_max_splits)  # fmt: skip
-    return config.group_block_m, config.group_block_n, config.shrink_block_k, config.max_splits
-
-
 def lora_grouped(
     x: torch.Tensor,  # [num_tokens, in]
     out: torch.Tensor,  # [num_tokens, >= offsets[-1]]
@@ -135,13 +127,13 @@ def lora_grouped(
     meta: LoRAKernelMeta,
     workspace: torch.Tensor,  # [rows, >= num_slices * max_rank] fp32
     config: LoRAKernelConfig,
-    prefill: bool,
 ) -> None:
     """Every token's delta of every slice into `out`, tokens grouped by slot: the shrink, then
-    the expand, with the decode-sized or the prefill tiles."""
+    the expand."""
     num_tokens, k = x.shape
     num_slots = lora.a.shape[0]
-    bm, bn, bk, max_splits = group_tiles(config, prefill)
+    bm, bn, bk = config.group_block_m, config.group_block_n, config.shrink_block_k
+    max_splits = config.max_splits
     blocks = triton.cdiv(num_tokens, bm) + min(num_slots, num_tokens)
     wanted = min(triton.cdiv(config.target_programs, blocks), max_splits)
     splits, k_per_split = split_k(k, min(wanted, workspace.shape[0] // num_tokens), bk)
