@@ -411,18 +411,19 @@ def measure_case(
 def measure_fused_gemv(bench: Bench, iters: int) -> dict[str, float]:
     """One token as the engine runs it: the base projections through `kernels.gemv.linear` (the
     tuned Triton GEMV), alone, followed by the default LoRA, and as the fused GEMV that carries
-    the adapter (`fused_gemv_lora`), per layer in a graph; the fused output checked first."""
+    the adapter (`fused_gemv_lora`, a counter per projection zeroed once a step as the engine
+    does), per layer in a graph; the fused output checked first."""
     from loraplex.kernels.gemv import linear
     from loraplex.kernels.lora import fused_gemv_lora
 
     meta, layers = bench.meta, bench.setup.num_layers
     apply = bench.lora(DEFAULT_KERNEL_CONFIG)
-    args = (meta.kernel_meta, meta.workspace, meta.counters)
+    counts = torch.zeros(layers, len(bench.weights), 1, dtype=torch.int32, device=bench.device)
     row: dict[str, float] = {}
-    for layer, w, x in zip(bench.layers[0], bench.weights, bench.xs):
+    for p, (layer, w, x) in enumerate(zip(bench.layers[0], bench.weights, bench.xs)):
         expected = linear(x, w, None)
         apply(layer, x, expected)
-        fused = fused_gemv_lora(x, w, None, layer, *args)
+        fused = fused_gemv_lora(x, w, None, layer, meta.kernel_meta, meta.workspace, counts[0, p])
         if fused is None:
             return {"fused_gemv_failed": 1.0}
         err = (fused.float() - expected.float()).abs().max() / expected.float().abs().max()
@@ -430,10 +431,12 @@ def measure_fused_gemv(bench: Bench, iters: int) -> dict[str, float]:
 
     def steps(mode: str) -> Callable[[], None]:
         def step() -> None:
-            for per_layer in bench.layers:
-                for layer, w, x in zip(per_layer, bench.weights, bench.xs):
+            counts.zero_()
+            for i, per_layer in enumerate(bench.layers):
+                for p, (layer, w, x) in enumerate(zip(per_layer, bench.weights, bench.xs)):
                     if mode == "fused":
-                        fused_gemv_lora(x, w, None, layer, *args)
+                        fused_gemv_lora(x, w, None, layer, meta.kernel_meta, meta.workspace,
+                                        counts[i, p])  # fmt: skip
                         continue
                     y = linear(x, w, None)
                     if mode == "gemv_then_lora":

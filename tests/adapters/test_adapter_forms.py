@@ -111,11 +111,11 @@ def _cuda_path_on_cpu(llm: LLM, monkeypatch) -> set[str]:
         regimes.add(config.regime(x.shape[0], counters is not None))
         lora_triton(x, out, lora, meta, workspace, config, counters)
 
-    def fused_path(x, weight, bias, lora, meta, workspace, counters, config_=None):
+    def fused_path(x, weight, bias, lora, meta, workspace, counter, config_=None):
         if x.shape[0] != 1:
             return None
         regimes.add("fused")
-        return gemv_lora(x, weight, bias, lora, meta, workspace, counters, GemvConfig(16, 32, 4, 1),
+        return gemv_lora(x, weight, bias, lora, meta, workspace, counter, GemvConfig(16, 32, 4, 1),
                          config)  # fmt: skip
 
     for module in ("lora_layer", "vocab_lora"):

@@ -93,13 +93,13 @@ def fused_gemv_lora(
     lora: LoRAStack,
     meta: LoRAKernelMeta,
     workspace: torch.Tensor,  # [rows, >= num_slices * max_rank] fp32
-    counters: torch.Tensor | None,  # [SYNC_COUNTERS] int32 (`new_counters`)
+    counter: torch.Tensor | None,  # [1] int32, zeroed by the caller before each launch
     config: LoRAKernelConfig | None = None,
 ) -> torch.Tensor | None:
     """`x @ weight^T (+ bias)` with the token's adapter delta, in one launch, where a kernel
     serves the batch: one token on CUDA through a weight with a tuned GEMV
     (`kernels.gemv.GEMV_CONFIGS`). None elsewhere: the caller runs its base product, then
-    `add_lora`."""
+    `add_lora`. `counter` is this call's own (one per layer), zero when the launch starts."""
     config = config or DEFAULT_KERNEL_CONFIG
     if not (config.fuse_gemv and x.is_cuda and x.dim() == 2 and x.shape[0] == 1):
         return None
@@ -108,7 +108,7 @@ def fused_gemv_lora(
     gemv = GEMV_CONFIGS.get((weight.shape[0], weight.shape[1]))
     if (
         gemv is None
-        or counters is None
+        or counter is None
         or x.dtype != weight.dtype
         or x.stride(1) != 1
         or weight.stride(1) != 1
@@ -119,7 +119,7 @@ def fused_gemv_lora(
     check_lora_args(x, x.new_empty((1, weight.shape[0])), lora, meta, workspace)
     from loraplex.kernels.lora.triton_gemv_lora import gemv_lora
 
-    return gemv_lora(x, weight, bias, lora, meta, workspace, counters, gemv, config)
+    return gemv_lora(x, weight, bias, lora, meta, workspace, counter, gemv, config)
 
 
 def lora_triton(

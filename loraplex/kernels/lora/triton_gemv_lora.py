@@ -5,15 +5,20 @@ At batch 1 a projection is a pure read of its weight (`triton_gemv`), and a LoRA
 one-launch decode kernel after it costs microseconds of launch and latency for a few hundred
 kilobytes. Here the GEMV's programs carry the adapter:
 
-- the first `num_splits` tickets (an atomic counter, handed out in arrival order) are shrink
-  items: a chunk of the input features -> its partial `t` of every slice into the workspace
-  (`[num_splits, 1, width]` rows), then one count on the shrink counter;
-- every later ticket owns `BLOCK_N` output rows: it streams their weight slab as the plain GEMV
+- the first `num_splits` programs are shrink items: a chunk of the input features -> its partial
+  `t` of every slice into the workspace (`[num_splits, 1, width]` rows), then one count on the
+  layer's counter;
+- every later program owns `BLOCK_N` output rows: it streams their weight slab as the plain GEMV
   does, then waits until every shrink item has counted (by then, almost always, long done),
   sums the partials of its rows' slice and adds `scaling * t @ B^T` for those rows.
 
-A program waits only on tickets handed out before its own (programs already running), so the
-launch cannot deadlock; the last program resets the counters, so a CUDA graph replays it as is.
+Only the shrink items touch the counter with atomics: thousands of GEMV programs each taking an
+arrival ticket and counting its end on one address (as the decode kernel does for its few dozen
+programs) measured slower than the GEMV followed by the decode kernel. So the roles follow the
+program index (the GPU starts a grid's programs in index order, so the shrink items run first;
+the polls are bounded, so a broken order shows as a wrong result, not a hang), the waits are
+plain polling loads whose value gates the loads of `t`, and the caller zeroes the counter
+before each launch (`LoRABatchMeta.set`, once a step, one counter per layer).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import triton.language as tl
 
 from loraplex.kernels.gemv import GemvConfig
 from loraplex.kernels.lora.triton_common import dora_args, dora_update, offsets_tensor, pad, split_k
-from loraplex.kernels.lora.types import SYNC_COUNTERS, LoRAKernelConfig, LoRAKernelMeta, LoRAStack
+from loraplex.kernels.lora.types import LoRAKernelConfig, LoRAKernelMeta, LoRAStack
 
 # NOTE: bounds the polls of the shrink counter, so that a broken counter shows as a wrong
 # result instead of a hang (the shrink items end within microseconds).
@@ -33,7 +38,7 @@ _MAX_POLLS = 1 << 16
 
 @triton.jit
 def _gemv_lora_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, a_ptr, b_ptr, t_ptr, sync_ptr, slots_ptr, rank_ptr,
+    x_ptr, w_ptr, bias_ptr, out_ptr, a_ptr, b_ptr, t_ptr, count_ptr, slots_ptr, rank_ptr,
     scaling_ptr, offsets_ptr, g_ptr,
     N, K, k_per_split, num_splits,
     stride_wn, stride_as, stride_ar, stride_bs, stride_br, stride_tm, stride_rs, stride_gs,
@@ -42,15 +47,15 @@ def _gemv_lora_kernel(
     DORA: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     MAX_POLLS: tl.constexpr,
 ):  # fmt: skip
-    ticket = tl.atomic_add(sync_ptr, 1)
+    pid = tl.program_id(0)
     slot = tl.load(slots_ptr)
-    if ticket < num_splits:
+    if pid < num_splits:
         if slot >= 0:
             offs_w = tl.arange(0, WIDTH_PAD)  # t column: slice * MAX_RANK + r
             w_mask = offs_w < NUM_SLICES * MAX_RANK
             a_rows = a_ptr + slot.to(tl.int64) * stride_as + offs_w[:, None] * stride_ar
             acc = tl.zeros((WIDTH_PAD,), dtype=tl.float32)
-            k_lo = ticket * k_per_split
+            k_lo = pid * k_per_split
             k_hi = tl.minimum(k_lo + k_per_split, K)
             for k0 in range(k_lo, k_hi, SHRINK_BLOCK_K):
                 offs_k = k0 + tl.arange(0, SHRINK_BLOCK_K)
@@ -62,12 +67,12 @@ def _gemv_lora_kernel(
             ranks = tl.load(rank_ptr + (offs_w // MAX_RANK) * stride_rs + slot, mask=w_mask,
                             other=0)  # fmt: skip
             acc = tl.where(offs_w % MAX_RANK < ranks, acc, 0.0)
-            tl.store(t_ptr + ticket.to(tl.int64) * stride_tm + offs_w, acc, mask=w_mask)
+            tl.store(t_ptr + pid.to(tl.int64) * stride_tm + offs_w, acc, mask=w_mask)
         # NOTE: every thread's stores before one release: the barrier, then the counter
         tl.debug_barrier()
-        tl.atomic_add(sync_ptr + 1, 1, sem="release")
+        tl.atomic_add(count_ptr, 1, sem="release")
     else:
-        rows = (ticket - num_splits) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = (pid - num_splits) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         cols = tl.arange(0, BLOCK_K)
         w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
@@ -107,13 +112,12 @@ def _gemv_lora_kernel(
                 b_ptr + slot.to(tl.int64) * stride_bs + offs_r[None, :] * stride_br + rows[:, None],
                 mask=r_mask, other=0.0,
             )  # fmt: skip
-            done = tl.load(sync_ptr + 1, volatile=True)
+            done = tl.load(count_ptr, volatile=True)
             polls = 0
             while (done < num_splits) & (polls < MAX_POLLS):
-                done = tl.load(sync_ptr + 1, volatile=True)
+                done = tl.load(count_ptr, volatile=True)
                 polls += 1
-            # NOTE: an acquire read orders the shrinks' stores before the loads of t
-            done = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
+            # NOTE: the count read gates the loads of t (they read L2, `.cg`)
             used = tl.where(done >= num_splits, num_splits, 0)
             t_ptrs = t_ptr + (safe_slice * MAX_RANK)[:, None] + offs_r[None, :]
             t = tl.zeros((BLOCK_N, RANK_PAD), dtype=tl.float32)
@@ -125,11 +129,6 @@ def _gemv_lora_kernel(
             new = dora_update(y, delta, g_ptrs, bias_ptr + rows, in_lora, DORA, HAS_BIAS)
             y = tl.where(in_lora, new, y)
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
-    finished = tl.atomic_add(sync_ptr + 2, 1)
-    if finished == tl.num_programs(0) - 1:  # the last program of the launch
-        tl.atomic_xchg(sync_ptr, 0)
-        tl.atomic_xchg(sync_ptr + 1, 0)
-        tl.atomic_xchg(sync_ptr + 2, 0)
 
 
 def gemv_lora(
@@ -139,15 +138,15 @@ def gemv_lora(
     lora: LoRAStack,
     meta: LoRAKernelMeta,
     workspace: torch.Tensor,  # [rows, >= num_slices * max_rank] fp32
-    counters: torch.Tensor,  # [SYNC_COUNTERS] int32, zero; zero again when the launch ends
+    counter: torch.Tensor,  # [1] int32, zero before the launch; the shrink items count on it
     gemv: GemvConfig,
     config: LoRAKernelConfig,
 ) -> torch.Tensor:  # [1, N] in x's dtype
     """The token's base product and its adapter's delta in one launch (DoRA needs `bias` to be
     the stack's base bias)."""
     n, k = weight.shape
-    if counters.shape != (SYNC_COUNTERS,) or counters.dtype != torch.int32:
-        raise ValueError(f"lora: counters must be int32 [{SYNC_COUNTERS}]")
+    if counter.shape != (1,) or counter.dtype != torch.int32:
+        raise ValueError("lora: the fused GEMV's counter must be int32 [1]")
     if lora.dora_scale is not None and lora.base_bias is not bias:
         raise ValueError("lora: a DoRA stack's base bias must be the GEMV's bias")
     splits = min(triton.cdiv(k, config.decode_k_per_split), config.max_splits, workspace.shape[0])
@@ -157,7 +156,7 @@ def gemv_lora(
     a, b_t, t = lora.a, lora.b_t, workspace
     (g, _), flags = dora_args(lora)
     _gemv_lora_kernel[(splits + triton.cdiv(n, gemv.block_n),)](
-        x, weight, bias if bias is not None else out, out, a, b_t, t, counters,
+        x, weight, bias if bias is not None else out, out, a, b_t, t, counter,
         meta.lora_slots, lora.ranks, lora.scaling, offsets_tensor(lora.slice_offsets, x.device),
         g, n, k, k_per_split, splits,
         weight.stride(0), a.stride(0), a.stride(1), b_t.stride(0), b_t.stride(1), t.stride(0),

@@ -37,10 +37,13 @@ class LoRAKernelConfig:
     # NOTE: picked by the H200 runs of benchmarks.lora_kernels (results/h200_lora_kernels.json):
     # the one-launch decode kernel adds the least to a layer at one token where no GEMV carries
     # the adapter; from 8 tokens on the per-token pair wins (35 against 49-53 us a layer at 8
-    # adapters), and at 64 tokens (62 / 85 against 86 / 203 us at 8 / 64 adapters); at 256 the
-    # grouped pair wins (86 / 91 / 174 against 151 / 174 / 194 us at 1 / 8 / 64 adapters), and
-    # at 2,048 and 8,192 tokens it beats 64-row prefill tiles (346 against 419 us, 824 against
-    # 1,126), so it serves every larger step.
+    # adapters), at 64 tokens (60 / 84 against 72 / 163 us at 8 / 64 adapters) and at 128 on 64
+    # adapters (122 against 156; on 1 and 8 adapters the grouped pair is faster there, 67 / 71
+    # against 90 / 100); at 256 the grouped pair wins (81 / 85 / 139 against 153 / 178 / 198 us
+    # at 1 / 8 / 64 adapters), and at 2,048 and 8,192 tokens it beat 64-row prefill tiles (346
+    # against 419 us, 824 against 1,126), so it serves every larger step. Expands that loop over
+    # column tiles until about 256 programs remain beat one tile per program (139 against 218 us
+    # at 256 tokens on 64 adapters, 832 against 1,528 at 8,192) and 1,024 programs (175, 837).
     decode_max_tokens: int = 1
     fuse_gemv: bool = True  # one token through a plain weight: the base GEMV carries the LoRA
     decode_pdl: bool = True  # launch it as a programmatic dependent of the base GEMM (sm90)
@@ -55,7 +58,7 @@ class LoRAKernelConfig:
     expand_block_n: int = 256  # columns per program of the per-token expand
     group_block_m: int = 16  # tokens per program of the grouped kernels
     group_block_n: int = 128
-    expand_programs: int = 1024  # expands: loop over column tiles until about this many programs
+    expand_programs: int = 256  # expands: loop over column tiles until about this many programs
     expand_max_tiles: int = 16  # most column tiles one expand program loops over
 
     def __post_init__(self) -> None:
