@@ -158,7 +158,8 @@ class LoRABatchMeta:
             lora_slots = lora_slots.clone()
         self._slots[:n].copy_(lora_slots.to(torch.int32), non_blocking=True)
         self.kernel_meta = self._view(n)
-        self._fused_counts.zero_()
+        if self.active:
+            self._fused_counts.zero_()
         self.regroup()
 
     def regroup(self) -> None:
