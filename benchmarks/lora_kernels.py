@@ -59,20 +59,22 @@ from loraplex.kernels.lora import (
 RANK = 16
 _D = DEFAULT_KERNEL_CONFIG
 _ALWAYS = 1 << 20
+_TOKEN = dataclasses.replace(_D, decode_max_tokens=0, token_kernels_max_tokens=_ALWAYS)
+_GROUP = dataclasses.replace(_D, decode_max_tokens=0, token_kernels_max_tokens=0)
+#: Each regime forced, and its expand with one column tile per program (`_x0`, the kernels
+#: before chunked expands) or aiming at fewer or more programs (`_x256`, `_x4096`).
 VARIANTS = {
     "default": _D,
     "decode": dataclasses.replace(_D, decode_max_tokens=_ALWAYS),
-    "decode_pdl": dataclasses.replace(_D, decode_max_tokens=_ALWAYS, decode_pdl=True),
-    "decode_n128": dataclasses.replace(_D, decode_max_tokens=_ALWAYS, decode_block_n=128),
-    "decode_k512": dataclasses.replace(_D, decode_max_tokens=_ALWAYS, decode_k_per_split=512),
-    "token": dataclasses.replace(_D, decode_max_tokens=0, token_kernels_max_tokens=_ALWAYS),
-    "group": dataclasses.replace(
-        _D, decode_max_tokens=0, token_kernels_max_tokens=0, prefill_min_tokens=_ALWAYS
-    ),
-    "prefill_tiles": dataclasses.replace(
-        _D, decode_max_tokens=0, token_kernels_max_tokens=0, prefill_min_tokens=0
-    ),
+    "token": _TOKEN,
+    "token_x0": dataclasses.replace(_TOKEN, expand_programs=0),
+    "token_x256": dataclasses.replace(_TOKEN, expand_programs=256),
+    "group": _GROUP,
+    "group_x0": dataclasses.replace(_GROUP, expand_programs=0),
+    "group_x256": dataclasses.replace(_GROUP, expand_programs=256),
+    "group_x4096": dataclasses.replace(_GROUP, expand_programs=4096),
 }
+PREFILL_VARIANTS = ["default", "group_x0", "group_x256", "group_x4096"]
 SIDE_STREAM = "side_stream"  # the "token" pair, its shrink on a second stream beside the GEMM
 TOLERANCE = 3e-2  # max |error| / max |reference| in bf16
 
@@ -107,10 +109,10 @@ class Setup:
 
 H200 = Setup(
     4096, 14336, 4096, 1024, num_layers=32, num_slots=64,
-    decode_cases=((1, 1), (8, 8), (64, 64), (256, 64), (8, 1), (64, 8), (256, 8), (64, 1),
-                  (256, 1)),
+    decode_cases=((1, 1), (8, 8), (64, 64), (128, 64), (256, 64), (64, 8), (128, 8), (256, 8),
+                  (128, 1), (256, 1)),
     prefill_cases=((2048, 8), (8192, 64)),
-    profile_cases=((1, 1), (64, 64), (256, 64), (8192, 64)),
+    profile_cases=((64, 64), (256, 64), (8192, 64)),
     graph_iters=20, eager_iters=3,
 )  # fmt: skip
 SMOKE = Setup(
@@ -346,7 +348,7 @@ def measure_case(
     setup, timer = bench.setup, bench.timer
     bench.set_case(num_tokens, num_adapters)
     row: dict[str, float | str] = {}
-    variants = ["default", "group", "prefill_tiles"] if prefill else [*VARIANTS, SIDE_STREAM]
+    variants = PREFILL_VARIANTS if prefill else [*VARIANTS, SIDE_STREAM]
     if num_tokens > 64:
         variants = [v for v in variants if v != SIDE_STREAM]
     ok = []
@@ -381,6 +383,8 @@ def measure_case(
             row[f"{name}_layer_us"] = combined
         except Exception as exc:  # e.g. a launch a graph cannot capture: reported, not fatal
             row[f"{name}_failed"] = f"timing: {type(exc).__name__}: {exc}"[:300]
+    if num_tokens == 1 and bench.cuda:
+        row.update(measure_fused_gemv(bench, iters))
     if not prefill and ok:
         base_layer = timer.us(bench.layer_step(None), graph=True, iters=iters) / layers
         row["base_layer_us"] = base_layer
@@ -402,6 +406,49 @@ def measure_case(
                 row.get("default_lora_us", float("nan")) / row["lora_floor_us"]
             )
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
+
+
+def measure_fused_gemv(bench: Bench, iters: int) -> dict[str, float]:
+    """One token as the engine runs it: the base projections through `kernels.gemv.linear` (the
+    tuned Triton GEMV), alone, followed by the default LoRA, and as the fused GEMV that carries
+    the adapter (`fused_gemv_lora`, a counter per projection zeroed once a step as the engine
+    does), per layer in a graph; the fused output checked first."""
+    from loraplex.kernels.gemv import linear
+    from loraplex.kernels.lora import fused_gemv_lora
+
+    meta, layers = bench.meta, bench.setup.num_layers
+    apply = bench.lora(DEFAULT_KERNEL_CONFIG)
+    counts = torch.zeros(layers, len(bench.weights), 1, dtype=torch.int32, device=bench.device)
+    row: dict[str, float] = {}
+    for p, (layer, w, x) in enumerate(zip(bench.layers[0], bench.weights, bench.xs)):
+        expected = linear(x, w, None)
+        apply(layer, x, expected)
+        fused = fused_gemv_lora(x, w, None, layer, meta.kernel_meta, meta.workspace, counts[0, p])
+        if fused is None:
+            return {"fused_gemv_failed": 1.0}
+        err = (fused.float() - expected.float()).abs().max() / expected.float().abs().max()
+        row["fused_gemv_max_rel_error"] = max(row.get("fused_gemv_max_rel_error", 0.0), err.item())
+
+    def steps(mode: str) -> Callable[[], None]:
+        def step() -> None:
+            counts.zero_()
+            for i, per_layer in enumerate(bench.layers):
+                for p, (layer, w, x) in enumerate(zip(per_layer, bench.weights, bench.xs)):
+                    if mode == "fused":
+                        fused_gemv_lora(x, w, None, layer, meta.kernel_meta, meta.workspace,
+                                        counts[i, p])  # fmt: skip
+                        continue
+                    y = linear(x, w, None)
+                    if mode == "gemv_then_lora":
+                        apply(layer, x, y)
+
+        return step
+
+    for mode in ("gemv", "gemv_then_lora", "fused"):
+        row[f"{mode}_layer_us"] = bench.timer.us(steps(mode), graph=True, iters=iters) / layers
+    row["gemv_then_lora_added_us"] = row["gemv_then_lora_layer_us"] - row["gemv_layer_us"]
+    row["fused_added_us"] = row["fused_layer_us"] - row["gemv_layer_us"]
+    return row
 
 
 def profile(bench: Bench) -> dict[str, float]:

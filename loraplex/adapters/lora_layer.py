@@ -55,6 +55,7 @@ from loraplex.kernels.lora import (
     LoRAStack,
     add_lora,
     fill_kernel_meta,
+    fused_gemv_lora,
     new_counters,
 )
 
@@ -123,7 +124,15 @@ class LoRABatchMeta:
         # NOTE: the one-launch decode kernel's arrival counters, zero between launches; the
         # LoRA layers of a forward run one after another on one stream, so they share them.
         self.counters = new_counters(device)  # [SYNC_COUNTERS] int32
+        # NOTE: the fused GEMVs' counters, one per layer (`fused_counters`), zeroed every step
+        self._fused_counts = torch.zeros(0, dtype=torch.int32, device=device)
         self.kernel_meta = self._view(0)
+
+    def fused_counters(self, n: int) -> list[torch.Tensor]:
+        """`n` counters (`[1]` int32 each), one per layer's fused GEMV, replacing any handed out
+        before: each `set` zeroes them all in one fill, so a forward may use each once a step."""
+        self._fused_counts = torch.zeros(n, dtype=torch.int32, device=self._fused_counts.device)
+        return [self._fused_counts[i : i + 1] for i in range(n)]
 
     def _view(self, n: int) -> LoRAKernelMeta:
         return LoRAKernelMeta(self._slots[:n], self._order[:n], self._start, self._count)
@@ -149,6 +158,8 @@ class LoRABatchMeta:
             lora_slots = lora_slots.clone()
         self._slots[:n].copy_(lora_slots.to(torch.int32), non_blocking=True)
         self.kernel_meta = self._view(n)
+        if self.active:
+            self._fused_counts.zero_()
         self.regroup()
 
     def regroup(self) -> None:
@@ -202,6 +213,9 @@ class LoRALayer:
             base_bias=target.bias,
         )
         self._w_sq: torch.Tensor | None = None  # [out] fp32, the base rows' squared norms
+        # NOTE: this layer's counter for the fused GEMV (`LoRABatchMeta.fused_counters`); None
+        # keeps the layer on the separate kernels
+        self.fused_counter: torch.Tensor | None = None
 
     @staticmethod
     def slot_shapes(target: LoRATarget, max_rank: int) -> SlotShapes:
@@ -214,6 +228,19 @@ class LoRALayer:
         if self.meta.active:
             meta = self.meta
             add_lora(x, out, self.weights, meta.kernel_meta, meta.workspace, counters=meta.counters)
+
+    def fused(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """One token through a plain weight on CUDA: the base GEMV with the delta in one launch
+        (`fused_gemv_lora`); None otherwise, or when no adapter is in the batch."""
+        if (
+            not self.meta.active
+            or self.fused_counter is None
+            or getattr(layer.method, "name", None) != "unquantized"
+        ):
+            return None
+        meta = self.meta
+        return fused_gemv_lora(x, layer.weight, layer.bias, self.weights, meta.kernel_meta,
+                               meta.workspace, self.fused_counter)  # fmt: skip
 
     def stage(self, image: SlotImage, weights: LoRAWeights) -> None:
         """Write this layer's modules of `weights` into its part of a host slot image (any
@@ -346,8 +373,7 @@ class LoRAModelState:
         number of hook calls."""
         meta = self.meta
         device = meta.workspace.device
-        counts = {1, config.decode_max_tokens + 1, config.token_kernels_max_tokens + 1,
-                  config.prefill_min_tokens}  # fmt: skip
+        counts = {1, config.decode_max_tokens + 1, config.token_kernels_max_tokens + 1}
         embeds = [h for h in self.vocab if isinstance(h, EmbeddingLoRA)]
         calls = 0
         for n in sorted(c for c in counts if 0 < c <= meta.max_num_tokens):
@@ -418,8 +444,9 @@ def attach_lora_layers(
     shapes += [kind.slot_shapes(size, hidden, rank) for _, kind, size, hidden in vocab]
     memory = SlotMemory(meta.num_slots, shapes, dtype, device)
     layers = []
-    for module, index in targets:
+    for (module, index), counter in zip(targets, meta.fused_counters(len(targets))):
         layer = LoRALayer(module, index, meta, rank, device, dtype, memory)
+        layer.fused_counter = counter
         module.lora = layer
         layers.append(layer)
     hooks: list[EmbeddingLoRA | LMHeadLoRA | SavedModules] = []

@@ -90,15 +90,18 @@ def test_every_form_mixed_in_one_batch_equals_peft(llm, peft):
             assert out.outputs[0].token_ids != peft.greedy(None, out.prompt_token_ids), name
 
 
-#: Small regime bounds, so that the tiny batches below meet all four kernel regimes.
-SMALL_REGIMES = dict(decode_max_tokens=4, token_kernels_max_tokens=8, prefill_min_tokens=40)
+#: Small regime bounds, so that the tiny batches below meet all three kernel regimes.
+SMALL_REGIMES = dict(decode_max_tokens=4, token_kernels_max_tokens=8)
 
 
 def _cuda_path_on_cpu(llm: LLM, monkeypatch) -> set[str]:
     """Run `llm` as on CUDA, on the CPU: decode steps from graphs (their CPU stand-ins, with and
-    without LoRA) and every LoRA hook through the Triton kernels, interpreted. Returns the set
-    the kernel regimes met are added to."""
+    without LoRA) and every LoRA hook through the Triton kernels, interpreted, one-token steps
+    through the GEMV that carries the adapter ("fused"). Returns the set the kernel regimes met
+    are added to."""
+    from loraplex.kernels.gemv import GemvConfig
     from loraplex.kernels.lora import LoRAKernelConfig, check_lora_args, lora_triton
+    from loraplex.kernels.lora.triton_gemv_lora import gemv_lora
 
     config = LoRAKernelConfig(**SMALL_REGIMES)
     regimes: set[str] = set()
@@ -108,8 +111,16 @@ def _cuda_path_on_cpu(llm: LLM, monkeypatch) -> set[str]:
         regimes.add(config.regime(x.shape[0], counters is not None))
         lora_triton(x, out, lora, meta, workspace, config, counters)
 
+    def fused_path(x, weight, bias, lora, meta, workspace, counter, config_=None):
+        if x.shape[0] != 1:
+            return None
+        regimes.add("fused")
+        return gemv_lora(x, weight, bias, lora, meta, workspace, counter, GemvConfig(16, 32, 4, 1),
+                         config)  # fmt: skip
+
     for module in ("lora_layer", "vocab_lora"):
         monkeypatch.setattr(f"loraplex.adapters.{module}.add_lora", triton_path)
+    monkeypatch.setattr("loraplex.adapters.lora_layer.fused_gemv_lora", fused_path)
     runner = llm.engine.runner
     runner.graphs = runner.build_graph_runner()
     runner.graphs.capture()
@@ -120,7 +131,7 @@ def test_every_form_on_graphs_through_the_triton_kernels_equals_peft(
     tiny_llama_dir, peft, monkeypatch
 ):
     """The mixed batch of every form through the CUDA path's pieces (`_cuda_path_on_cpu`), in
-    all four kernel regimes, under async scheduling: each token equals PEFT's."""
+    all three kernel regimes and the fused GEMV, under async scheduling: each token equals PEFT's."""
     llm = _llm(tiny_llama_dir, max_num_seqs=8)
     regimes = _cuda_path_on_cpu(llm, monkeypatch)
     names = ["embed-lm-head", None, "lm-head", "dora", "embed", "plain", "dora-qv"]
@@ -128,7 +139,7 @@ def test_every_form_on_graphs_through_the_triton_kernels_equals_peft(
     outputs = _generate(llm, peft, names, prompts)
     for name, out in zip(names, outputs):
         assert out.outputs[0].token_ids == peft.greedy(name, out.prompt_token_ids), name
-    assert regimes == {"decode", "token", "group", "prefill"}
+    assert regimes == {"decode", "token", "group", "fused"}
 
 
 def test_lm_head_lora_applies_to_prompt_logprobs(llm, peft):

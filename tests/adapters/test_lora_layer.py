@@ -256,7 +256,7 @@ def test_warm_up_runs_every_layer_in_every_kernel_regime(setup, monkeypatch):
     from loraplex.kernels.lora import LoRAKernelConfig, add_lora
 
     model, state, peft_models, weights = setup
-    config = LoRAKernelConfig(decode_max_tokens=2, token_kernels_max_tokens=4, prefill_min_tokens=8)
+    config = LoRAKernelConfig(decode_max_tokens=2, token_kernels_max_tokens=4)
     seen = []
 
     def record(x, out, lora, meta, workspace, config_=None, counters=None):
@@ -264,8 +264,8 @@ def test_warm_up_runs_every_layer_in_every_kernel_regime(setup, monkeypatch):
         add_lora(x, out, lora, meta, workspace, config_, counters)
 
     monkeypatch.setattr("loraplex.adapters.lora_layer.add_lora", record)
-    assert state.warm_up(config) == 4 * len(state.layers)
-    regimes = {"decode", "token", "group", "prefill"}
+    assert state.warm_up(config) == 3 * len(state.layers)
+    regimes = {"decode", "token", "group"}
     assert all({r for k, r in seen if k == id(layer.weights)} == regimes for layer in state.layers)
     assert not state.meta.active
     state.load_slot(0, weights[0])

@@ -49,17 +49,15 @@ def _expected(adapters, slots, ids, hidden, logits):
     return embed_out, logits_out
 
 
-@pytest.mark.parametrize("regime", [None, "decode", "token", "group", "prefill"])
+@pytest.mark.parametrize("regime", [None, "decode", "token", "group"])
 def test_hooks_add_each_tokens_adapter_delta(hooks, monkeypatch, regime):
     meta, embed, head, adapters = hooks
     if regime is not None:  # the CUDA path's kernels, interpreted, in one regime
         config = LoRAKernelConfig(
             decode_max_tokens=64 if regime == "decode" else 0,
             token_kernels_max_tokens=64 if regime == "token" else 0,
-            prefill_min_tokens=0 if regime == "prefill" else 64,
             decode_block_k=16, decode_k_per_split=16, decode_block_n=16, shrink_block_k=16,
-            expand_block_n=16, group_block_m=16, group_block_n=16, prefill_block_m=16,
-            prefill_block_n=16, prefill_block_k=16,
+            expand_block_n=16, group_block_m=16, group_block_n=16,
         )  # fmt: skip
 
         def run(x, out, lora, kernel_meta, workspace, config_=None, counters=None):

@@ -11,6 +11,7 @@ from loraplex.kernels.lora import (
     LoRAKernelConfig,
     LoRAStack,
     add_lora,
+    fused_gemv_lora,
     lora_kernel_meta,
     lora_triton,
     new_counters,
@@ -20,14 +21,12 @@ from loraplex.kernels.lora import (
 TINY = dict(
     decode_block_k=16, decode_k_per_split=32, decode_block_n=16, token_k_per_split=32,
     shrink_block_k=16, expand_block_n=16, group_block_m=16, group_block_n=16,
-    prefill_block_m=16, prefill_block_n=16, prefill_block_k=16,
 )  # fmt: skip
 #: Each regime forced on every batch size.
 REGIMES = {
     "decode": dict(decode_max_tokens=1 << 20),
     "token": dict(decode_max_tokens=0, token_kernels_max_tokens=1 << 20),
-    "group": dict(decode_max_tokens=0, token_kernels_max_tokens=0, prefill_min_tokens=1 << 20),
-    "prefill": dict(decode_max_tokens=0, token_kernels_max_tokens=0, prefill_min_tokens=0),
+    "group": dict(decode_max_tokens=0, token_kernels_max_tokens=0),
 }
 
 
@@ -136,6 +135,11 @@ def test_mismatched_shapes_are_refused():
         LoRAStack(lora.a[:, :6], lora.b_t, lora.ranks, lora.scaling, lora.slice_offsets)
 
 
+@pytest.mark.parametrize(
+    ("expand_programs", "expand_max_tiles"),
+    [(1024, 16), (1, 3)],
+    ids=["tile-per-program", "3-tile-chunks"],
+)
 @pytest.mark.parametrize("regime", list(REGIMES))
 @pytest.mark.parametrize(
     ("num_tokens", "in_features", "slice_sizes", "num_slots", "max_rank", "max_splits"),
@@ -147,11 +151,14 @@ def test_mismatched_shapes_are_refused():
     ],
 )
 def test_triton_matches_reference(
-    regime, num_tokens, in_features, slice_sizes, num_slots, max_rank, max_splits
-):
+    regime, num_tokens, in_features, slice_sizes, num_slots, max_rank, max_splits,
+    expand_programs, expand_max_tiles,
+):  # fmt: skip
     """Every regime's kernels, at odd sizes with mixed ranks (0 included) and base rows, equal
-    the reference; rows past the split shrink's partials hold NaN, which must not be read."""
-    config = _config(regime, max_splits=max_splits, prefill_max_splits=max_splits)
+    the reference, with one column tile per expand program or chunks of three that end inside a
+    slice; rows past the split shrink's partials hold NaN, which must not be read."""
+    config = _config(regime, max_splits=max_splits,
+                     expand_programs=expand_programs, expand_max_tiles=expand_max_tiles)  # fmt: skip
     lora = _stack(in_features, slice_sizes, num_slots, max_rank, 7, first=3)
     x, slots = _inputs(num_tokens, in_features, num_slots, 7)
     slots[0] = 0
@@ -201,11 +208,11 @@ def test_decode_regime_needs_counters():
 
 
 def test_default_regimes_by_token_count():
-    """One launch for one token (with counters), the per-token pair to 256, the grouped pair
-    with decode tiles below 4096 and prefill tiles from there; bad tiles are refused."""
+    """One launch for one token (with counters), the per-token pair to 128, the grouped pair
+    from there at every size; bad tiles are refused."""
     config = LoRAKernelConfig()
-    cases = {1: "decode", 2: "token", 16: "token", 256: "token", 257: "group", 4095: "group",
-             4096: "prefill", 8192: "prefill"}  # fmt: skip
+    cases = {1: "decode", 2: "token", 16: "token", 128: "token", 129: "group", 4096: "group",
+             8192: "group"}  # fmt: skip
     assert {n: config.regime(n, has_counters=True) for n in cases} == cases
     assert config.regime(1, has_counters=False) == "token"
     with pytest.raises(ValueError, match="power of two"):
@@ -216,7 +223,7 @@ def test_default_regimes_by_token_count():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("num_tokens", [1, 8, 40, 300, 700])  # decode, token, group, prefill
+@pytest.mark.parametrize("num_tokens", [1, 8, 40, 300, 700])  # decode, token, group (x2)
 def test_triton_bf16_on_gpu_replays_in_a_cuda_graph(num_tokens):
     lora = _stack(4096, (1024, 256, 256), 8, 16, 3, torch.bfloat16)
     lora = LoRAStack(
@@ -298,3 +305,86 @@ def test_dora_rescales_base_and_delta_per_slot(
         lora_triton(x, out_tri, lora, meta, torch.zeros(64 * num_tokens, width), _config(regime),
                     new_counters("cpu"))  # fmt: skip
         torch.testing.assert_close(out_tri, out_ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dora", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("slot", "k"), [(0, 70), (1, 64), (-1, 70)])
+def test_gemv_with_lora_in_one_launch_equals_gemv_then_lora(slot, k, bias, dora):
+    """One token: the fused GEMV's output equals the base product (+ bias) followed by the
+    reference delta (DoRA: the rescaled column), for an adapter slot, one of rank 0 on a slice,
+    and the base model; columns past the slices get the base product only."""
+    from loraplex.kernels.gemv import GemvConfig
+    from loraplex.kernels.lora.triton_gemv_lora import gemv_lora
+
+    lora = _stack(k, (37, 9, 9), 3, 20, 11)  # slices at columns 0..55 of 58
+    lora.ranks[1, 1] = 0
+    if dora:
+        lora = _with_dora(lora, 11, bias)
+    g = torch.Generator().manual_seed(12)
+    n = lora.b_t.shape[2]
+    weight = torch.randn(n, k, generator=g)
+    base_bias = lora.base_bias if dora else None
+    if bias and base_bias is None:
+        base_bias = torch.randn(n, generator=g)
+    x = torch.randn(1, k, generator=g)
+    slots = torch.tensor([slot], dtype=torch.int32)
+    meta = lora_kernel_meta(slots, 3)
+    expected = x @ weight.T + (base_bias if base_bias is not None else 0.0)
+    add_lora(x, expected, lora, meta, torch.zeros(1, 60))
+    counter = torch.zeros(1, dtype=torch.int32)
+    config = LoRAKernelConfig(**TINY)
+    out = gemv_lora(x, weight, base_bias, lora, meta, torch.full((8, 60), float("nan")), counter,
+                    GemvConfig(16, 32, 4, 1), config)  # fmt: skip
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    base = x @ weight.T + (base_bias if base_bias is not None else 0.0)
+    torch.testing.assert_close(out[:, 55:], base[:, 55:], rtol=1e-4, atol=1e-4)
+    assert torch.allclose(out, base, atol=1e-4) == (slot < 0)  # the adapter acted, or none
+    assert counter.item() == -(-k // 32)  # every shrink item (splits of 32 features) counted
+
+
+def test_fused_gemv_lora_serves_one_token_on_cuda_only():
+    """The fused path declines (None) where it has no kernel: on the CPU, for two tokens, or
+    for a weight shape without a tuned GEMV; the caller then runs base and delta apart."""
+    lora = _stack(9, (11,), 2, 5, 1)
+    x, slots = _inputs(1, 9, 2, 1)
+    meta = lora_kernel_meta(slots, 2)
+    args = (lora, meta, torch.zeros(4, 5), torch.zeros(1, dtype=torch.int32))
+    assert fused_gemv_lora(x, torch.randn(14, 9), None, *args) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("sizes", "k"), [((4096, 1024, 1024), 4096), ((14336, 14336), 4096),
+                                          ((4096,), 14336)])  # fmt: skip
+def test_fused_gemv_lora_on_gpu_replays_in_a_cuda_graph(sizes, k):
+    """The 8B projections at one token: the fused GEMV with the adapter, captured once and
+    replayed with new slots (an adapter, another, the base model), equals the base product plus
+    the reference delta."""
+    stack = _stack(k, sizes, 8, 16, 3, torch.bfloat16)
+    lora = LoRAStack(stack.a.cuda() / 8, stack.b_t.cuda() / 8, stack.ranks.cuda(),
+                     stack.scaling.cuda(), stack.slice_offsets)  # fmt: skip
+    n = lora.slice_offsets[-1]
+    weight = (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16)
+    x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+    meta = lora_kernel_meta(torch.tensor([0], dtype=torch.int32, device="cuda"), 8)
+    workspace, counter = (
+        torch.zeros(64, 48, device="cuda"),
+        torch.zeros(1, dtype=torch.int32, device="cuda"),
+    )
+    args = (x, weight, None, lora, meta, workspace, counter)
+    assert fused_gemv_lora(*args) is not None  # compiled outside the capture
+    counter.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_gemv_lora(*args)
+    cpu = LoRAStack(lora.a.cpu(), lora.b_t.cpu(), lora.ranks.cpu(), lora.scaling.cpu(),
+                    lora.slice_offsets)  # fmt: skip
+    base = (x.float() @ weight.float().T).cpu().double()
+    for slot in (3, 0, -1):
+        meta.lora_slots.fill_(slot)
+        counter.zero_()  # as LoRABatchMeta.set does every step
+        graph.replay()
+        slots = torch.tensor([slot], dtype=torch.int32)
+        expected = base + _dense_delta(x.cpu(), cpu, slots, n)
+        torch.testing.assert_close(out.cpu().double(), expected, rtol=2e-2, atol=2e-2)

@@ -21,15 +21,17 @@ expand rescales the whole column, `out = g * (out - bias + delta) + bias`, with 
 
 The family: `types` (the stack, the batch metadata, the kernel config), `reference` (plain
 torch: the CPU path and the oracle), `ops` (the public entry: checks and dispatch), and the
-Triton kernels by regime, which import only the types: `triton_decode` (one launch for a decode
-batch), `triton_token` (per-token shrink + expand), `triton_grouped` (tokens grouped by slot,
-decode-sized and prefill tiles), `triton_meta` (the per-step grouping).
+Triton kernels by regime, which import only the types: `triton_gemv_lora` (one token: the base
+GEMV and the delta in one launch), `triton_decode` (one launch for a decode batch),
+`triton_token` (per-token shrink + expand), `triton_grouped` (tokens grouped by slot),
+`triton_meta` (the per-step grouping).
 """
 
 from loraplex.kernels.lora.ops import (
     add_lora,
     check_lora_args,
     fill_kernel_meta,
+    fused_gemv_lora,
     lora_triton,
     new_counters,
 )
@@ -51,6 +53,7 @@ __all__ = [
     "add_lora",
     "check_lora_args",
     "fill_kernel_meta",
+    "fused_gemv_lora",
     "lora_expand_ref",
     "lora_kernel_meta",
     "lora_shrink_ref",

@@ -1,6 +1,7 @@
 """The LoRA family's public entry: checks one application's tensors and dispatches, on CUDA to
 the Triton kernel of the step's regime (`LoRAKernelConfig.regime`), elsewhere to the torch
-reference."""
+reference; and, for one token through a plain weight, the base GEMV with the delta in one
+launch (`fused_gemv_lora`)."""
 
 from __future__ import annotations
 
@@ -85,6 +86,42 @@ def add_lora(
     lora_expand_ref(t, lora, out, meta)
 
 
+def fused_gemv_lora(
+    x: torch.Tensor,  # [1, in]
+    weight: torch.Tensor,  # [out, in], plain (unquantized)
+    bias: torch.Tensor | None,  # [out] or None (for DoRA: the stack's base bias)
+    lora: LoRAStack,
+    meta: LoRAKernelMeta,
+    workspace: torch.Tensor,  # [rows, >= num_slices * max_rank] fp32
+    counter: torch.Tensor | None,  # [1] int32, zeroed by the caller before each launch
+    config: LoRAKernelConfig | None = None,
+) -> torch.Tensor | None:
+    """`x @ weight^T (+ bias)` with the token's adapter delta, in one launch, where a kernel
+    serves the batch: one token on CUDA through a weight with a tuned GEMV
+    (`kernels.gemv.GEMV_CONFIGS`). None elsewhere: the caller runs its base product, then
+    `add_lora`. `counter` is this call's own (one per layer), zero when the launch starts."""
+    config = config or DEFAULT_KERNEL_CONFIG
+    if not (config.fuse_gemv and x.is_cuda and x.dim() == 2 and x.shape[0] == 1):
+        return None
+    from loraplex.kernels.gemv import GEMV_CONFIGS
+
+    gemv = GEMV_CONFIGS.get((weight.shape[0], weight.shape[1]))
+    if (
+        gemv is None
+        or counter is None
+        or x.dtype != weight.dtype
+        or x.stride(1) != 1
+        or weight.stride(1) != 1
+        or (bias is not None and not bias.is_contiguous())
+        or (lora.dora_scale is not None and lora.base_bias is not bias)
+    ):
+        return None
+    check_lora_args(x, x.new_empty((1, weight.shape[0])), lora, meta, workspace)
+    from loraplex.kernels.lora.triton_gemv_lora import gemv_lora
+
+    return gemv_lora(x, weight, bias, lora, meta, workspace, counter, gemv, config)
+
+
 def lora_triton(
     x: torch.Tensor,
     out: torch.Tensor,
@@ -111,4 +148,4 @@ def lora_triton(
     else:
         from loraplex.kernels.lora.triton_grouped import lora_grouped
 
-        lora_grouped(x, out, lora, meta, workspace, config, prefill=regime == "prefill")
+        lora_grouped(x, out, lora, meta, workspace, config)

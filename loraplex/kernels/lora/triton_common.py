@@ -11,9 +11,9 @@ import triton.language as tl
 
 
 @triton.jit
-def tile_slice(offsets_ptr, pid_n, BLOCK_N: tl.constexpr, NUM_SLICES: tl.constexpr):
-    """Slice index, first column and end column of column tile `pid_n` (tiles never straddle
-    two slices)."""
+def tile_slice(offsets_ptr, pid_n, BLOCK_N, NUM_SLICES: tl.constexpr):
+    """Slice index, first column and end column of column tile `pid_n`, `BLOCK_N` columns wide
+    (a constexpr or a run-time width; tiles never straddle two slices)."""
     tiles_before = 0
     slice_idx = 0
     col0 = 0
@@ -115,6 +115,22 @@ def split_k(k: int, splits: int, block_k: int) -> tuple[int, int]:
 
 def column_tiles(slice_sizes: tuple[int, ...], block_n: int) -> int:
     return sum(triton.cdiv(n, block_n) for n in slice_sizes)
+
+
+def expand_chunks(
+    slice_sizes: tuple[int, ...], block_n: int, row_blocks: int, config
+) -> tuple[int, int]:
+    """(columns per expand program, column chunks): each program of an expand loops over up to
+    `config.expand_max_tiles` tiles of `block_n` columns of one slice, so that its per-program
+    work (finding its tokens, summing the shrink's partials) is done once for several tiles,
+    while about `config.expand_programs` programs remain over `row_blocks` blocks of rows."""
+    tiles = column_tiles(slice_sizes, block_n)
+    per_program = 1
+    if config.expand_programs > 0:
+        per_program = max(1, min(config.expand_max_tiles,
+                                 row_blocks * tiles // config.expand_programs))  # fmt: skip
+    chunk = block_n * per_program
+    return chunk, column_tiles(slice_sizes, chunk)
 
 
 def dora_args(lora) -> tuple[tuple[torch.Tensor, torch.Tensor], dict[str, bool]]:

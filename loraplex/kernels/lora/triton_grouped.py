@@ -5,13 +5,15 @@ segmented GEMM).
 - shrink grid `(blocks, num_splits)`: block `i` is the i-th `BLOCK_M` run of one slot's tokens
   (read through `token_order`); it computes `x @ A^T` for every slice over its chunk of the
   input features with `tl.dot` and writes fp32 partials `[num_splits, num_tokens, width]`.
-- expand grid `(blocks, column tiles)`: the block's summed partials (bf16 into the tensor cores,
-  as Punica does) times the slot's `B^T` tile, scaled, added into the tokens' output rows.
+- expand grid `(blocks, column chunks)`: the block's summed partials (bf16 into the tensor
+  cores, as Punica does) times the slot's `B^T` tiles across the chunk's columns, scaled, added
+  into the tokens' output rows; a chunk spans several tiles (`expand_chunks`), so a program
+  finds its tokens and sums the partials once for all of them.
 
-Two tile sets: decode-sized batches (`group_block_m`, a few tokens per adapter; the shrink
-splits its reduction to fill the GPU) and prefill steps (`prefill_block_m` rows per program,
-deeper reductions, fewer splits). Programs past the last block exit at once, so the grids
-depend on the token count only and replay from CUDA graphs.
+One tile set serves decode batches of a few tokens per adapter and prefill steps alike (64-row
+prefill tiles measured slower at 2,048 and 8,192 tokens); the shrink splits its reduction to
+fill the GPU. Programs past the last block exit at once, so the grids depend on the token count
+only and replay from CUDA graphs.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ import triton
 import triton.language as tl
 
 from loraplex.kernels.lora.triton_common import (
-    column_tiles,
     dora_args,
     dora_update,
+    expand_chunks,
     group_block,
     offsets_tensor,
     pad,
@@ -74,11 +76,11 @@ def _shrink_group_kernel(
     tl.store(t_rows[:, None] + offs_n[None, :], acc, mask=m_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
+@triton.jit(do_not_specialize=["num_tokens", "num_splits", "chunk_n"])
 def _expand_group_kernel(
     t_ptr, b_ptr, out_ptr, order_ptr, start_ptr, count_ptr, rank_ptr, scaling_ptr, offsets_ptr,
     g_ptr, bias_ptr,
-    num_tokens, num_slots, num_splits,
+    num_tokens, num_slots, num_splits, chunk_n,
     stride_tm, stride_bs, stride_br, stride_om, stride_rs, stride_gs,
     MAX_RANK: tl.constexpr, RANK_PAD: tl.constexpr, NUM_SLICES: tl.constexpr,
     SLOTS: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -88,7 +90,7 @@ def _expand_group_kernel(
                                       BLOCK_M, SLOTS)  # fmt: skip
     if slot >= num_slots:
         return
-    slice_idx, col0, col_end = tile_slice(offsets_ptr, tl.program_id(1), BLOCK_N, NUM_SLICES)
+    slice_idx, chunk0, col_end = tile_slice(offsets_ptr, tl.program_id(1), chunk_n, NUM_SLICES)
     rank = tl.load(rank_ptr + slice_idx * stride_rs + slot)
     if rank == 0:
         return
@@ -97,32 +99,25 @@ def _expand_group_kernel(
     rows = tl.load(order_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
     offs_r = tl.arange(0, RANK_PAD)
     r_mask = offs_r < rank
-    offs_n = col0 + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < col_end
-    b = tl.load(
-        b_ptr + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br + offs_n[None, :],
-        mask=r_mask[:, None] & n_mask[None, :], other=0.0,
-    )  # fmt: skip
-    mask = m_mask[:, None] & n_mask[None, :]
-    o_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
-    cur = tl.load(o_ptrs, mask=mask, other=0.0)
     t_ptrs = t_ptr + rows[:, None] * stride_tm + (slice_idx * MAX_RANK + offs_r)[None, :]
     t_mask = m_mask[:, None] & r_mask[None, :]
     t = sum_partials(t_ptrs, t_mask, num_splits, num_tokens * stride_tm, MAX_SPLITS)
     scaling = tl.load(scaling_ptr + slice_idx * stride_rs + slot)
-    acc = tl.dot(t.to(b.dtype), b, input_precision=PRECISION) * scaling
-    g_ptrs = g_ptr + slot.to(tl.int64) * stride_gs + offs_n[None, :]
-    new = dora_update(cur.to(tl.float32), acc, g_ptrs, bias_ptr + offs_n[None, :],
-                      n_mask[None, :], DORA, HAS_BIAS)  # fmt: skip
-    tl.store(o_ptrs, new.to(cur.dtype), mask=mask)
-
-
-def group_tiles(config: LoRAKernelConfig, prefill: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, shrink BLOCK_K, most splits) of one tile set."""
-    if prefill:
-        return (config.prefill_block_m, config.prefill_block_n, config.prefill_block_k,
-                config.prefill_max_splits)  # fmt: skip
-    return config.group_block_m, config.group_block_n, config.shrink_block_k, config.max_splits
+    t = t.to(b_ptr.dtype.element_ty)
+    b_rows = b_ptr + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br
+    o_rows = out_ptr + rows[:, None] * stride_om
+    g_row = g_ptr + slot.to(tl.int64) * stride_gs
+    # NOTE: the tokens and their summed t are found once for up to `chunk_n` columns
+    for col0 in range(chunk0, tl.minimum(chunk0 + chunk_n, col_end), BLOCK_N):
+        offs_n = col0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < col_end
+        b = tl.load(b_rows + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        mask = m_mask[:, None] & n_mask[None, :]
+        cur = tl.load(o_rows + offs_n[None, :], mask=mask, other=0.0)
+        acc = tl.dot(t, b, input_precision=PRECISION) * scaling
+        new = dora_update(cur.to(tl.float32), acc, g_row + offs_n[None, :],
+                          bias_ptr + offs_n[None, :], n_mask[None, :], DORA, HAS_BIAS)  # fmt: skip
+        tl.store(o_rows + offs_n[None, :], new.to(cur.dtype), mask=mask)
 
 
 def lora_grouped(
@@ -132,13 +127,13 @@ def lora_grouped(
     meta: LoRAKernelMeta,
     workspace: torch.Tensor,  # [rows, >= num_slices * max_rank] fp32
     config: LoRAKernelConfig,
-    prefill: bool,
 ) -> None:
     """Every token's delta of every slice into `out`, tokens grouped by slot: the shrink, then
-    the expand, with the decode-sized or the prefill tiles."""
+    the expand."""
     num_tokens, k = x.shape
     num_slots = lora.a.shape[0]
-    bm, bn, bk, max_splits = group_tiles(config, prefill)
+    bm, bn, bk = config.group_block_m, config.group_block_n, config.shrink_block_k
+    max_splits = config.max_splits
     blocks = triton.cdiv(num_tokens, bm) + min(num_slots, num_tokens)
     wanted = min(triton.cdiv(config.target_programs, blocks), max_splits)
     splits, k_per_split = split_k(k, min(wanted, workspace.shape[0] // num_tokens), bk)
@@ -155,9 +150,11 @@ def lora_grouped(
         num_warps=warps(max(bm, width_pad) * bk),
     )  # fmt: skip
     (g, bias), flags = dora_args(lora)
-    _expand_group_kernel[(blocks, column_tiles(lora.slice_sizes, bn))](
+    chunk, chunks = expand_chunks(lora.slice_sizes, bn, triton.cdiv(num_tokens, bm), config)
+    _expand_group_kernel[(blocks, chunks)](
         t, b_t, out, *group, lora.ranks, lora.scaling,
         offsets_tensor(lora.slice_offsets, out.device), g, bias, num_tokens, num_slots, splits,
+        chunk,
         t.stride(0), b_t.stride(0), b_t.stride(1), out.stride(0), stride_rs, g.stride(0),
         MAX_RANK=lora.max_rank, RANK_PAD=pad(lora.max_rank), NUM_SLICES=lora.num_slices,
         SLOTS=slots_pad, MAX_SPLITS=max_splits, BLOCK_M=bm, BLOCK_N=bn,

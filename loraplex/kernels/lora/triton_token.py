@@ -4,9 +4,10 @@
   `x @ A^T` over its chunk of the input features (fp32, a GEMV on CUDA cores) and writes the
   partial `t` row to its own workspace block (`[num_splits, num_tokens, num_slices * max_rank]`):
   no memset, no atomics.
-- expand grid `(num_tokens, column tiles)`: tile `j` maps to `(slice, column)` through the slice
-  offsets; the program sums its token's partials (every load in flight at once), multiplies by
-  the slot's `B^T` tile and scaling and adds into `out` (DoRA: rescales the column).
+- expand grid `(num_tokens, column chunks)`: chunk `j` maps to `(slice, columns)` through the
+  slice offsets; the program sums its token's partials once (every load in flight at once), then
+  for each `B^T` tile of the chunk multiplies, scales and adds into `out` (DoRA: rescales the
+  column).
 
 Tokens on different adapters share nothing here, which suits decode batches where most tokens
 carry their own adapter. The split count depends on the input size only (`token_k_per_split`),
@@ -20,9 +21,9 @@ import triton
 import triton.language as tl
 
 from loraplex.kernels.lora.triton_common import (
-    column_tiles,
     dora_args,
     dora_update,
+    expand_chunks,
     offsets_tensor,
     pad,
     split_k,
@@ -66,10 +67,10 @@ def _shrink_token_kernel(
     tl.store(t_row + offs_n, t, mask=n_mask)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
+@triton.jit(do_not_specialize=["num_tokens", "num_splits", "chunk_n"])
 def _expand_token_kernel(
     t_ptr, b_ptr, out_ptr, slots_ptr, rank_ptr, scaling_ptr, offsets_ptr, g_ptr, bias_ptr,
-    num_tokens, num_splits,
+    num_tokens, num_splits, chunk_n,
     stride_tm, stride_bs, stride_br, stride_om, stride_rs, stride_gs,
     MAX_RANK: tl.constexpr, RANK_PAD: tl.constexpr, NUM_SLICES: tl.constexpr,
     SPLITS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DORA: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -78,27 +79,28 @@ def _expand_token_kernel(
     slot = tl.load(slots_ptr + tok)
     if slot < 0:
         return
-    slice_idx, col0, col_end = tile_slice(offsets_ptr, tl.program_id(1), BLOCK_N, NUM_SLICES)
-    offs_r = tl.arange(0, RANK_PAD)
-    offs_n = col0 + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < col_end
-    b = tl.load(
-        b_ptr + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br + offs_n[None, :],
-        mask=(offs_r < MAX_RANK)[:, None] & n_mask[None, :], other=0.0,
-    )  # fmt: skip
-    o_ptrs = out_ptr + tok.to(tl.int64) * stride_om + offs_n
-    cur = tl.load(o_ptrs, mask=n_mask, other=0.0)
+    slice_idx, chunk0, col_end = tile_slice(offsets_ptr, tl.program_id(1), chunk_n, NUM_SLICES)
     rank = tl.load(rank_ptr + slice_idx * stride_rs + slot)
     if rank == 0:
         return
+    offs_r = tl.arange(0, RANK_PAD)
     r_mask = offs_r < rank
     t = sum_token_partials(t_ptr, tok, num_tokens, num_splits, stride_tm, slice_idx * MAX_RANK,
                            r_mask, SPLITS_PAD, RANK_PAD)  # fmt: skip
-    b = tl.where(r_mask[:, None], b.to(tl.float32), 0.0)
-    delta = tl.sum(t[:, None] * b, 0) * tl.load(scaling_ptr + slice_idx * stride_rs + slot)
-    g_ptrs = g_ptr + slot.to(tl.int64) * stride_gs + offs_n
-    new = dora_update(cur.to(tl.float32), delta, g_ptrs, bias_ptr + offs_n, n_mask, DORA, HAS_BIAS)
-    tl.store(o_ptrs, new.to(cur.dtype), mask=n_mask)
+    scaling = tl.load(scaling_ptr + slice_idx * stride_rs + slot)
+    b_rows = b_ptr + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br
+    o_row = out_ptr + tok.to(tl.int64) * stride_om
+    g_row = g_ptr + slot.to(tl.int64) * stride_gs
+    # NOTE: the token's summed t is found once for up to `chunk_n` columns
+    for col0 in range(chunk0, tl.minimum(chunk0 + chunk_n, col_end), BLOCK_N):
+        offs_n = col0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < col_end
+        b = tl.load(b_rows + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        cur = tl.load(o_row + offs_n, mask=n_mask, other=0.0)
+        delta = tl.sum(t[:, None] * b.to(tl.float32), 0) * scaling
+        new = dora_update(cur.to(tl.float32), delta, g_row + offs_n, bias_ptr + offs_n, n_mask,
+                          DORA, HAS_BIAS)  # fmt: skip
+        tl.store(o_row + offs_n, new.to(cur.dtype), mask=n_mask)
 
 
 def token_splits(k: int, workspace_rows: int, num_tokens: int, config: LoRAKernelConfig):
@@ -141,10 +143,10 @@ def expand_tokens(
     num_tokens = out.shape[0]
     b_t, t = lora.b_t, workspace
     (g, bias), flags = dora_args(lora)
-    tiles = column_tiles(lora.slice_sizes, config.expand_block_n)
-    _expand_token_kernel[(num_tokens, tiles)](
+    chunk, chunks = expand_chunks(lora.slice_sizes, config.expand_block_n, num_tokens, config)
+    _expand_token_kernel[(num_tokens, chunks)](
         t, b_t, out, meta.lora_slots, lora.ranks, lora.scaling,
-        offsets_tensor(lora.slice_offsets, out.device), g, bias, num_tokens, splits,
+        offsets_tensor(lora.slice_offsets, out.device), g, bias, num_tokens, splits, chunk,
         t.stride(0), b_t.stride(0), b_t.stride(1), out.stride(0), lora.ranks.stride(0),
         g.stride(0),
         MAX_RANK=lora.max_rank, RANK_PAD=pad(lora.max_rank), NUM_SLICES=lora.num_slices,

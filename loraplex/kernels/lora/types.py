@@ -26,25 +26,31 @@ class LoRAKernelMeta:
 class LoRAKernelConfig:
     """Which Triton kernels run for how many tokens, and with which tiles (powers of two).
 
-    Four regimes by the step's token count: up to `decode_max_tokens` one launch per `Linear`
+    Three regimes by the step's token count: up to `decode_max_tokens` one launch per `Linear`
     (the decode kernel, needs sync counters), up to `token_kernels_max_tokens` the per-token
-    shrink + expand pair, up to `prefill_min_tokens` the grouped pair with `group_block_m`
-    tokens of one slot per program, beyond it the grouped pair with prefill tiles. Reduction
-    splits are run-time values and the constexprs depend on the shapes and the regime only, so
-    a step of a new size never compiles a kernel."""
+    shrink + expand pair, beyond it the grouped pair with `group_block_m` tokens of one slot per
+    program. One token through a plain weight with a tuned GEMV skips them all when `fuse_gemv`
+    (the GEMV carries the adapter). Reduction splits and expand chunks are run-time values and
+    the constexprs depend on the shapes and the regime only, so a step of a new size never
+    compiles a kernel."""
 
-    # NOTE: picked by the H200 run of benchmarks.lora_kernels (results/h200_lora_kernels.json):
-    # the one-launch decode kernel adds the least to a layer only at one token, launched as a
-    # programmatic dependent of the base GEMM (32 against the pair's 36 us a layer); from 8
-    # tokens on the per-token pair wins (38 against 58-62 us), and it still beats the grouped
-    # pair at 256 tokens on 64 adapters (208 against 338 us); the grouped pair beats prefill
-    # tiles at 2,048 tokens (652 against 678 us) and loses at 8,192 (2,294 against 2,002 us).
+    # NOTE: picked by the H200 runs of benchmarks.lora_kernels (results/h200_lora_kernels.json):
+    # the one-launch decode kernel adds the least to a layer at one token where no GEMV carries
+    # the adapter; from 8 tokens on the per-token pair wins (35 against 49-53 us a layer at 8
+    # adapters), at 64 tokens (60 / 84 against 72 / 163 us at 8 / 64 adapters) and at 128 on 64
+    # adapters (122 against 156; on 1 and 8 adapters the grouped pair is faster there, 67 / 71
+    # against 90 / 100); at 256 the grouped pair wins (81 / 85 / 139 against 153 / 178 / 198 us
+    # at 1 / 8 / 64 adapters), and at 2,048 and 8,192 tokens it beat 64-row prefill tiles (346
+    # against 419 us, 824 against 1,126), so it serves every larger step. Expands that loop over
+    # column tiles until about 256 programs remain beat one tile per program (139 against 218 us
+    # at 256 tokens on 64 adapters, 832 against 1,528 at 8,192) and 1,024 programs (175, 837).
     decode_max_tokens: int = 1
+    fuse_gemv: bool = True  # one token through a plain weight: the base GEMV carries the LoRA
     decode_pdl: bool = True  # launch it as a programmatic dependent of the base GEMM (sm90)
     decode_block_k: int = 256  # shrink: input features per load
     decode_k_per_split: int = 256  # shrink: input features per work item (a multiple of the above)
     decode_block_n: int = 256  # expand: columns per work item
-    token_kernels_max_tokens: int = 256
+    token_kernels_max_tokens: int = 128
     token_k_per_split: int = 512
     target_programs: int = 512  # grouped shrink: split the reduction until about this many programs
     max_splits: int = 32
@@ -52,34 +58,30 @@ class LoRAKernelConfig:
     expand_block_n: int = 256  # columns per program of the per-token expand
     group_block_m: int = 16  # tokens per program of the grouped kernels
     group_block_n: int = 128
-    prefill_min_tokens: int = 4096
-    prefill_block_m: int = 64
-    prefill_block_n: int = 128
-    prefill_block_k: int = 64
-    prefill_max_splits: int = 4
+    expand_programs: int = 256  # expands: loop over column tiles until about this many programs
+    expand_max_tiles: int = 16  # most column tiles one expand program loops over
 
     def __post_init__(self) -> None:
         for name in ("decode_block_k", "decode_block_n", "shrink_block_k", "expand_block_n",
-                     "group_block_m", "group_block_n", "prefill_block_m", "prefill_block_n",
-                     "prefill_block_k"):  # fmt: skip
+                     "group_block_m", "group_block_n"):  # fmt: skip
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"LoRAKernelConfig.{name} must be a power of two >= 16")
         if self.decode_k_per_split % self.decode_block_k:
             raise ValueError("LoRAKernelConfig.decode_k_per_split must divide by decode_block_k")
-        for name in ("max_splits", "prefill_max_splits", "target_programs", "token_k_per_split"):
+        for name in ("max_splits", "target_programs", "token_k_per_split", "expand_max_tiles"):
             if getattr(self, name) < 1:
                 raise ValueError(f"LoRAKernelConfig.{name} must be >= 1")
-        if min(self.decode_max_tokens, self.token_kernels_max_tokens) < 0:
-            raise ValueError("LoRAKernelConfig: token limits must be >= 0")
+        if min(self.decode_max_tokens, self.token_kernels_max_tokens, self.expand_programs) < 0:
+            raise ValueError("LoRAKernelConfig: token limits and expand_programs must be >= 0")
 
     def regime(self, num_tokens: int, has_counters: bool) -> str:
-        """ "decode", "token", "group" or "prefill" for a step of `num_tokens` tokens."""
+        """ "decode", "token" or "group" for a step of `num_tokens` tokens."""
         if has_counters and num_tokens <= self.decode_max_tokens:
             return "decode"
         if num_tokens <= self.token_kernels_max_tokens:
             return "token"
-        return "group" if num_tokens < self.prefill_min_tokens else "prefill"
+        return "group"
 
 
 DEFAULT_KERNEL_CONFIG = LoRAKernelConfig()

@@ -30,6 +30,11 @@ class LoRAHook(Protocol):
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None: ...
 
+    def fused(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """The layer's whole output (base product, bias and delta) from one kernel where one
+        serves this batch, else None."""
+        ...
+
 
 class Linear(nn.Module):
     def __init__(
@@ -163,6 +168,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, input_size] -> [num_tokens, output_size]
         if not self.row_parallel:
+            if self.lora is not None and (fused := self.lora.fused(self, x)) is not None:
+                return fused
             out = self.method.apply(self, x, self.bias)
             if self.lora is not None:
                 self.lora(x, out)

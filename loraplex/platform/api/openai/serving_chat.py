@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -165,12 +165,25 @@ def finish_reason(reason: str | None, has_calls: bool) -> str | None:
     return "tool_calls" if has_calls and reason == "stop" else reason
 
 
-@router.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
-async def create_chat_completion(request: Request) -> Response:
-    state = server_state(request)
-    limit = state.settings.max_request_body_bytes
-    body = await read_json_model(request, ChatCompletionRequest, limit)
-    tenant = tenant_of(request).name
+@dataclass(frozen=True)
+class PreparedChat:
+    """A chat request ready to submit: its model, tools and parser, sampling parameters, the
+    rendered prompt and the tenant's caps it was admitted under."""
+
+    served: ServedModel
+    tools: ToolRequest | None
+    parser: ToolParser
+    params: SamplingParams
+    prompt: Prompt
+    caps: TenantCaps | None
+
+
+async def prepare_chat(
+    request: Request, state: ServerState, body: ChatCompletionRequest, tenant: str
+) -> PreparedChat:
+    """Resolve `body`'s model, build its sampling parameters (tool grammar included), render its
+    prompt and admit it under the tenant's caps: what chat completions and the Responses API
+    do before submitting."""
     served = state.models.resolve_model(body.model, tenant)
     tools = tool_request_for(body)
     tokenizer = await state.tokenizer_of(served)
@@ -183,9 +196,20 @@ async def create_chat_completion(request: Request) -> Response:
         request,
         *reservation(state.engine.max_model_len, params, [len(prompt.token_ids)], defaults),
     )
+    return PreparedChat(served, tools, parser, params, prompt, caps)
+
+
+@router.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
+async def create_chat_completion(request: Request) -> Response:
+    state = server_state(request)
+    limit = state.settings.max_request_body_bytes
+    body = await read_json_model(request, ChatCompletionRequest, limit)
+    tenant = tenant_of(request).name
+    chat = await prepare_chat(request, state, body, tenant)
+    served, tools, parser, params = chat.served, chat.tools, chat.parser, chat.params
     request_id = new_id("chatcmpl")
     streams = await submit_chat(
-        state, prompt, params, request_id, tenant, served, tools, parser, caps=caps
+        state, chat.prompt, params, request_id, tenant, served, tools, parser, caps=chat.caps
     )
     if body.stream:
         poll_s = state.settings.disconnect_poll_s
@@ -221,7 +245,7 @@ async def create_chat_completion(request: Request) -> Response:
     if body.prompt_logprobs is not None:  # vLLM's extra: on the response, not on each choice
         scores = choices[0].prompt_logprobs or []
         response["prompt_logprobs"] = await asyncio.to_thread(
-            vllm_prompt_logprobs, prompt.token_ids, scores, body.prompt_logprobs
+            vllm_prompt_logprobs, chat.prompt.token_ids, scores, body.prompt_logprobs
         )
     return JSONResponse(response)
 

@@ -38,21 +38,17 @@ from loraplex.platform.api.openai.responses.output import (
     usage_json,
 )
 from loraplex.platform.api.openai.responses.store import ResponseStore, StoredResponse
-from loraplex.platform.api.openai.sampling import chat_sampling_params
 from loraplex.platform.api.openai.serving_chat import (
     assistant_message,
-    render_chat_prompt,
+    prepare_chat,
     submit_chat,
-    tool_parser,
-    with_tool_grammar,
 )
 from loraplex.platform.api.openai.sse import error_event
 from loraplex.platform.api.openai.tools.tool_call_stream import ToolCallStream
-from loraplex.platform.api.openai.tools.tool_calls import new_call_id, tool_request_for
+from loraplex.platform.api.openai.tools.tool_calls import new_call_id
 from loraplex.platform.api.request_body import json_body, read_json_model
 from loraplex.platform.api.state import ServerState, server_state
-from loraplex.platform.api.tenancy.auth import admit, tenant_of
-from loraplex.platform.api.tenancy.limits import reservation
+from loraplex.platform.api.tenancy.auth import tenant_of
 from loraplex.platform.core.outputs import RequestOutput
 from loraplex.platform.core.sampling_params import SamplingParams
 from loraplex.platform.engine.request_stream import RequestStream
@@ -115,17 +111,12 @@ async def create_response(request: Request) -> Response:
         history = previous.messages
     conversation = [*history, *input_messages(body)]
     chat = chat_request(body, conversation)
-    served = state.models.resolve_model(chat.model, tenant)
-    tools = tool_request_for(chat)
-    tokenizer = await state.tokenizer_of(served)
-    parser = tool_parser(state, tokenizer)
-    defaults = state.engine.generation_defaults
-    params = chat_sampling_params(chat, state.limits_for(tokenizer), defaults)
-    params = with_tool_grammar(params, tools)
-    prompt = await render_chat_prompt(state, tokenizer, chat, tenant, tools, parser)
-    caps = admit(
-        request,
-        *reservation(state.engine.max_model_len, params, [len(prompt.token_ids)], defaults),
+    prepared = await prepare_chat(request, state, chat, tenant)
+    served, tools, parser, params = (
+        prepared.served,
+        prepared.tools,
+        prepared.parser,
+        prepared.params,
     )
     response_id = new_id("resp").replace("-", "_")
     created = now_s()
@@ -135,8 +126,9 @@ async def create_response(request: Request) -> Response:
             store.put(tenant, response_id, StoredResponse(final, (*conversation, message)))
 
     streams = await submit_chat(
-        state, prompt, params, response_id, tenant, served, tools, parser, RESPONSES_FIELDS, caps
-    )
+        state, prepared.prompt, params, response_id, tenant, served, tools, parser,
+        RESPONSES_FIELDS, prepared.caps,
+    )  # fmt: skip
     if body.stream:
         outputs = await first_output_then_rest(request, streams, state.settings.disconnect_poll_s)
         base = response_json(response_id, created, served.name, _echoed(body, params), [], "in_progress",

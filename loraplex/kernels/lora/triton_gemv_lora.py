@@ -1,0 +1,170 @@
+"""One token through a dense weight and its adapter in one launch: `y = x @ W^T (+ bias)` plus
+every slice's `scaling * (x @ A^T) @ B^T` (DoRA: the column rescaled).
+
+At batch 1 a projection is a pure read of its weight (`triton_gemv`), and a LoRA pair or the
+one-launch decode kernel after it costs microseconds of launch and latency for a few hundred
+kilobytes. Here the GEMV's programs carry the adapter:
+
+- the first `num_splits` programs are shrink items: a chunk of the input features -> its partial
+  `t` of every slice into the workspace (`[num_splits, 1, width]` rows), then one count on the
+  layer's counter;
+- every later program owns `BLOCK_N` output rows: it streams their weight slab as the plain GEMV
+  does, then waits until every shrink item has counted (by then, almost always, long done),
+  sums the partials of its rows' slice and adds `scaling * t @ B^T` for those rows.
+
+Only the shrink items touch the counter with atomics: thousands of GEMV programs each taking an
+arrival ticket and counting its end on one address (as the decode kernel does for its few dozen
+programs) measured slower than the GEMV followed by the decode kernel. So the roles follow the
+program index (the GPU starts a grid's programs in index order, so the shrink items run first;
+the polls are bounded, so a broken order shows as a wrong result, not a hang), the waits are
+plain polling loads whose value gates the loads of `t`, and the caller zeroes the counter
+before each launch (`LoRABatchMeta.set`, once a step, one counter per layer).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from loraplex.kernels.gemv import GemvConfig
+from loraplex.kernels.lora.triton_common import dora_args, dora_update, offsets_tensor, pad, split_k
+from loraplex.kernels.lora.types import LoRAKernelConfig, LoRAKernelMeta, LoRAStack
+
+# NOTE: bounds the polls of the shrink counter, so that a broken counter shows as a wrong
+# result instead of a hang (the shrink items end within microseconds).
+_MAX_POLLS = 1 << 16
+
+
+@triton.jit
+def _gemv_lora_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, a_ptr, b_ptr, t_ptr, count_ptr, slots_ptr, rank_ptr,
+    scaling_ptr, offsets_ptr, g_ptr,
+    N, K, k_per_split, num_splits,
+    stride_wn, stride_as, stride_ar, stride_bs, stride_br, stride_tm, stride_rs, stride_gs,
+    MAX_RANK: tl.constexpr, RANK_PAD: tl.constexpr, WIDTH_PAD: tl.constexpr,
+    NUM_SLICES: tl.constexpr, SHRINK_BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DORA: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    MAX_POLLS: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    slot = tl.load(slots_ptr)
+    if pid < num_splits:
+        if slot >= 0:
+            offs_w = tl.arange(0, WIDTH_PAD)  # t column: slice * MAX_RANK + r
+            w_mask = offs_w < NUM_SLICES * MAX_RANK
+            a_rows = a_ptr + slot.to(tl.int64) * stride_as + offs_w[:, None] * stride_ar
+            acc = tl.zeros((WIDTH_PAD,), dtype=tl.float32)
+            k_lo = pid * k_per_split
+            k_hi = tl.minimum(k_lo + k_per_split, K)
+            for k0 in range(k_lo, k_hi, SHRINK_BLOCK_K):
+                offs_k = k0 + tl.arange(0, SHRINK_BLOCK_K)
+                k_mask = offs_k < k_hi
+                x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
+                a = tl.load(a_rows + offs_k[None, :], mask=w_mask[:, None] & k_mask[None, :],
+                            other=0.0)  # fmt: skip
+                acc += tl.sum(a.to(tl.float32) * x.to(tl.float32)[None, :], 1)
+            ranks = tl.load(rank_ptr + (offs_w // MAX_RANK) * stride_rs + slot, mask=w_mask,
+                            other=0)  # fmt: skip
+            acc = tl.where(offs_w % MAX_RANK < ranks, acc, 0.0)
+            tl.store(t_ptr + pid.to(tl.int64) * stride_tm + offs_w, acc, mask=w_mask)
+        # NOTE: every thread's stores before one release: the barrier, then the counter
+        tl.debug_barrier()
+        tl.atomic_add(count_ptr, 1, sem="release")
+    else:
+        rows = (pid - num_splits) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        cols = tl.arange(0, BLOCK_K)
+        w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
+        x_ptrs = x_ptr + cols
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                x = tl.load(x_ptrs)
+                w = tl.load(w_ptrs, mask=row_ok[:, None], other=0.0, eviction_policy="evict_first")
+            else:
+                k_ok = k0 + cols < K
+                x = tl.load(x_ptrs, mask=k_ok, other=0.0)
+                w = tl.load(w_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0,
+                            eviction_policy="evict_first")  # fmt: skip
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        y = tl.sum(acc, axis=1)  # [BLOCK_N]
+        bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        y += bias
+        if slot >= 0:
+            # each row's slice (-1 outside every slice's columns), its rank and scaling
+            slice_idx = tl.full((BLOCK_N,), -1, dtype=tl.int32)
+            for s in tl.static_range(NUM_SLICES):
+                lo = tl.load(offsets_ptr + s)
+                hi = tl.load(offsets_ptr + s + 1)
+                slice_idx = tl.where((rows >= lo) & (rows < hi), s, slice_idx)
+            in_lora = row_ok & (slice_idx >= 0)
+            safe_slice = tl.maximum(slice_idx, 0)
+            rank = tl.load(rank_ptr + safe_slice * stride_rs + slot, mask=in_lora, other=0)
+            scaling = tl.load(scaling_ptr + safe_slice * stride_rs + slot, mask=in_lora, other=0.0)
+            offs_r = tl.arange(0, RANK_PAD)
+            r_mask = offs_r[None, :] < rank[:, None]  # [BLOCK_N, RANK_PAD]
+            b = tl.load(
+                b_ptr + slot.to(tl.int64) * stride_bs + offs_r[None, :] * stride_br + rows[:, None],
+                mask=r_mask, other=0.0,
+            )  # fmt: skip
+            done = tl.load(count_ptr, volatile=True)
+            polls = 0
+            while (done < num_splits) & (polls < MAX_POLLS):
+                done = tl.load(count_ptr, volatile=True)
+                polls += 1
+            # NOTE: the count read gates the loads of t (they read L2, `.cg`)
+            used = tl.where(done >= num_splits, num_splits, 0)
+            t_ptrs = t_ptr + (safe_slice * MAX_RANK)[:, None] + offs_r[None, :]
+            t = tl.zeros((BLOCK_N, RANK_PAD), dtype=tl.float32)
+            for split in range(0, used):
+                t += tl.load(t_ptrs + split * stride_tm, mask=r_mask, other=0.0,
+                             cache_modifier=".cg")  # fmt: skip
+            delta = tl.sum(t * b.to(tl.float32), 1) * scaling
+            g_ptrs = g_ptr + slot.to(tl.int64) * stride_gs + rows
+            new = dora_update(y, delta, g_ptrs, bias_ptr + rows, in_lora, DORA, HAS_BIAS)
+            y = tl.where(in_lora, new, y)
+        tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+def gemv_lora(
+    x: torch.Tensor,  # [1, in]
+    weight: torch.Tensor,  # [N, in]
+    bias: torch.Tensor | None,  # [N] or None; also DoRA's base bias
+    lora: LoRAStack,
+    meta: LoRAKernelMeta,
+    workspace: torch.Tensor,  # [rows, >= num_slices * max_rank] fp32
+    counter: torch.Tensor,  # [1] int32, zero before the launch; the shrink items count on it
+    gemv: GemvConfig,
+    config: LoRAKernelConfig,
+) -> torch.Tensor:  # [1, N] in x's dtype
+    """The token's base product and its adapter's delta in one launch (DoRA needs `bias` to be
+    the stack's base bias)."""
+    n, k = weight.shape
+    if counter.shape != (1,) or counter.dtype != torch.int32:
+        raise ValueError("lora: the fused GEMV's counter must be int32 [1]")
+    if lora.dora_scale is not None and lora.base_bias is not bias:
+        raise ValueError("lora: a DoRA stack's base bias must be the GEMV's bias")
+    splits = min(triton.cdiv(k, config.decode_k_per_split), config.max_splits, workspace.shape[0])
+    splits, k_per_split = split_k(k, splits, config.decode_block_k)
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    width_pad = pad(lora.num_slices * lora.max_rank)
+    a, b_t, t = lora.a, lora.b_t, workspace
+    (g, _), flags = dora_args(lora)
+    _gemv_lora_kernel[(splits + triton.cdiv(n, gemv.block_n),)](
+        x, weight, bias if bias is not None else out, out, a, b_t, t, counter,
+        meta.lora_slots, lora.ranks, lora.scaling, offsets_tensor(lora.slice_offsets, x.device),
+        g, n, k, k_per_split, splits,
+        weight.stride(0), a.stride(0), a.stride(1), b_t.stride(0), b_t.stride(1), t.stride(0),
+        lora.ranks.stride(0), g.stride(0),
+        MAX_RANK=lora.max_rank, RANK_PAD=pad(lora.max_rank), WIDTH_PAD=width_pad,
+        NUM_SLICES=lora.num_slices, SHRINK_BLOCK_K=config.decode_block_k,
+        HAS_BIAS=bias is not None, DORA=flags["DORA"], EVEN_K=k % gemv.block_k == 0,
+        BLOCK_N=gemv.block_n, BLOCK_K=gemv.block_k, MAX_POLLS=_MAX_POLLS,
+        num_warps=gemv.num_warps, num_stages=gemv.num_stages,
+    )  # fmt: skip
+    return out
