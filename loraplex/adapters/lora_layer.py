@@ -233,7 +233,8 @@ class LoRALayer:
         """One token through a plain weight on CUDA: the base GEMV with the delta in one launch
         (`fused_gemv_lora`); None otherwise, or when no adapter is in the batch."""
         if (
-            not self.meta.active
+            x.shape[0] != 1
+            or not self.meta.active
             or self.fused_counter is None
             or getattr(layer.method, "name", None) != "unquantized"
         ):

@@ -15,16 +15,13 @@ from loraplex.kernels.gemv import GemvConfig
 
 
 @triton.jit
-def _gemv_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    m = tl.program_id(1).to(tl.int64)
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def gemv_rows(x_row, w_ptr, rows, row_ok, K, stride_wn, EVEN_K: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """`sum_k x_row[k] * w[rows, k]` for `BLOCK_N` weight rows (fp32, 0 where not `row_ok`),
+    streaming their slab in `BLOCK_K` chunks."""
     cols = tl.arange(0, BLOCK_K)
-    row_ok = rows < N
     w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
-    x_ptrs = x_ptr + m * stride_xm + cols
+    x_ptrs = x_row + cols
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
@@ -40,7 +37,19 @@ def _gemv_kernel(
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    y = tl.sum(acc, axis=1)  # [BLOCK_N]
+    return tl.sum(acc, axis=1)  # [BLOCK_N]
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    m = tl.program_id(1).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    y = gemv_rows(x_ptr + m * stride_xm, w_ptr, rows, row_ok, K, stride_wn, EVEN_K, BLOCK_N,
+                  BLOCK_K)  # fmt: skip
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + m * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)

@@ -116,10 +116,11 @@ def fused_gemv_lora(
         or (lora.dora_scale is not None and lora.base_bias is not bias)
     ):
         return None
-    check_lora_args(x, x.new_empty((1, weight.shape[0])), lora, meta, workspace)
+    out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
+    check_lora_args(x, out, lora, meta, workspace)
     from loraplex.kernels.lora.triton_gemv_lora import gemv_lora
 
-    return gemv_lora(x, weight, bias, lora, meta, workspace, counter, gemv, config)
+    return gemv_lora(x, weight, bias, lora, meta, workspace, counter, gemv, config, out)
 
 
 def lora_triton(

@@ -60,6 +60,26 @@ def group_block(count_ptr, start_ptr, pid, num_slots, BLOCK_M: tl.constexpr, SLO
 
 
 @triton.jit
+def shrink_item(x_row, a_ptr, rank_ptr, t_row, slot, k_lo, k_hi, stride_as, stride_ar,
+                stride_rs, MAX_RANK: tl.constexpr, NUM_SLICES: tl.constexpr,
+                WIDTH_PAD: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """One token's partial `t` of every slice over input features `[k_lo, k_hi)` (fp32, 0 past
+    each slice's rank), stored at `t_row`: a one-launch kernel's shrink work item."""
+    offs_n = tl.arange(0, WIDTH_PAD)  # t column: slice * MAX_RANK + r
+    n_mask = offs_n < NUM_SLICES * MAX_RANK
+    a_rows = a_ptr + slot.to(tl.int64) * stride_as + offs_n[:, None] * stride_ar
+    acc = tl.zeros((WIDTH_PAD,), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_hi
+        x = tl.load(x_row + offs_k, mask=k_mask, other=0.0)
+        a = tl.load(a_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += tl.sum(a.to(tl.float32) * x.to(tl.float32)[None, :], 1)
+    ranks = tl.load(rank_ptr + (offs_n // MAX_RANK) * stride_rs + slot, mask=n_mask, other=0)
+    tl.store(t_row + offs_n, tl.where(offs_n % MAX_RANK < ranks, acc, 0.0), mask=n_mask)
+
+
+@triton.jit
 def sum_partials(t_ptrs, mask, num_splits, split_stride, MAX_SPLITS: tl.constexpr):
     """The sum over a split shrink's partials `t_ptrs + split * split_stride` (fp32, 0 where
     masked). NOTE: unrolled with masks, so every partial's load is in flight at once."""

@@ -33,6 +33,7 @@ from loraplex.kernels.lora.triton_common import (
     dora_update,
     offsets_tensor,
     pad,
+    shrink_item,
     split_k,
     sum_token_partials,
     tile_slice,
@@ -70,25 +71,11 @@ def _decode_kernel(
         split = ticket % num_splits
         slot = tl.load(slots_ptr + tok)
         if slot >= 0:
-            offs_n = tl.arange(0, WIDTH_PAD)  # t column: slice * MAX_RANK + r
-            n_mask = offs_n < NUM_SLICES * MAX_RANK
-            a_rows = a_ptr + slot.to(tl.int64) * stride_as + offs_n[:, None] * stride_ar
-            x_row = x_ptr + tok.to(tl.int64) * stride_xm
-            acc = tl.zeros((WIDTH_PAD,), dtype=tl.float32)
             k_lo = split * k_per_split
-            k_hi = tl.minimum(k_lo + k_per_split, K)
-            for k0 in range(k_lo, k_hi, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                k_mask = offs_k < k_hi
-                x = tl.load(x_row + offs_k, mask=k_mask, other=0.0)
-                a = tl.load(a_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
-                            other=0.0)  # fmt: skip
-                acc += tl.sum(a.to(tl.float32) * x.to(tl.float32)[None, :], 1)
-            ranks = tl.load(rank_ptr + (offs_n // MAX_RANK) * stride_rs + slot, mask=n_mask,
-                            other=0)  # fmt: skip
-            acc = tl.where(offs_n % MAX_RANK < ranks, acc, 0.0)
-            t_row = t_ptr + (split * num_tokens + tok).to(tl.int64) * stride_tm
-            tl.store(t_row + offs_n, acc, mask=n_mask)
+            shrink_item(x_ptr + tok.to(tl.int64) * stride_xm, a_ptr, rank_ptr,
+                        t_ptr + (split * num_tokens + tok).to(tl.int64) * stride_tm, slot, k_lo,
+                        tl.minimum(k_lo + k_per_split, K), stride_as, stride_ar, stride_rs,
+                        MAX_RANK, NUM_SLICES, WIDTH_PAD, BLOCK_K)  # fmt: skip
         # NOTE: every thread's stores before one release: the barrier, then the counter
         tl.debug_barrier()
         tl.atomic_add(sync_ptr + 1, 1, sem="release")

@@ -28,8 +28,16 @@ import triton
 import triton.language as tl
 
 from loraplex.kernels.gemv import GemvConfig
-from loraplex.kernels.lora.triton_common import dora_args, dora_update, offsets_tensor, pad, split_k
+from loraplex.kernels.lora.triton_common import (
+    dora_args,
+    dora_update,
+    offsets_tensor,
+    pad,
+    shrink_item,
+    split_k,
+)
 from loraplex.kernels.lora.types import LoRAKernelConfig, LoRAKernelMeta, LoRAStack
+from loraplex.kernels.triton_gemv import gemv_rows
 
 # NOTE: bounds the polls of the shrink counter, so that a broken counter shows as a wrong
 # result instead of a hang (the shrink items end within microseconds).
@@ -51,50 +59,19 @@ def _gemv_lora_kernel(
     slot = tl.load(slots_ptr)
     if pid < num_splits:
         if slot >= 0:
-            offs_w = tl.arange(0, WIDTH_PAD)  # t column: slice * MAX_RANK + r
-            w_mask = offs_w < NUM_SLICES * MAX_RANK
-            a_rows = a_ptr + slot.to(tl.int64) * stride_as + offs_w[:, None] * stride_ar
-            acc = tl.zeros((WIDTH_PAD,), dtype=tl.float32)
             k_lo = pid * k_per_split
-            k_hi = tl.minimum(k_lo + k_per_split, K)
-            for k0 in range(k_lo, k_hi, SHRINK_BLOCK_K):
-                offs_k = k0 + tl.arange(0, SHRINK_BLOCK_K)
-                k_mask = offs_k < k_hi
-                x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
-                a = tl.load(a_rows + offs_k[None, :], mask=w_mask[:, None] & k_mask[None, :],
-                            other=0.0)  # fmt: skip
-                acc += tl.sum(a.to(tl.float32) * x.to(tl.float32)[None, :], 1)
-            ranks = tl.load(rank_ptr + (offs_w // MAX_RANK) * stride_rs + slot, mask=w_mask,
-                            other=0)  # fmt: skip
-            acc = tl.where(offs_w % MAX_RANK < ranks, acc, 0.0)
-            tl.store(t_ptr + pid.to(tl.int64) * stride_tm + offs_w, acc, mask=w_mask)
+            shrink_item(x_ptr, a_ptr, rank_ptr, t_ptr + pid.to(tl.int64) * stride_tm, slot, k_lo,
+                        tl.minimum(k_lo + k_per_split, K), stride_as, stride_ar, stride_rs,
+                        MAX_RANK, NUM_SLICES, WIDTH_PAD, SHRINK_BLOCK_K)  # fmt: skip
         # NOTE: every thread's stores before one release: the barrier, then the counter
         tl.debug_barrier()
         tl.atomic_add(count_ptr, 1, sem="release")
     else:
         rows = (pid - num_splits) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
-        cols = tl.arange(0, BLOCK_K)
-        w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
-        x_ptrs = x_ptr + cols
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                x = tl.load(x_ptrs)
-                w = tl.load(w_ptrs, mask=row_ok[:, None], other=0.0, eviction_policy="evict_first")
-            else:
-                k_ok = k0 + cols < K
-                x = tl.load(x_ptrs, mask=k_ok, other=0.0)
-                w = tl.load(w_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0,
-                            eviction_policy="evict_first")  # fmt: skip
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-            w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
-        y = tl.sum(acc, axis=1)  # [BLOCK_N]
-        bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        y = gemv_rows(x_ptr, w_ptr, rows, row_ok, K, stride_wn, EVEN_K, BLOCK_N, BLOCK_K)
         if HAS_BIAS:
-            bias = tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-        y += bias
+            y += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         if slot >= 0:
             # each row's slice (-1 outside every slice's columns), its rank and scaling
             slice_idx = tl.full((BLOCK_N,), -1, dtype=tl.int32)
@@ -141,7 +118,8 @@ def gemv_lora(
     counter: torch.Tensor,  # [1] int32, zero before the launch; the shrink items count on it
     gemv: GemvConfig,
     config: LoRAKernelConfig,
-) -> torch.Tensor:  # [1, N] in x's dtype
+    out: torch.Tensor | None = None,  # [1, N] in x's dtype, else allocated
+) -> torch.Tensor:  # out
     """The token's base product and its adapter's delta in one launch (DoRA needs `bias` to be
     the stack's base bias)."""
     n, k = weight.shape
@@ -151,7 +129,8 @@ def gemv_lora(
         raise ValueError("lora: a DoRA stack's base bias must be the GEMV's bias")
     splits = min(triton.cdiv(k, config.decode_k_per_split), config.max_splits, workspace.shape[0])
     splits, k_per_split = split_k(k, splits, config.decode_block_k)
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     width_pad = pad(lora.num_slices * lora.max_rank)
     a, b_t, t = lora.a, lora.b_t, workspace
     (g, _), flags = dora_args(lora)
