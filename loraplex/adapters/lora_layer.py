@@ -239,8 +239,11 @@ class LoRALayer:
             or getattr(layer.method, "name", None) != "unquantized"
         ):
             return None
+        weight = getattr(layer, "weight", None)  # NOTE: none where a CPU fp32 one is held packed
+        if weight is None:
+            return None
         meta = self.meta
-        return fused_gemv_lora(x, layer.weight, layer.bias, self.weights, meta.kernel_meta,
+        return fused_gemv_lora(x, weight, layer.bias, self.weights, meta.kernel_meta,
                                meta.workspace, self.fused_counter)  # fmt: skip
 
     def stage(self, image: SlotImage, weights: LoRAWeights) -> None:

@@ -10,17 +10,27 @@ streamed at a time): oneDNN's call costs ~17 us whatever its size, 121 calls a s
 embedded model's batch-1 step measured medians of 22.1 and 22.6 ms through the GEMV against
 25.5 and 23.7 through oneDNN (two runs of six alternating pairs on one engine).
 
-The packed copy is cached on the weight tensor itself, keyed by the tensor's version counter, so
-a weight changed in place after loading (a test's, an adapter merge's) is packed again before
-its next use rather than read stale. It costs a second copy of each fp32 weight in memory.
-Where torch was built without oneDNN, or for other dtypes, `wanted` says no and the caller
-keeps `F.linear`.
+A loaded model's linear weights are held packed only (`pack` -> `PackedWeight`, `linear_packed`,
+used by `quant.unquantized`): the one-row GEMV reads oneDNN's blocked layout itself
+(`[ceil(N / 64)][K'][64]`, 64 output rows side by side per K step, K' >= K; where oneDNN picks
+another layout for a weight, as for very small ones or on other CPUs, `pack` declines and the
+caller keeps the plain weight). A model then costs one copy of its fp32 weights, not two, and
+one row is no slower: the linears of the embedded model's batch-1 step measured medians of
+13.4 and 14.9 ms read packed against 15.8 and 19.4 read plain (`benchmarks.cpu_step_profile`,
+greedy and temperature 1, three alternating runs a side on one host).
+
+Any other weight (a test's, a layer built outside the model loader, an LM head that is also the
+embedding) keeps its plain tensor and a packed copy cached on it (`packed_weight`), keyed by the
+tensor's version counter, so a weight changed in place is packed again before its next use
+rather than read stale. Where torch was built without oneDNN, or for other dtypes, `wanted`
+says no and the caller keeps `F.linear`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -61,6 +71,65 @@ def prepack(weight: torch.Tensor) -> None:
         packed_weight(weight)
 
 
+_BLOCK = 64  # output rows interleaved per K step in oneDNN's blocked fp32 weight layout
+
+
+@dataclass(frozen=True, eq=False)
+class PackedWeight:
+    """A [N, K] fp32 weight held only in oneDNN's blocked layout (see the module doc)."""
+
+    tensor: torch.Tensor  # oneDNN's (opaque) packed tensor, what its matmul takes
+    n: int
+    k: int
+    k_padded: int  # K': the K steps stored per 64-row block (zeros past K)
+    data_ptr: int  # where its [ceil(N / 64), K', 64] floats start
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.n, self.k
+
+    def to_dense(self) -> torch.Tensor:
+        """The weight as a plain [N, K] tensor (a new copy)."""
+        return self.tensor.to_dense()
+
+
+def _blocked(weight: torch.Tensor, k_padded: int) -> torch.Tensor:
+    """`weight` [N, K] laid out as [ceil(N / 64), K', 64], zero-padded."""
+    n, k = weight.shape
+    n_padded = -(-n // _BLOCK) * _BLOCK
+    padded = torch.zeros(n_padded, k_padded, dtype=weight.dtype)
+    padded[:n, :k] = weight
+    return padded.view(-1, _BLOCK, k_padded).transpose(1, 2).contiguous()
+
+
+def pack(weight: torch.Tensor) -> PackedWeight | None:
+    """`weight` ([N, K] fp32 on CPU, no autograd) packed for oneDNN, for the caller to hold
+    instead of it; None where `linear_cpu` would not take it or oneDNN's layout is not the
+    blocked one the one-row GEMV reads (the caller then keeps the plain weight)."""
+    if not (
+        weight.device.type == "cpu"
+        and weight.dim() == 2
+        and weight.dtype == torch.float32
+        and not weight.requires_grad
+        and available()
+    ):
+        return None
+    n, k = weight.shape
+    with torch.no_grad():
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+    floats, n_padded = torch.ops.mkldnn._nbytes(packed) // 4, -(-n // _BLOCK) * _BLOCK
+    k_padded = floats // n_padded
+    if n == 0 or floats != n_padded * k_padded or k_padded < k:
+        return None
+    address = torch.ops.mkldnn.data_ptr(packed)
+    # NOTE: every stored float compared with where the GEMV reads it, so a layout oneDNN
+    # chose otherwise is never read as this one
+    stored = torch.frombuffer((ctypes.c_float * floats).from_address(address), dtype=torch.float32)
+    if not torch.equal(stored, _blocked(weight.detach(), k_padded).view(-1)):
+        return None
+    return PackedWeight(packed, n, k, k_padded, address)
+
+
 _GEMV_SOURCE = (
     VECTOR_PRELUDE
     + r"""
@@ -92,14 +161,45 @@ CLONES void gemv(const float *x, const float *w, const float *bias, float *y, in
   if (bias)
     for (n = 0; n < N; n++) y[n] += bias[n];
 }
+
+/* the same product with w in oneDNN's blocked layout [ceil(N / 64)][Kp][64]: each block's 64
+   outputs in four vectors, x[k] times the block's row k added in */
+CLONES void gemv_blocked(const float *x, const float *w, const float *bias, float *y, int64_t N,
+                         int64_t K, int64_t Kp) {
+  for (int64_t n0 = 0; n0 < N; n0 += 64) {
+    const float *p = w + n0 * Kp;
+    v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (int64_t k = 0; k < K; k++, p += 64) {
+      float xk = x[k];
+      a0 += xk * *(const v16 *)p;
+      a1 += xk * *(const v16 *)(p + 16);
+      a2 += xk * *(const v16 *)(p + 32);
+      a3 += xk * *(const v16 *)(p + 48);
+    }
+    float s[64];
+    *(v16 *)s = a0;
+    *(v16 *)(s + 16) = a1;
+    *(v16 *)(s + 32) = a2;
+    *(v16 *)(s + 48) = a3;
+    int64_t m = N - n0 < 64 ? N - n0 : 64;
+    for (int64_t i = 0; i < m; i++) y[n0 + i] = bias ? s[i] + bias[n0 + i] : s[i];
+  }
+}
 """
 )
-_GEMV_SIGNATURES = (("gemv", (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 2, None),)
+_GEMV_SIGNATURES = (
+    ("gemv", (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 2, None),
+    ("gemv_blocked", (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 3, None),
+)
+
+
+def _gemv_library() -> ctypes.CDLL | None:
+    return load_library("gemv", _GEMV_SOURCE, (("-O3",),), _GEMV_SIGNATURES)
 
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """One row: x [1, K] @ weight [N, K]^T in C. -> [1, N], or None where it cannot build"""
-    lib = load_library("gemv", _GEMV_SOURCE, (("-O3",),), _GEMV_SIGNATURES)
+    lib = _gemv_library()
     if lib is None or not weight.is_contiguous() or (bias is not None and not bias.is_contiguous()):
         return None
     x = x.contiguous()
@@ -130,6 +230,32 @@ def linear_cpu(
     return torch.ops.mkldnn._linear_pointwise(
         x.contiguous(), packed_weight(weight), bias, "none", [], ""
     )
+
+
+def linear_packed(
+    x: torch.Tensor,  # [..., K] fp32 on CPU
+    weight: PackedWeight,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N] fp32
+) -> torch.Tensor:  # [..., N] fp32
+    """x @ weight^T (+ bias): one row through the C GEMV on the blocked layout, more through
+    oneDNN."""
+    if x.shape[-1] != weight.k or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"fp32 CPU x [..., {weight.k}] expected, got {x.dtype} {x.shape}")
+    rows = x.reshape(-1, weight.k)
+    if rows.shape[0] == 0:
+        return x.new_empty(*x.shape[:-1], weight.n)
+    lib = _gemv_library()
+    if rows.shape[0] == 1 and lib is not None and (bias is None or bias.is_contiguous()):
+        rows = rows.contiguous()
+        out = torch.empty(1, weight.n, dtype=torch.float32)
+        lib.gemv_blocked(rows.data_ptr(), weight.data_ptr,
+                         None if bias is None else bias.data_ptr(), out.data_ptr(), weight.n,
+                         weight.k, weight.k_padded)  # fmt: skip
+    else:
+        out = torch.ops.mkldnn._linear_pointwise(
+            rows.contiguous(), weight.tensor, bias, "none", [], ""
+        )
+    return out.view(*x.shape[:-1], weight.n)
 
 
 def wanted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

@@ -1,11 +1,17 @@
-"""Plain dense weights in the model dtype."""
+"""Plain dense weights in the model dtype.
+
+On CPU in fp32 the loaded weight is replaced by its oneDNN-packed form (`cpu_linear.pack`): the
+layer keeps `packed_weight` and no `weight` parameter, one copy of the weight instead of two;
+`dequantized_weight` unpacks a copy. Where oneDNN's layout is not the one its GEMV reads, the
+plain weight stays, with a packed copy beside it (`cpu_linear.prepack`).
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from loraplex.kernels.cpu_linear import prepack
+from loraplex.kernels.cpu_linear import linear_packed, pack, prepack
 from loraplex.kernels.gemv import linear
 from loraplex.quant.base import LinearMethod, set_weight_attrs
 
@@ -23,10 +29,19 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.register_parameter("weight", weight)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        prepack(layer.weight)
+        packed = pack(layer.weight)
+        if packed is None:
+            prepack(layer.weight)
+            return
+        del layer.weight
+        layer.packed_weight = packed
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        packed = layer.__dict__.get("packed_weight")
+        if packed is not None:
+            return linear_packed(x, packed, bias)
         return linear(x, layer.weight, bias)
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
-        return layer.weight
+        packed = layer.__dict__.get("packed_weight")
+        return layer.weight if packed is None else packed.to_dense()

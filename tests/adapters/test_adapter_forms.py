@@ -132,6 +132,9 @@ def test_every_form_on_graphs_through_the_triton_kernels_equals_peft(
 ):
     """The mixed batch of every form through the CUDA path's pieces (`_cuda_path_on_cpu`), in
     all three kernel regimes and the fused GEMV, under async scheduling: each token equals PEFT's."""
+    # NOTE: plain weights, as on CUDA (an fp32 CPU engine holds them packed, and the fused GEMV
+    # reads a plain one)
+    monkeypatch.setattr("loraplex.quant.unquantized.pack", lambda weight: None)
     llm = _llm(tiny_llama_dir, max_num_seqs=8)
     regimes = _cuda_path_on_cpu(llm, monkeypatch)
     names = ["embed-lm-head", None, "lm-head", "dora", "embed", "plain", "dora-qv"]

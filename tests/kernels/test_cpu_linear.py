@@ -77,3 +77,54 @@ def test_linear_takes_onednn_for_fp32_without_autograd(monkeypatch) -> None:
     gemv.linear(torch.randn(2, 48, dtype=torch.bfloat16), w.bfloat16(), None)
     gemv.linear(torch.randn(2, 48), w.clone().requires_grad_(), None)
     assert calls == [1, 4, 33]
+
+
+def _packed_or_skip(w: torch.Tensor) -> cpu_linear.PackedWeight:
+    packed = cpu_linear.pack(w)
+    if packed is None:
+        pytest.skip(f"oneDNN packs a {tuple(w.shape)} weight in another layout on this CPU")
+    return packed
+
+
+@needs_onednn
+@pytest.mark.parametrize("n,k", [(5, 17), (64, 16), (100, 37), (130, 200), (832, 576)])
+def test_a_weight_held_packed_gives_f_linear_at_every_row_count(n: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(n + k)
+    w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    packed = _packed_or_skip(w)
+    assert packed.shape == (n, k) and torch.equal(packed.to_dense(), w)
+    for m in (1, 3, 33):
+        x = torch.randn(m, k, generator=gen)
+        torch.testing.assert_close(cpu_linear.linear_packed(x, packed), F.linear(x, w),
+                                   atol=2e-4, rtol=1e-5)  # fmt: skip
+        torch.testing.assert_close(cpu_linear.linear_packed(x, packed, b), F.linear(x, w, b),
+                                   atol=2e-4, rtol=1e-5)  # fmt: skip
+    x = torch.randn(2, 3, k, generator=gen)  # leading dimensions kept
+    torch.testing.assert_close(cpu_linear.linear_packed(x, packed), F.linear(x, w), atol=2e-4,
+                               rtol=1e-5)  # fmt: skip
+    assert cpu_linear.linear_packed(torch.zeros(0, k), packed).shape == (0, n)
+
+
+def test_pack_declines_what_linear_cpu_would_not_take() -> None:
+    assert cpu_linear.pack(torch.randn(8, 16, dtype=torch.bfloat16)) is None
+    assert cpu_linear.pack(torch.randn(8, 16, requires_grad=True)) is None
+    assert cpu_linear.pack(torch.randn(2, 8, 16)) is None
+
+
+@needs_onednn
+def test_a_loaded_fp32_layer_keeps_one_copy_of_its_weight() -> None:
+    from loraplex.platform.models.linear import Linear
+
+    layer = Linear(576, [576, 128, 128])
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(832, 576, generator=gen))
+    weight = layer.weight.clone()
+    layer.method.process_weights_after_loading(layer)
+    x = torch.randn(4, 576, generator=gen)
+    torch.testing.assert_close(layer(x), F.linear(x, weight), atol=2e-4, rtol=1e-5)
+    torch.testing.assert_close(layer(x[:1]), F.linear(x[:1], weight), atol=2e-4, rtol=1e-5)
+    assert torch.equal(layer.method.dequantized_weight(layer), weight)
+    if "packed_weight" not in layer.__dict__:
+        pytest.skip("oneDNN packs this weight in another layout on this CPU: it stays plain")
+    assert "weight" not in dict(layer.named_parameters())

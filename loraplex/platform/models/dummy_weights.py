@@ -241,7 +241,8 @@ def init_random_weights_sharded(
 
 @torch.no_grad()
 def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Our parameters under Hugging Face names, merged layers split back (views, no copies)."""
+    """Our parameters under Hugging Face names, merged layers split back (views, no copies,
+    except of a weight held packed: `dequantized_weight` unpacks it)."""
     out: dict[str, torch.Tensor] = {}
     renames = {v: k for k, v in getattr(model, "checkpoint_renames", {}).items()}
     for module_path, module in model.named_modules():
@@ -253,8 +254,9 @@ def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
                 )
             base = module_path.rpartition(".")[0]
             offsets = module.shard_offsets()
+            weight = module.method.dequantized_weight(module)
             for i, shard in enumerate(module.shard_names):
-                out[f"model.{base}.{shard}.weight"] = module.weight[offsets[i] : offsets[i + 1]]
+                out[f"model.{base}.{shard}.weight"] = weight[offsets[i] : offsets[i + 1]]
                 if module.bias is not None:
                     out[f"model.{base}.{shard}.bias"] = module.bias[offsets[i] : offsets[i + 1]]
             continue
