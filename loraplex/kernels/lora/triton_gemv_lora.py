@@ -48,16 +48,17 @@ _MAX_POLLS = 1 << 16
 def _gemv_lora_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, a_ptr, b_ptr, t_ptr, count_ptr, slots_ptr, rank_ptr,
     scaling_ptr, offsets_ptr, g_ptr,
-    N, K, k_per_split, num_splits,
+    N, K, k_per_split,
     stride_wn, stride_as, stride_ar, stride_bs, stride_br, stride_tm, stride_rs, stride_gs,
     MAX_RANK: tl.constexpr, RANK_PAD: tl.constexpr, WIDTH_PAD: tl.constexpr,
-    NUM_SLICES: tl.constexpr, SHRINK_BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    NUM_SLICES: tl.constexpr, NUM_SPLITS: tl.constexpr, SHRINK_BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     DORA: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     MAX_POLLS: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     slot = tl.load(slots_ptr)
-    if pid < num_splits:
+    if pid < NUM_SPLITS:
         if slot >= 0:
             k_lo = pid * k_per_split
             shrink_item(x_ptr, a_ptr, rank_ptr, t_ptr + pid.to(tl.int64) * stride_tm, slot, k_lo,
@@ -67,7 +68,7 @@ def _gemv_lora_kernel(
         tl.debug_barrier()
         tl.atomic_add(count_ptr, 1, sem="release")
     else:
-        rows = (pid - num_splits) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = (pid - NUM_SPLITS) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         y = gemv_rows(x_ptr, w_ptr, rows, row_ok, K, stride_wn, EVEN_K, BLOCK_N, BLOCK_K)
         if HAS_BIAS:
@@ -91,15 +92,16 @@ def _gemv_lora_kernel(
             )  # fmt: skip
             done = tl.load(count_ptr, volatile=True)
             polls = 0
-            while (done < num_splits) & (polls < MAX_POLLS):
+            while (done < NUM_SPLITS) & (polls < MAX_POLLS):
                 done = tl.load(count_ptr, volatile=True)
                 polls += 1
-            # NOTE: the count read gates the loads of t (they read L2, `.cg`)
-            used = tl.where(done >= num_splits, num_splits, 0)
+            # NOTE: the count read gates the loads of t (they read L2, `.cg`); unrolled, so every
+            # partial's load is in flight at once
+            t_mask = r_mask & ((tl.zeros_like(rank) + done)[:, None] >= NUM_SPLITS)
             t_ptrs = t_ptr + (safe_slice * MAX_RANK)[:, None] + offs_r[None, :]
             t = tl.zeros((BLOCK_N, RANK_PAD), dtype=tl.float32)
-            for split in range(0, used):
-                t += tl.load(t_ptrs + split * stride_tm, mask=r_mask, other=0.0,
+            for split in tl.static_range(NUM_SPLITS):
+                t += tl.load(t_ptrs + split * stride_tm, mask=t_mask, other=0.0,
                              cache_modifier=".cg")  # fmt: skip
             delta = tl.sum(t * b.to(tl.float32), 1) * scaling
             g_ptrs = g_ptr + slot.to(tl.int64) * stride_gs + rows
@@ -137,11 +139,11 @@ def gemv_lora(
     _gemv_lora_kernel[(splits + triton.cdiv(n, gemv.block_n),)](
         x, weight, bias if bias is not None else out, out, a, b_t, t, counter,
         meta.lora_slots, lora.ranks, lora.scaling, offsets_tensor(lora.slice_offsets, x.device),
-        g, n, k, k_per_split, splits,
+        g, n, k, k_per_split,
         weight.stride(0), a.stride(0), a.stride(1), b_t.stride(0), b_t.stride(1), t.stride(0),
         lora.ranks.stride(0), g.stride(0),
         MAX_RANK=lora.max_rank, RANK_PAD=pad(lora.max_rank), WIDTH_PAD=width_pad,
-        NUM_SLICES=lora.num_slices, SHRINK_BLOCK_K=config.decode_block_k,
+        NUM_SLICES=lora.num_slices, NUM_SPLITS=splits, SHRINK_BLOCK_K=config.decode_block_k,
         HAS_BIAS=bias is not None, DORA=flags["DORA"], EVEN_K=k % gemv.block_k == 0,
         BLOCK_N=gemv.block_n, BLOCK_K=gemv.block_k, MAX_POLLS=_MAX_POLLS,
         num_warps=gemv.num_warps, num_stages=gemv.num_stages,
