@@ -11,7 +11,11 @@ then it starts what is missing (a read on the loader thread, or a copy from the 
 a free or idle slot) and the request waits in the queue, while other requests run as usual.
 
 Slots in use are never evicted: a running request holds its adapter's slot until it finishes
-(or is preempted or aborted), and so does a `PinAdapter` pin, for as long as it lasts.
+(or is preempted or aborted), and so does a `PinAdapter` pin, for as long as it lasts. A slot
+copied for a waiting request is held for it (no other waiter's copy takes it) while the
+scheduler keeps asking for it, and let go once `HOLD_STEPS` steps pass without a question: with
+more waiting adapters than idle slots, each copy runs before its slot is reused, instead of
+every waiter's copy evicting the one before it while it is still in flight.
 
 More adapters than slots: requests on resident adapters are admitted first (the scheduler skips
 the others for the step). Starvation is bounded: once an adapter has waited `STARVATION_STEPS`
@@ -45,6 +49,8 @@ logger = logging.getLogger(__name__)
 BASE_SLOT = -1
 #: steps an adapter waits for a slot, with none free or idle, before one slot is drained for it
 STARVATION_STEPS = 16
+#: steps a slot copied for a waiting request stays held for it after the last time it was asked
+HOLD_STEPS = 8
 _PIN_PREFIX = "\x00pin:"  # the holder id of a PinAdapter pin (no request id starts with NUL)
 
 
@@ -70,6 +76,7 @@ class SlotAdmission:
         self._steps = 0
         self._waiters: OrderedDict[str, int] = OrderedDict()  # key -> step it began waiting
         self._draining: str | None = None  # a resident key admitting no new request
+        self._holds: dict[str, int] = {}  # key staged for a waiter -> the step it was last asked
 
     # -- the scheduler's interface ------------------------------------------------------------
 
@@ -88,9 +95,12 @@ class SlotAdmission:
                 self._start_read(key)
                 return False
             self._stats.of(key).load_asked()
-            if not self.pool.stage(key):
+            if not self.pool.stage(key, hold=True):
                 self._waiters.setdefault(key, self._steps)
                 return False
+        if self.pool.pins(key) == 0:
+            self._holds[key] = self._steps  # a waiter asks for it: no other waiter's copy takes it
+            self.pool.stage(key, hold=True)
         self._waiters.pop(key, None)
         if self._draining is not None and not self._waiters:
             self._draining = None
@@ -118,6 +128,7 @@ class SlotAdmission:
         except Exception as error:
             self._fail(key, error)
             raise
+        self._holds.pop(key, None)
         self._held[request_id] = key
         self._stats.of(key).last_used = time.time()
         # NOTE: a slot written without `can_schedule` may still be copying: the device waits
@@ -157,6 +168,10 @@ class SlotAdmission:
                     self.pool.stage(key)  # a free slot: copy ahead of need, evicting nothing
         self._hold_pins()
         self._check_starvation()
+        for key, asked in list(self._holds.items()):
+            if self._steps - asked > HOLD_STEPS:
+                del self._holds[key]
+                self.pool.unhold(key)
 
     def pin(self, name: str, key: str) -> None:
         """Hold the slot of `name`'s adapter (loading it as soon as it can be) until `unpin`."""
@@ -185,6 +200,7 @@ class SlotAdmission:
         self.pool.forget(key)
         self._failed.pop(key, None)
         self._waiters.pop(key, None)
+        self._holds.pop(key, None)
         if self._draining == key:
             self._draining = None
 
@@ -255,5 +271,6 @@ class SlotAdmission:
         self._failed[key] = message
         self._new_failures[key] = message
         self._waiters.pop(key, None)
+        self._holds.pop(key, None)
         self._stats.of(key).load_started = None
         self.pool.forget(key)

@@ -2,6 +2,9 @@
 
 - A slot holding an adapter that a running request uses is pinned (a per-adapter count) and is
   never evicted; unpinned resident slots are reused in least-recently-released order.
+- A slot copied for a waiting request (`stage(..., hold=True)`) is held for it: no other stage
+  takes it until the request pins it or the hold is let go (`unhold`), so waiters on more
+  adapters than there are idle slots do not evict each other's copies before they run.
 - Behind the slots, an LRU cache of up to `max_cpu_loras` adapters in host memory, each staged
   as a slot image (`adapters.slot_memory`: pinned, in the model dtype, laid out as a slot)
   spares disk reads; a miss calls the loader the pool was built with.
@@ -43,6 +46,7 @@ class _Slot:
     key: Hashable | None = None
     pins: int = 0
     ready: torch.cuda.Event | None = None  # pending host-to-device copy
+    held: bool = False  # copied for a waiting request: other stages leave it
     source: SlotImage | None = None  # host tensors kept alive until the copy completes
 
 
@@ -96,12 +100,13 @@ class LoRASlotPool:
         return self._where.get(key)
 
     def can_allocate(self, key: Hashable) -> bool:
-        """True if `acquire(key)` would succeed now: resident, or a slot it may take is free or
-        evictable (an adapter not in the host cache yet counts as needing no copy slot)."""
+        """True if the adapter is resident, or a slot it may take is free or evictable without
+        taking one held for another waiting request (an adapter not in the host cache yet
+        counts as needing no copy slot)."""
         if key in self._where:
             return True
         wide = self._needs_wide(key)
-        return self._free_slot(wide) is not None or self._lru_idle(wide) is not None
+        return self._free_slot(wide) is not None or self._lru_idle(wide, spare_held=True) is not None
 
     def needs_saved_module_slot(self, key: Hashable) -> bool:
         """Whether the host-cached adapter must sit in one of the first `saved_module_slots`."""
@@ -133,9 +138,11 @@ class LoRASlotPool:
             wide = self._host_weights(key).needs_saved_module_slot
             slot = self._free_slot(wide)
             if slot is None:
-                slot = self._evict_lru(wide)
+                spare = self._lru_idle(wide, spare_held=True) is not None
+                slot = self._evict_lru(wide, spare_held=spare)
             self._load(key, slot)
         self._slots[slot].pins += 1
+        self._slots[slot].held = False
         self._idle.pop(slot, None)
         return slot
 
@@ -148,23 +155,33 @@ class LoRASlotPool:
         if self._slots[slot].pins == 0:
             self._idle[slot] = None
 
-    def stage(self, key: Hashable) -> bool:
+    def stage(self, key: Hashable, hold: bool = False) -> bool:
         """Start copying a host-cached adapter into a slot (a free one, else the least recently
-        used idle one), without pinning it; True if it is resident afterwards. Never evicts a
-        pinned slot and never reads disk (the adapter must be in the host cache)."""
-        if key in self._where:
-            return True
-        if key not in self._host:
-            return False
-        wide = self._needs_wide(key)
-        slot = self._free_slot(wide)
+        used idle one that no waiting request holds), without pinning it; True if it is
+        resident afterwards. With `hold`, the slot is held for the caller's waiting request
+        until it pins it or `unhold`. Never evicts a pinned or held slot and never reads disk
+        (the adapter must be in the host cache)."""
+        slot = self._where.get(key)
         if slot is None:
-            if self._lru_idle(wide) is None:
+            if key not in self._host:
                 return False
-            slot = self._evict_lru(wide)
-        self._load(key, slot)
-        self._idle[slot] = None
+            wide = self._needs_wide(key)
+            slot = self._free_slot(wide)
+            if slot is None:
+                if self._lru_idle(wide, spare_held=True) is None:
+                    return False
+                slot = self._evict_lru(wide, spare_held=True)
+            self._load(key, slot)
+            self._idle[slot] = None
+        if hold and self._slots[slot].pins == 0:
+            self._slots[slot].held = True
         return True
+
+    def unhold(self, key: Hashable) -> None:
+        """Let go of the hold a waiting request had on the adapter's slot (no-op without one)."""
+        slot = self._where.get(key)
+        if slot is not None:
+            self._slots[slot].held = False
 
     def read(self, key: Hashable) -> SlotImage:
         """Read an adapter through the pool's loader, touching no cache (any thread may call
@@ -232,17 +249,22 @@ class LoRASlotPool:
                 return i
         return None
 
-    def _lru_idle(self, wide: bool) -> int | None:
+    def _lru_idle(self, wide: bool, spare_held: bool = False) -> int | None:
         """The least recently released idle slot the adapter may take (one without module
-        copies first, unless it needs them)."""
+        copies first, unless it needs them), with `spare_held` none held for a waiter."""
         k = self.saved_module_slots
+        first = None
         for slot in self._idle:
+            if spare_held and self._slots[slot].held:
+                continue
             if (slot < k) == wide:
                 return slot
-        return None if wide else next(iter(self._idle), None)
+            if first is None:
+                first = slot
+        return None if wide else first
 
-    def _evict_lru(self, wide: bool = False) -> int:
-        slot = self._lru_idle(wide)
+    def _evict_lru(self, wide: bool = False, spare_held: bool = False) -> int:
+        slot = self._lru_idle(wide, spare_held)
         if slot is None:
             where = (
                 f"the {self.saved_module_slots} module-copy" if wide else f"all {self.num_slots}"

@@ -341,10 +341,10 @@ class SlotRecorder:
                 self.overwritten_in_use.append((r.request_id, slot))
 
     def _wrap_acquire(self, acquire, count: bool = True):
-        def wrapped(key):
+        def wrapped(key, **kwargs):
             running = [r for r in self._engine.scheduler.running if r.adapter_key is not None]
             before = {r.request_id: self._pool.slot_of(r.adapter_key) for r in running}
-            slot = acquire(key)
+            slot = acquire(key, **kwargs)
             self.acquisitions += count
             for r in running:
                 held = before[r.request_id]

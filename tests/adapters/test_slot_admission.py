@@ -15,7 +15,7 @@ from loraplex.adapters.adapter_names import AdapterNames, key_from_digest
 from loraplex.adapters.adapter_stats import AdapterStats
 from loraplex.adapters.loader import AdapterLoader
 from loraplex.adapters.peft_format import LoRAWeights
-from loraplex.adapters.slot_admission import STARVATION_STEPS, SlotAdmission
+from loraplex.adapters.slot_admission import HOLD_STEPS, STARVATION_STEPS, SlotAdmission
 from loraplex.adapters.slot_memory import SlotImage
 from loraplex.adapters.slot_pool import LoRASlotPool
 from loraplex.platform.core.commands import AddAdapter
@@ -269,3 +269,68 @@ def test_a_version_no_name_and_no_request_uses_is_dropped(world):
     assert "a" in world.resident()  # still serving r1
     world.run(("end", "r1"))
     assert "a" not in world.resident() and not world.pool.has_host(key("a"))
+
+
+class _PendingCopy:  # stands in for the side stream's CUDA event
+    def query(self) -> bool:
+        return False
+
+
+def _copies_in_flight(world, monkeypatch) -> None:
+    """Every slot copy stays pending until `_copies_done`."""
+    load = world.pool._load
+
+    def load_on_a_side_stream(k, slot):
+        load(k, slot)
+        world.pool._slots[slot].ready = _PendingCopy()
+
+    monkeypatch.setattr(world.pool, "_load", load_on_a_side_stream)
+
+
+def _copies_done(world) -> None:
+    for slot in world.pool._slots:
+        slot.ready = None
+
+
+def test_waiters_on_more_adapters_than_slots_do_not_evict_each_others_copies(world, monkeypatch):
+    """Two slots, four waiting adapters asked in queue order every step while the first two
+    copies are in flight: the later two wait instead of evicting them (the H200's 256 adapters
+    on 64 slots made 31,880 slot copies for 256 requests before), and take the slots as the
+    first two's requests end."""
+    _copies_in_flight(world, monkeypatch)
+    world.cache_all()
+    for _ in range(3):
+        for name in "abcd":
+            world.run(("waits", name))
+        world.run(("poll",))
+    assert world.pool.counters.gpu_loads == 2 and world.resident() == {"a", "b"}
+    _copies_done(world)
+    world.run(("run", "a1", "a"))
+    world.run(("run", "b1", "b"))
+    world.run(("waits", "c"))
+    world.run(("waits", "d"))
+    world.run(("end", "a1"))
+    world.run(("waits", "c"))  # its copy into a's slot starts
+    world.run(("waits", "d"))  # ... and d's does not take it over
+    assert world.resident() == {"b", "c"}
+    _copies_done(world)
+    world.run(("run", "c1", "c"))
+    assert world.pool.counters.gpu_loads == 3
+
+
+def test_a_hold_nobody_asks_for_any_more_is_let_go(world, monkeypatch):
+    """A waiter that stops asking (its request aborted) holds its slot for `HOLD_STEPS` steps
+    only; then another waiter's copy takes it."""
+    _copies_in_flight(world, monkeypatch)
+    world.cache_all()
+    world.run(("waits", "a"))
+    world.run(("waits", "b"))
+    for _ in range(HOLD_STEPS):
+        world.run(("poll",))
+        world.run(("waits", "b"))
+        world.run(("waits", "c"))
+        assert world.resident() == {"a", "b"}
+    world.run(("poll",))
+    world.run(("waits", "b"))
+    world.run(("waits", "c"))
+    assert world.resident() == {"b", "c"}
