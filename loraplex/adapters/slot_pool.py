@@ -106,7 +106,9 @@ class LoRASlotPool:
         if key in self._where:
             return True
         wide = self._needs_wide(key)
-        return self._free_slot(wide) is not None or self._lru_idle(wide, spare_held=True) is not None
+        return (
+            self._free_slot(wide) is not None or self._lru_idle(wide, spare_held=True) is not None
+        )
 
     def needs_saved_module_slot(self, key: Hashable) -> bool:
         """Whether the host-cached adapter must sit in one of the first `saved_module_slots`."""
