@@ -17,7 +17,10 @@ another layout for a weight, as for very small ones or on other CPUs, `pack` dec
 caller keeps the plain weight). A model then costs one copy of its fp32 weights, not two, and
 one row is no slower: the linears of the embedded model's batch-1 step measured medians of
 13.4 and 14.9 ms read packed against 15.8 and 19.4 read plain (`benchmarks.cpu_step_profile`,
-greedy and temperature 1, three alternating runs a side on one host).
+greedy and temperature 1, three alternating runs a side on one host). A few rows (2 to
+`FEW_ROWS_MAX`) on one compute thread, a decode batch on the default 2-core engine, go to a C
+kernel on the same layout that streams each block's weights once for four rows at a time, about
+a tenth faster than oneDNN there (see `FEW_ROWS_MAX`).
 
 Any other weight (a test's, a layer built outside the model loader, an LM head that is also the
 embedding) keeps its plain tensor and a packed copy cached on it (`packed_weight`), keyed by the
@@ -185,12 +188,71 @@ CLONES void gemv_blocked(const float *x, const float *w, const float *bias, floa
     for (int64_t i = 0; i < m; i++) y[n0 + i] = bias ? s[i] + bias[n0 + i] : s[i];
   }
 }
+
+#define ROW_TIMES_BLOCK(r, s)                                                                   \
+  a##r##0 += s * w0;                                                                            \
+  a##r##1 += s * w1;                                                                            \
+  a##r##2 += s * w2;                                                                            \
+  a##r##3 += s * w3;
+#define STORE_ROW(r)                                                                            \
+  *(v16 *)t[r] = a##r##0;                                                                       \
+  *(v16 *)(t[r] + 16) = a##r##1;                                                                \
+  *(v16 *)(t[r] + 32) = a##r##2;                                                                \
+  *(v16 *)(t[r] + 48) = a##r##3;
+
+/* y [M, N] = x [M, K] @ w^T (+ bias) for a few rows, w in the blocked layout: each block's
+   weights are streamed once from memory for four rows at a time (the next four read them from
+   cache); a last group of fewer rows repeats its first row and stores only its own */
+CLONES void gemm_blocked(const float *x, int64_t M, const float *w, const float *bias,
+                         float *y, int64_t N, int64_t K, int64_t Kp) {
+  for (int64_t n0 = 0; n0 < N; n0 += 64) {
+    const float *wb = w + n0 * Kp;
+    int64_t cols = N - n0 < 64 ? N - n0 : 64;
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const float *x0 = x + m0 * K;
+      const float *x1 = x + (m0 + 1 < M ? m0 + 1 : m0) * K;
+      const float *x2 = x + (m0 + 2 < M ? m0 + 2 : m0) * K;
+      const float *x3 = x + (m0 + 3 < M ? m0 + 3 : m0) * K;
+      v16 a00 = {0}, a01 = {0}, a02 = {0}, a03 = {0}, a10 = {0}, a11 = {0}, a12 = {0};
+      v16 a13 = {0}, a20 = {0}, a21 = {0}, a22 = {0}, a23 = {0}, a30 = {0}, a31 = {0};
+      v16 a32 = {0}, a33 = {0};
+      const float *p = wb;
+      for (int64_t k = 0; k < K; k++, p += 64) {
+        v16 w0 = *(const v16 *)p, w1 = *(const v16 *)(p + 16);
+        v16 w2 = *(const v16 *)(p + 32), w3 = *(const v16 *)(p + 48);
+        ROW_TIMES_BLOCK(0, x0[k])
+        ROW_TIMES_BLOCK(1, x1[k])
+        ROW_TIMES_BLOCK(2, x2[k])
+        ROW_TIMES_BLOCK(3, x3[k])
+      }
+      float t[4][64];
+      STORE_ROW(0)
+      STORE_ROW(1)
+      STORE_ROW(2)
+      STORE_ROW(3)
+      for (int64_t r = 0; r < 4 && m0 + r < M; r++)
+        for (int64_t i = 0; i < cols; i++)
+          y[(m0 + r) * N + n0 + i] = bias ? t[r][i] + bias[n0 + i] : t[r][i];
+    }
+  }
+}
 """
 )
 _GEMV_SIGNATURES = (
     ("gemv", (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 2, None),
     ("gemv_blocked", (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 3, None),
+    (
+        "gemm_blocked",
+        (ctypes.c_void_p, ctypes.c_int64) + (ctypes.c_void_p,) * 3 + (ctypes.c_int64,) * 3,
+        None,
+    ),
 )
+
+#: Most rows the few-row C kernel takes on one compute thread; past that, or on more threads,
+#: oneDNN. NOTE: on one thread of the 2-core AVX-512 test host the embedded model's 120
+#: decoder linears measured 18.9 against 21.6 ms through oneDNN at 8 rows, 42.6 against 45.8 at
+#: 32 (16.1 / 17.3 at 4); one row keeps the one-row GEMV (11.9 ms, 14.4 through this kernel).
+FEW_ROWS_MAX = 32
 
 
 def _gemv_library() -> ctypes.CDLL | None:
@@ -227,9 +289,7 @@ def linear_cpu(
         out = _gemv(x, weight, bias)
         if out is not None:
             return out
-    return torch.ops.mkldnn._linear_pointwise(
-        x.contiguous(), packed_weight(weight), bias, "none", [], ""
-    )
+    return _onednn(x.contiguous(), packed_weight(weight), bias)
 
 
 def linear_packed(
@@ -237,25 +297,32 @@ def linear_packed(
     weight: PackedWeight,  # [N, K]
     bias: torch.Tensor | None = None,  # [N] fp32
 ) -> torch.Tensor:  # [..., N] fp32
-    """x @ weight^T (+ bias): one row through the C GEMV on the blocked layout, more through
-    oneDNN."""
+    """x @ weight^T (+ bias) on the blocked layout: one row through the C GEMV, up to
+    `FEW_ROWS_MAX` on one compute thread through the few-row C kernel, more through oneDNN."""
     if x.shape[-1] != weight.k or x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"fp32 CPU x [..., {weight.k}] expected, got {x.dtype} {x.shape}")
     rows = x.reshape(-1, weight.k)
     if rows.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], weight.n)
-    lib = _gemv_library()
-    if rows.shape[0] == 1 and lib is not None and (bias is None or bias.is_contiguous()):
+    m, lib = rows.shape[0], _gemv_library()
+    few = m == 1 or (m <= FEW_ROWS_MAX and torch.get_num_threads() == 1)
+    if few and lib is not None and (bias is None or bias.is_contiguous()):
         rows = rows.contiguous()
-        out = torch.empty(1, weight.n, dtype=torch.float32)
-        lib.gemv_blocked(rows.data_ptr(), weight.data_ptr,
-                         None if bias is None else bias.data_ptr(), out.data_ptr(), weight.n,
-                         weight.k, weight.k_padded)  # fmt: skip
+        out = torch.empty(m, weight.n, dtype=torch.float32)
+        b = None if bias is None else bias.data_ptr()
+        if m == 1:
+            lib.gemv_blocked(rows.data_ptr(), weight.data_ptr, b, out.data_ptr(), weight.n,
+                             weight.k, weight.k_padded)  # fmt: skip
+        else:
+            lib.gemm_blocked(rows.data_ptr(), m, weight.data_ptr, b, out.data_ptr(), weight.n,
+                             weight.k, weight.k_padded)  # fmt: skip
     else:
-        out = torch.ops.mkldnn._linear_pointwise(
-            rows.contiguous(), weight.tensor, bias, "none", [], ""
-        )
+        out = _onednn(rows.contiguous(), weight.tensor, bias)
     return out.view(*x.shape[:-1], weight.n)
+
+
+def _onednn(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def wanted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

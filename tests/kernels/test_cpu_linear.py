@@ -93,7 +93,7 @@ def test_a_weight_held_packed_gives_f_linear_at_every_row_count(n: int, k: int) 
     w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
     packed = _packed_or_skip(w)
     assert packed.shape == (n, k) and torch.equal(packed.to_dense(), w)
-    for m in (1, 3, 33):
+    for m in (1, 2, 3, 4, 5, 8, 17, 32, 33):
         x = torch.randn(m, k, generator=gen)
         torch.testing.assert_close(cpu_linear.linear_packed(x, packed), F.linear(x, w),
                                    atol=2e-4, rtol=1e-5)  # fmt: skip
@@ -103,6 +103,33 @@ def test_a_weight_held_packed_gives_f_linear_at_every_row_count(n: int, k: int) 
     torch.testing.assert_close(cpu_linear.linear_packed(x, packed), F.linear(x, w), atol=2e-4,
                                rtol=1e-5)  # fmt: skip
     assert cpu_linear.linear_packed(torch.zeros(0, k), packed).shape == (0, n)
+
+
+@needs_onednn
+def test_a_few_rows_on_one_thread_skip_onednn(monkeypatch) -> None:
+    """Decode batches of 2 to FEW_ROWS_MAX rows on one compute thread (the default 2-core engine)
+    run the few-row C kernel; more rows, or more threads, run oneDNN."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(200, 96, generator=gen)
+    packed = _packed_or_skip(w)
+    calls: list[int] = []
+    onednn = cpu_linear._onednn
+    monkeypatch.setattr(
+        cpu_linear, "_onednn", lambda x, *a: calls.append(x.shape[0]) or onednn(x, *a)
+    )
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for m in (2, 8, cpu_linear.FEW_ROWS_MAX, cpu_linear.FEW_ROWS_MAX + 1):
+            x = torch.randn(m, 96, generator=gen)
+            torch.testing.assert_close(cpu_linear.linear_packed(x, packed), F.linear(x, w),
+                                       atol=2e-4, rtol=1e-5)  # fmt: skip
+        assert calls == [cpu_linear.FEW_ROWS_MAX + 1]
+        torch.set_num_threads(2)
+        cpu_linear.linear_packed(torch.randn(8, 96, generator=gen), packed)
+        assert calls == [cpu_linear.FEW_ROWS_MAX + 1, 8]
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_pack_declines_what_linear_cpu_would_not_take() -> None:
