@@ -16,6 +16,9 @@ it is never a dependency of ours. Without it the script says why and exits 0 (sk
     # our server under two LORAPLEX_CPU_OMP_THREADS_BIND values, A B A B, instead of vLLM
 
 Each figure is the median of its rounds; the load average at each run is recorded beside it.
+Every run sends prompts no earlier run sent (both sides of one round get the same ones), and the
+offline warm-up prompts differ from the timed ones: no side's prefix cache ever holds a timed
+prompt, so TTFT measures prefill, not cache hits.
 """
 
 from __future__ import annotations
@@ -54,9 +57,10 @@ out = {}
 for name, fields in cfg["samplings"].items():
     params = [SamplingParams(max_tokens=cfg["output_len"], ignore_eos=True, **f) for f in fields]
     warm = SamplingParams(max_tokens=4, ignore_eos=True, **fields[0])  # the whole batch's memory
-    llm.generate([{"prompt_token_ids": p} for p in cfg["prompts"]], warm, use_tqdm=False)
+    llm.generate([{"prompt_token_ids": p} for p in cfg["warm_prompts"]], warm, use_tqdm=False)
     start = time.perf_counter()
-    res = llm.generate([{"prompt_token_ids": p} for p in cfg["prompts"]], params, use_tqdm=False)
+    res = llm.generate([{"prompt_token_ids": p} for p in cfg["prompts"][name]], params,
+                       use_tqdm=False)
     seconds = time.perf_counter() - start
     out[name] = sum(len(r.outputs[0].token_ids) for r in res) / seconds
 print("RESULT " + json.dumps(out), flush=True)
@@ -72,9 +76,9 @@ out = {}
 for name, fields in cfg["samplings"].items():
     params = [SamplingParams(max_tokens=cfg["output_len"], ignore_eos=True, **f) for f in fields]
     warm = SamplingParams(max_tokens=4, ignore_eos=True, **fields[0])  # the whole batch's memory
-    llm.generate(cfg["prompts"], warm)
+    llm.generate(cfg["warm_prompts"], warm)
     start = time.perf_counter()
-    res = llm.generate(cfg["prompts"], params)
+    res = llm.generate(cfg["prompts"][name], params)
     seconds = time.perf_counter() - start
     out[name] = sum(len(r.outputs[0].token_ids) for r in res) / seconds
 print("RESULT " + json.dumps(out), flush=True)
@@ -145,11 +149,13 @@ def serving_rounds(sides: dict[str, str], args: argparse.Namespace, load: str) -
     metrics: dict[str, Any] = {}
     names = list(sides)
     models = {name: served_model(url) for name, url in sides.items()}
-    for sampling in SAMPLINGS:
+    for s, sampling in enumerate(SAMPLINGS):
         for c in args.concurrency:
-            prompts = serving_prompts(max(args.min_prompts, c), args.input_len, args.seed + c)
             runs: dict[str, list[dict]] = {name: [] for name in names}
             for r in range(args.rounds):
+                # NOTE: fresh prompts each round and case, the same for both sides of a round
+                seed = args.seed + c + 1_000 * r + 100_000 * (s + 1)
+                prompts = serving_prompts(max(args.min_prompts, c), args.input_len, seed)
                 order = names if r % 2 == 0 else names[::-1]
                 for name in order:
                     load_avg = os.getloadavg()[0]
@@ -185,7 +191,10 @@ def offline_rounds(model: str, args: argparse.Namespace, load: str) -> dict[str,
                  for name in SAMPLINGS}  # fmt: skip
     cfg = dict(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
                max_num_seqs=args.max_num_seqs, output_len=args.output_len, samplings=samplings,
-               prompts=serving_prompts(args.offline_prompts, args.input_len, args.seed))  # fmt: skip
+               warm_prompts=serving_prompts(args.offline_prompts, args.input_len, args.seed),
+               prompts={name: serving_prompts(args.offline_prompts, args.input_len,
+                                              args.seed + 1 + i)
+                        for i, name in enumerate(SAMPLINGS)})  # fmt: skip
     sides = {"loraplex": (sys.executable, OURS_OFFLINE), "vllm": (args.vllm_python, VLLM_OFFLINE)}
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
     for r in range(args.rounds):
