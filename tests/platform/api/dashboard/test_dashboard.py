@@ -71,13 +71,21 @@ def _stats(world) -> dict:
 def _sampled(world) -> bool:
     """The stats show alpha's and beta's traffic as rates and all of gamma's requests: the
     sampler took a sample after the traffic (a sample is reused for half a period, so one taken
-    while gamma's last response was still being counted would show it without its 429)."""
+    while gamma's last response was still being counted would show it without its 429), and the
+    end-to-end latency of every admitted request (a request's first token can be counted before
+    its end, and a TTFT without its end-to-end figure skews the quantiles' order)."""
     doc = _stats(world)
     tenants = {t["name"]: t for t in doc["tenants"]}
     rates = [tenants[n]["generation_tokens_per_s"] for n in ("alpha", "beta") if n in tenants]
     counted = tenants.get("gamma", {}).get("requests_total") == 3
+    latency = doc["latency"]
+    ended = latency["e2e_s"]["count"] >= latency["ttft_s"]["count"] == 4
     return (
-        bool(doc["series"]["points"]) and len(rates) == 2 and all(r > 0 for r in rates) and counted
+        bool(doc["series"]["points"])
+        and len(rates) == 2
+        and all(r > 0 for r in rates)
+        and counted
+        and ended
     )
 
 
