@@ -6,13 +6,15 @@ they come from HBM rather than L2. For each case (tokens, distinct adapters; tok
 i mod adapters):
 
 1. every kernel variant (each regime of `LoRAKernelConfig` forced, the default dispatch, and
-   the per-token pair with its shrink on a side stream beside the base GEMM) against the fp32
-   torch reference on the first layer; a variant that misses is dropped from the case;
+   the default pair with its shrink on a side stream beside the base GEMM, as the engine's
+   layers run a step of two or more tokens) against the fp32 torch reference on the first
+   layer; a variant that misses is dropped from the case (`--variants` picks a subset);
 2. each variant's LoRA time per layer (qkv, o, gate-up and down), replayed from a CUDA graph,
    and eagerly for the default (and for every variant of the prefill cases, which run eager);
 3. the layer's four base GEMMs (cuBLAS) alone and interleaved with each variant's LoRA, in a
-   graph: the difference is the time LoRA adds in place, where a programmatic dependent launch
-   (`decode_pdl`) or the side stream can hide work behind the GEMM;
+   graph (prefill cases: eagerly, the default and the side stream): the difference is the time
+   LoRA adds in place, where a programmatic dependent launch (`decode_pdl`) or the side stream
+   can hide work behind the GEMM;
 4. the bytes LoRA must move per layer (each distinct adapter's A and B once, x read, the output
    read and written) over the copy bandwidth measured in the run: the floor.
 
@@ -75,7 +77,7 @@ VARIANTS = {
     "group_x4096": dataclasses.replace(_GROUP, expand_programs=4096),
 }
 PREFILL_VARIANTS = ["default", "group_x0", "group_x256", "group_x4096"]
-SIDE_STREAM = "side_stream"  # the "token" pair, its shrink on a second stream beside the GEMM
+SIDE_STREAM = "side_stream"  # the default pair, its shrink on a second stream beside the GEMM
 TOLERANCE = 3e-2  # max |error| / max |reference| in bf16
 
 
@@ -209,6 +211,7 @@ class Bench:
         self.meta = _Batch(setup.num_slots, max_tokens, 3 * RANK, device)
         self.side_workspace = torch.zeros_like(self.meta.workspace)
         self.side = torch.cuda.Stream() if self.cuda else None
+        self.only: list[str] = []  # the variants to run (all when empty)
         # NOTE: every layer's own adapter weights (from HBM, as in a forward); one layer's base
         # weights, [out, in] each
         self.layers = [
@@ -242,21 +245,22 @@ class Bench:
         return apply
 
     def side_stream_pair(self, layer: LoRAStack, x, out, gemm: Callable[[], None]) -> None:
-        """The per-token shrink on the side stream while `gemm` writes `out`, then the expand."""
-        from loraplex.kernels.lora.triton_token import expand_tokens, shrink_tokens
+        """As the engine's `LoRALayer.begin` runs a two-launch step: the default regime's shrink
+        on the side stream while `gemm` writes `out`, then the expand."""
+        from loraplex.kernels.lora import expand_lora, shrink_lora
 
-        config, kmeta, ws = VARIANTS["token"], self.meta.kernel_meta, self.side_workspace
+        kmeta, ws = self.meta.kernel_meta, self.side_workspace
         if self.side is None:
-            splits = shrink_tokens(x, layer, kmeta, ws, config)
+            splits = shrink_lora(x, layer, kmeta, ws)
             gemm()
         else:
             main = torch.cuda.current_stream()
             self.side.wait_stream(main)
             with torch.cuda.stream(self.side):
-                splits = shrink_tokens(x, layer, kmeta, ws, config)
+                splits = shrink_lora(x, layer, kmeta, ws)
             gemm()
             main.wait_stream(self.side)
-        expand_tokens(ws, splits, out, layer, kmeta, config)
+        expand_lora(ws, splits, out, layer, kmeta)
 
     # -- whole steps (every layer) ---------------------------------------------------------
 
@@ -348,9 +352,11 @@ def measure_case(
     setup, timer = bench.setup, bench.timer
     bench.set_case(num_tokens, num_adapters)
     row: dict[str, float | str] = {}
-    variants = PREFILL_VARIANTS if prefill else [*VARIANTS, SIDE_STREAM]
-    if num_tokens > 64:
-        variants = [v for v in variants if v != SIDE_STREAM]
+    variants = [*(PREFILL_VARIANTS if prefill else VARIANTS), SIDE_STREAM]
+    if num_tokens == 1:  # NOTE: one token runs the one-launch kernel, no pair to overlap
+        variants.remove(SIDE_STREAM)
+    if bench.only:
+        variants = [v for v in variants if v in bench.only]
     ok = []
     for name in variants:
         try:
@@ -374,19 +380,19 @@ def measure_case(
         try:
             if name != SIDE_STREAM:
                 row[f"{name}_lora_us"] = timer.us(bench.lora_step(name), graph, iters) / layers
-            if prefill:
+            if prefill and name not in ("default", SIDE_STREAM):
                 continue
-            if name == "default":
+            if name == "default" and not prefill:
                 us = timer.us(bench.lora_step(name), graph=False, iters=setup.eager_iters)
                 row["default_lora_us_eager"] = us / layers
-            combined = timer.us(bench.layer_step(name), graph=True, iters=iters) / layers
+            combined = timer.us(bench.layer_step(name), graph=graph, iters=iters) / layers
             row[f"{name}_layer_us"] = combined
         except Exception as exc:  # e.g. a launch a graph cannot capture: reported, not fatal
             row[f"{name}_failed"] = f"timing: {type(exc).__name__}: {exc}"[:300]
     if num_tokens == 1 and bench.cuda:
         row.update(measure_fused_gemv(bench, iters))
-    if not prefill and ok:
-        base_layer = timer.us(bench.layer_step(None), graph=True, iters=iters) / layers
+    if ok:
+        base_layer = timer.us(bench.layer_step(None), graph=graph, iters=iters) / layers
         row["base_layer_us"] = base_layer
         for name in ok:
             if f"{name}_layer_us" in row:
@@ -484,6 +490,9 @@ def main() -> int:
                         help="file name in benchmarks/results/, or a path")  # fmt: skip
     parser.add_argument("--budget-s", type=float, default=270.0,
                         help="start no new case after this many seconds")  # fmt: skip
+    parser.add_argument("--variants", default="",
+                        help="comma-separated variants to run (default: all), e.g. "
+                             "default,side_stream")  # fmt: skip
     parser.add_argument("--smoke", action="store_true",
                         help="CPU, Triton interpreter, tiny shapes; writes nothing")  # fmt: skip
     args = parser.parse_args()
@@ -501,6 +510,7 @@ def main() -> int:
     torch.manual_seed(0)
     bandwidth = copy_bandwidth_gbs(device.type == "cuda")
     bench = Bench(setup, device, dtype)
+    bench.only = [v for v in args.variants.split(",") if v]
     metrics: dict[str, float | str] = {"copy_gbs": round(bandwidth, 1)}
     cases = [(c, False) for c in setup.decode_cases] + [(c, True) for c in setup.prefill_cases]
     for (num_tokens, num_adapters), prefill in cases:
@@ -538,7 +548,7 @@ def _write(out: str, metrics: dict, setup: Setup) -> Path:
         config={"shapes": "Llama-3.1-8B", "dtype": "bfloat16", "rank": RANK,
                 "max_loras": setup.num_slots, "lora_layers_cycled": setup.num_layers,
                 "variants": {name: dataclasses.asdict(c) for name, c in VARIANTS.items()},
-                "side_stream": "the token pair, its shrink on a second stream beside the GEMM",
+                "side_stream": "the default pair, its shrink on a second stream beside the GEMM",
                 "torch": torch.__version__, "triton": _triton_version()},
     )  # fmt: skip
 

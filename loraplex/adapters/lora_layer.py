@@ -54,9 +54,11 @@ from loraplex.kernels.lora import (
     LoRAKernelMeta,
     LoRAStack,
     add_lora,
+    expand_lora,
     fill_kernel_meta,
     fused_gemv_lora,
     new_counters,
+    shrink_lora,
 )
 
 _LAYER_PREFIX = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.\w+$")
@@ -126,6 +128,9 @@ class LoRABatchMeta:
         self.counters = new_counters(device)  # [SYNC_COUNTERS] int32
         # NOTE: the fused GEMVs' counters, one per layer (`fused_counters`), zeroed every step
         self._fused_counts = torch.zeros(0, dtype=torch.int32, device=device)
+        # NOTE: where the layers' shrinks run beside the base products (`LoRALayer.begin`); one
+        # for all, as the layers run one after another, so they share the workspace too
+        self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.kernel_meta = self._view(0)
 
     def fused_counters(self, n: int) -> list[torch.Tensor]:
@@ -216,6 +221,7 @@ class LoRALayer:
         # NOTE: this layer's counter for the fused GEMV (`LoRABatchMeta.fused_counters`); None
         # keeps the layer on the separate kernels
         self.fused_counter: torch.Tensor | None = None
+        self._splits: int | None = None  # a shrink `begin` started, until the call joins it
 
     @staticmethod
     def slot_shapes(target: LoRATarget, max_rank: int) -> SlotShapes:
@@ -223,10 +229,32 @@ class LoRALayer:
         shards, out = len(target.shard_names), target.shard_offsets()[-1]
         return SlotShapes(((shards * max_rank, target.input_size), (max_rank, out)), shards, out)
 
+    def begin(self, x: torch.Tensor) -> None:
+        """Before the base product of `x` (`[num_tokens, in]`): where the step's LoRA is two
+        launches on CUDA, start the shrink on the batch's side stream, so it runs beside the base
+        GEMM (it reads only `x`); the call that follows the product joins it and expands."""
+        meta = self.meta
+        side = meta.side_stream
+        self._splits = None
+        if side is None or not meta.active or not x.is_cuda:
+            return
+        if not DEFAULT_KERNEL_CONFIG.overlaps(x.shape[0], has_counters=True):
+            return
+        # NOTE: the side stream waits for `x` and for the last layer's expand, which read the
+        # workspace this shrink overwrites
+        side.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(side):
+            self._splits = shrink_lora(x, self.weights, meta.kernel_meta, meta.workspace)
+
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:
         # x: [num_tokens, in], out: [num_tokens, sum(output_sizes)]
-        if self.meta.active:
-            meta = self.meta
+        meta = self.meta
+        if self._splits is not None:
+            splits, self._splits = self._splits, None
+            assert meta.side_stream is not None
+            torch.cuda.current_stream(out.device).wait_stream(meta.side_stream)
+            expand_lora(meta.workspace, splits, out, self.weights, meta.kernel_meta)
+        elif meta.active:
             add_lora(x, out, self.weights, meta.kernel_meta, meta.workspace, counters=meta.counters)
 
     def fused(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:

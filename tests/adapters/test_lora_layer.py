@@ -274,3 +274,69 @@ def test_warm_up_runs_every_layer_in_every_kernel_regime(setup, monkeypatch):
     x = torch.randn(3, 64)
     expected = peft_delta(peft_models[0], 1, "q_proj", x)
     torch.testing.assert_close(our_delta(linear, x)[:, :64], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("num_tokens", [8, 40, 300])  # the per-token and the grouped pair
+def test_shrink_beside_the_base_gemm_replays_in_a_cuda_graph(num_tokens, monkeypatch):
+    """A two-launch step runs its shrink on the side stream while the base GEMM runs, eagerly
+    and replayed from a CUDA graph with new slots, and the layer's output is the base product
+    plus each token's delta."""
+    from loraplex.adapters import lora_layer as module
+    from loraplex.adapters.lora_layer import LoRABatchMeta, LoRALayer
+    from loraplex.kernels.lora import (
+        DEFAULT_KERNEL_CONFIG,
+        LoRAStack,
+        lora_expand_ref,
+        lora_shrink_ref,
+    )
+
+    device, dtype, slots_n = torch.device("cuda"), torch.bfloat16, 8
+    assert DEFAULT_KERNEL_CONFIG.overlaps(num_tokens, has_counters=True)
+    linear = Linear(4096, [1024, 256, 256], shard_names=("q_proj", "k_proj", "v_proj"),
+                    prefix="model.layers.0.self_attn.qkv_proj").to(device, dtype)  # fmt: skip
+    linear.weight.data.normal_(std=4096**-0.5)
+    meta = LoRABatchMeta(slots_n, 16, 512, device)
+    layer = LoRALayer(linear, 0, meta, 16, device, dtype)
+    w = layer.weights
+    w.a.normal_(std=4096**-0.5)
+    w.b_t.normal_(std=0.25)
+    w.ranks.copy_(torch.randint(1, 17, tuple(w.ranks.shape), dtype=torch.int32))
+    w.scaling.fill_(2.0)
+    linear.lora = layer
+    streams = []
+    shrink = module.shrink_lora
+
+    def spy(*args, **kwargs):
+        streams.append(torch.cuda.current_stream())
+        return shrink(*args, **kwargs)
+
+    monkeypatch.setattr(module, "shrink_lora", spy)
+    x = torch.randn(num_tokens, 4096, dtype=dtype, device=device)
+    w32 = LoRAStack(w.a.float(), w.b_t.float(), w.ranks, w.scaling, w.slice_offsets)
+
+    def expected() -> torch.Tensor:
+        t = torch.zeros(num_tokens, 48, device=device)
+        ref = x.float() @ linear.weight.float().T
+        lora_shrink_ref(x.float(), w32, t, meta.kernel_meta)
+        lora_expand_ref(t, w32, ref, meta.kernel_meta)
+        return ref
+
+    def new_slots(seed: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(-1, slots_n, (num_tokens,), generator=g, dtype=torch.int32)
+
+    with torch.inference_mode():
+        meta.set(new_slots(1).to(device))
+        torch.testing.assert_close(linear(x).float(), expected(), rtol=2e-2, atol=5e-2)
+        assert streams == [meta.side_stream]
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = linear(x)
+        for seed in (2, 3):  # new slots written in place, same graph
+            meta.set(new_slots(seed).to(device))
+            graph.replay()
+            torch.testing.assert_close(out.float(), expected(), rtol=2e-2, atol=5e-2)
+    assert len(streams) == 2 and streams[1] != torch.cuda.current_stream()

@@ -11,10 +11,12 @@ from loraplex.kernels.lora import (
     LoRAKernelConfig,
     LoRAStack,
     add_lora,
+    expand_lora,
     fused_gemv_lora,
     lora_kernel_meta,
     lora_triton,
     new_counters,
+    shrink_lora,
 )
 
 # tiny tiles, so that odd sizes cross several column tiles and reduction splits
@@ -121,6 +123,35 @@ def test_reference_matches_dense_formula(num_tokens, in_features, slice_sizes, n
     torch.testing.assert_close((out - base).double(), expected, rtol=1e-4, atol=1e-4)
     lo, hi = lora.slice_offsets[0], lora.slice_offsets[-1]
     assert torch.equal(out[:, :lo], base[:, :lo]) and torch.equal(out[:, hi:], base[:, hi:])
+
+
+@pytest.mark.parametrize("device_regime", ["reference", "token", "group"])
+def test_shrink_then_expand_apart_equal_add_lora(device_regime):
+    """The two halves the engine runs on two streams give `add_lora`'s output exactly (the
+    reference on the CPU; each Triton regime under the interpreter)."""
+    lora = _stack(33, (19, 4, 4), 3, 8, 2, first=1)
+    x, slots = _inputs(13, 33, 3, 2)
+    meta = lora_kernel_meta(slots, 3)
+    base = torch.randn(13, lora.b_t.shape[2])
+    expected, apart = base.clone(), base.clone()
+    if device_regime == "reference":
+        add_lora(x, expected, lora, meta, torch.zeros(13, 24))
+        workspace = torch.zeros(13, 24)
+        splits = shrink_lora(x, lora, meta, workspace)
+        expand_lora(workspace, splits, apart, lora, meta)
+    else:
+        from loraplex.kernels.lora.ops import _expand_triton, _shrink_triton
+
+        config = _config(device_regime)
+        lora_triton(x, expected, lora, meta, torch.zeros(64 * 13, 24), config)
+        workspace = torch.zeros(64 * 13, 24)
+        splits = _shrink_triton(x, lora, meta, workspace, config)
+        assert splits > 1  # odd sizes over tiny tiles: a split reduction
+        _expand_triton(workspace, splits, apart, lora, meta, config)
+    assert torch.equal(apart, expected)
+    assert not torch.equal(apart, base)
+    with pytest.raises(ValueError, match="rows"):
+        expand_lora(workspace, 1, torch.zeros(12, lora.b_t.shape[2]), lora, meta)
 
 
 def test_mismatched_shapes_are_refused():

@@ -30,10 +30,12 @@ GEMV and the delta in one launch), `triton_decode` (one launch for a decode batc
 from loraplex.kernels.lora.ops import (
     add_lora,
     check_lora_args,
+    expand_lora,
     fill_kernel_meta,
     fused_gemv_lora,
     lora_triton,
     new_counters,
+    shrink_lora,
 )
 from loraplex.kernels.lora.reference import lora_expand_ref, lora_kernel_meta, lora_shrink_ref
 from loraplex.kernels.lora.types import (
@@ -52,6 +54,7 @@ __all__ = [
     "LoRAStack",
     "add_lora",
     "check_lora_args",
+    "expand_lora",
     "fill_kernel_meta",
     "fused_gemv_lora",
     "lora_expand_ref",
@@ -59,4 +62,5 @@ __all__ = [
     "lora_shrink_ref",
     "lora_triton",
     "new_counters",
+    "shrink_lora",
 ]

@@ -1,7 +1,9 @@
 """The LoRA family's public entry: checks one application's tensors and dispatches, on CUDA to
 the Triton kernel of the step's regime (`LoRAKernelConfig.regime`), elsewhere to the torch
-reference; and, for one token through a plain weight, the base GEMV with the delta in one
-launch (`fused_gemv_lora`)."""
+reference; its two halves apart where they are two launches (`shrink_lora`, which reads only
+the input and so may run beside the base product on another stream, and `expand_lora`); and,
+for one token through a plain weight, the base GEMV with the delta in one launch
+(`fused_gemv_lora`)."""
 
 from __future__ import annotations
 
@@ -38,20 +40,20 @@ def fill_kernel_meta(meta: LoRAKernelMeta, num_slots: int) -> None:
 
 
 def check_lora_args(
-    x: torch.Tensor, out: torch.Tensor, lora: LoRAStack, meta: LoRAKernelMeta, t: torch.Tensor
+    x: torch.Tensor,
+    out: torch.Tensor | None,
+    lora: LoRAStack,
+    meta: LoRAKernelMeta,
+    t: torch.Tensor,
 ) -> None:
-    """Raise `ValueError` unless the tensors of one LoRA application fit together."""
-    if x.dim() != 2 or out.dim() != 2 or x.shape[0] != out.shape[0]:
-        raise ValueError(
-            f"lora: x {tuple(x.shape)} and out {tuple(out.shape)} must be 2-D, aligned"
-        )
-    if x.shape[1] != lora.a.shape[2] or x.dtype != lora.a.dtype:
+    """Raise `ValueError` unless the tensors of one LoRA application fit together (`out`
+    None: all but the output, as for a shrink alone)."""
+    if x.dim() != 2 or x.shape[1] != lora.a.shape[2] or x.dtype != lora.a.dtype:
         raise ValueError(f"lora: x {tuple(x.shape)} {x.dtype} does not match A {lora.a.dtype}")
-    if lora.slice_offsets[-1] > out.shape[1] or x.stride(1) != 1 or out.stride(1) != 1:
-        raise ValueError(
-            f"lora: slices {lora.slice_offsets} outside out {tuple(out.shape)} "
-            "or a non-contiguous row"
-        )
+    if x.stride(1) != 1:
+        raise ValueError("lora: x needs contiguous rows")
+    if out is not None:
+        check_lora_out(out, x.shape[0], lora)
     if meta.lora_slots.shape[0] != x.shape[0]:
         raise ValueError(f"lora: {meta.lora_slots.shape[0]} slots for {x.shape[0]} tokens")
     width = lora.num_slices * lora.max_rank
@@ -62,6 +64,17 @@ def check_lora_args(
         )
     if t.stride(1) != 1:
         raise ValueError("lora: workspace rows must be contiguous")
+
+
+def check_lora_out(out: torch.Tensor, num_tokens: int, lora: LoRAStack) -> None:
+    """Raise `ValueError` unless `out` holds `num_tokens` rows of every slice's columns."""
+    if out.dim() != 2 or out.shape[0] != num_tokens:
+        raise ValueError(f"lora: out {tuple(out.shape)} must be 2-D with {num_tokens} rows")
+    if lora.slice_offsets[-1] > out.shape[1] or out.stride(1) != 1:
+        raise ValueError(
+            f"lora: slices {lora.slice_offsets} outside out {tuple(out.shape)} "
+            "or a non-contiguous row"
+        )
 
 
 def add_lora(
@@ -84,6 +97,42 @@ def add_lora(
     t = workspace[: x.shape[0]]
     lora_shrink_ref(x, lora, t, meta)
     lora_expand_ref(t, lora, out, meta)
+
+
+def shrink_lora(
+    x: torch.Tensor,  # [num_tokens, in]
+    lora: LoRAStack,
+    meta: LoRAKernelMeta,
+    workspace: torch.Tensor,  # [rows >= num_tokens, >= num_slices * max_rank] fp32
+    config: LoRAKernelConfig | None = None,
+) -> int:
+    """`add_lora`'s first half, as its two-launch regimes run it (`LoRAKernelConfig.regime`
+    "token" or "group"; the reference off CUDA): every token's `x @ A^T` into the workspace.
+    It reads only `x`, so it may run beside the base product on another stream. Returns the
+    split count that `expand_lora` takes."""
+    check_lora_args(x, None, lora, meta, workspace)
+    num_tokens = x.shape[0]
+    if not x.is_cuda:
+        lora_shrink_ref(x, lora, workspace[:num_tokens], meta)
+        return 1
+    return _shrink_triton(x, lora, meta, workspace, config or DEFAULT_KERNEL_CONFIG)
+
+
+def expand_lora(
+    workspace: torch.Tensor,  # the partials `shrink_lora` wrote
+    splits: int,  # what it returned
+    out: torch.Tensor,  # [num_tokens, >= slice_offsets[-1]], updated in place
+    lora: LoRAStack,
+    meta: LoRAKernelMeta,
+    config: LoRAKernelConfig | None = None,
+) -> None:
+    """`add_lora`'s second half after `shrink_lora` (same tokens, config and workspace): adds
+    every token's delta into `out`."""
+    check_lora_out(out, meta.lora_slots.shape[0], lora)
+    if not out.is_cuda:
+        lora_expand_ref(workspace[: out.shape[0]], lora, out, meta)
+        return
+    _expand_triton(workspace, splits, out, lora, meta, config or DEFAULT_KERNEL_CONFIG)
 
 
 def fused_gemv_lora(
@@ -133,20 +182,53 @@ def lora_triton(
     counters: torch.Tensor | None = None,
 ) -> None:
     """`add_lora`'s Triton path on any device (CPU tensors run under `TRITON_INTERPRET=1`)."""
-    num_tokens = x.shape[0]
-    if num_tokens == 0:
+    if x.shape[0] == 0:
         return
-    regime = config.regime(num_tokens, counters is not None)
-    if regime == "decode":
+    if config.regime(x.shape[0], counters is not None) == "decode":
         from loraplex.kernels.lora.triton_decode import lora_decode
 
         assert counters is not None
         lora_decode(x, out, lora, meta, workspace, counters, config)
-    elif regime == "token":
-        from loraplex.kernels.lora.triton_token import lora_tokens
+        return
+    splits = _shrink_triton(x, lora, meta, workspace, config)
+    _expand_triton(workspace, splits, out, lora, meta, config)
 
-        lora_tokens(x, out, lora, meta, workspace, config)
-    else:
-        from loraplex.kernels.lora.triton_grouped import lora_grouped
 
-        lora_grouped(x, out, lora, meta, workspace, config)
+def _shrink_triton(
+    x: torch.Tensor,
+    lora: LoRAStack,
+    meta: LoRAKernelMeta,
+    workspace: torch.Tensor,
+    config: LoRAKernelConfig,
+) -> int:
+    """The shrink of the step's two-launch regime; its split count."""
+    if x.shape[0] == 0:
+        return 0
+    if config.regime(x.shape[0], False) == "token":
+        from loraplex.kernels.lora.triton_token import shrink_tokens
+
+        return shrink_tokens(x, lora, meta, workspace, config)
+    from loraplex.kernels.lora.triton_grouped import shrink_grouped
+
+    return shrink_grouped(x, lora, meta, workspace, config)
+
+
+def _expand_triton(
+    workspace: torch.Tensor,
+    splits: int,
+    out: torch.Tensor,
+    lora: LoRAStack,
+    meta: LoRAKernelMeta,
+    config: LoRAKernelConfig,
+) -> None:
+    """The expand of the step's two-launch regime over `splits` partials."""
+    if out.shape[0] == 0:
+        return
+    if config.regime(out.shape[0], False) == "token":
+        from loraplex.kernels.lora.triton_token import expand_tokens
+
+        expand_tokens(workspace, splits, out, lora, meta, config)
+        return
+    from loraplex.kernels.lora.triton_grouped import expand_grouped
+
+    expand_grouped(workspace, splits, out, lora, meta, config)

@@ -120,43 +120,62 @@ def _expand_group_kernel(
         tl.store(o_rows + offs_n[None, :], new.to(cur.dtype), mask=mask)
 
 
-def lora_grouped(
+def _grouping(num_tokens: int, num_slots: int, config: LoRAKernelConfig) -> tuple[int, int]:
+    """(blocks of `group_block_m` tokens of one slot at most, slots padded) of a grouped grid."""
+    blocks = triton.cdiv(num_tokens, config.group_block_m) + min(num_slots, num_tokens)
+    return blocks, pad(num_slots)
+
+
+def shrink_grouped(
     x: torch.Tensor,  # [num_tokens, in]
-    out: torch.Tensor,  # [num_tokens, >= offsets[-1]]
     lora: LoRAStack,
     meta: LoRAKernelMeta,
     workspace: torch.Tensor,  # [rows, >= num_slices * max_rank] fp32
     config: LoRAKernelConfig,
-) -> None:
-    """Every token's delta of every slice into `out`, tokens grouped by slot: the shrink, then
-    the expand."""
+) -> int:
+    """Launch the grouped shrink; returns its split count (the expand's argument)."""
     num_tokens, k = x.shape
     num_slots = lora.a.shape[0]
-    bm, bn, bk = config.group_block_m, config.group_block_n, config.shrink_block_k
-    max_splits = config.max_splits
-    blocks = triton.cdiv(num_tokens, bm) + min(num_slots, num_tokens)
-    wanted = min(triton.cdiv(config.target_programs, blocks), max_splits)
+    bm, bk = config.group_block_m, config.shrink_block_k
+    blocks, slots_pad = _grouping(num_tokens, num_slots, config)
+    wanted = min(triton.cdiv(config.target_programs, blocks), config.max_splits)
     splits, k_per_split = split_k(k, min(wanted, workspace.shape[0] // num_tokens), bk)
     width_pad = pad(lora.num_slices * lora.max_rank)
-    slots_pad = pad(num_slots)
-    a, b_t, t = lora.a, lora.b_t, workspace
-    stride_rs = lora.ranks.stride(0)
-    group = (meta.token_order, meta.slot_start, meta.slot_count)
+    a, t = lora.a, workspace
     _shrink_group_kernel[(blocks, splits)](
-        x, a, t, *group, lora.ranks, num_tokens, num_slots, k, k_per_split,
-        x.stride(0), a.stride(0), a.stride(1), t.stride(0), stride_rs,
+        x, a, t, meta.token_order, meta.slot_start, meta.slot_count, lora.ranks, num_tokens,
+        num_slots, k, k_per_split,
+        x.stride(0), a.stride(0), a.stride(1), t.stride(0), lora.ranks.stride(0),
         MAX_RANK=lora.max_rank, NUM_SLICES=lora.num_slices, SLOTS=slots_pad, BLOCK_M=bm,
         WIDTH_PAD=width_pad, BLOCK_K=bk, PRECISION=precision(x.dtype),
         num_warps=warps(max(bm, width_pad) * bk),
     )  # fmt: skip
+    return splits
+
+
+def expand_grouped(
+    workspace: torch.Tensor,  # [rows, >= num_slices * max_rank] fp32, the shrink's partials
+    splits: int,
+    out: torch.Tensor,  # [num_tokens, >= offsets[-1]]
+    lora: LoRAStack,
+    meta: LoRAKernelMeta,
+    config: LoRAKernelConfig,
+) -> None:
+    """Launch the grouped expand over `splits` partials of the shrink."""
+    num_tokens = out.shape[0]
+    num_slots = lora.a.shape[0]
+    bm, bn = config.group_block_m, config.group_block_n
+    blocks, slots_pad = _grouping(num_tokens, num_slots, config)
+    b_t, t = lora.b_t, workspace
     (g, bias), flags = dora_args(lora)
     chunk, chunks = expand_chunks(lora.slice_sizes, bn, triton.cdiv(num_tokens, bm), config)
     _expand_group_kernel[(blocks, chunks)](
-        t, b_t, out, *group, lora.ranks, lora.scaling,
-        offsets_tensor(lora.slice_offsets, out.device), g, bias, num_tokens, num_slots, splits,
-        chunk,
-        t.stride(0), b_t.stride(0), b_t.stride(1), out.stride(0), stride_rs, g.stride(0),
+        t, b_t, out, meta.token_order, meta.slot_start, meta.slot_count, lora.ranks,
+        lora.scaling, offsets_tensor(lora.slice_offsets, out.device), g, bias, num_tokens,
+        num_slots, splits, chunk,
+        t.stride(0), b_t.stride(0), b_t.stride(1), out.stride(0), lora.ranks.stride(0),
+        g.stride(0),
         MAX_RANK=lora.max_rank, RANK_PAD=pad(lora.max_rank), NUM_SLICES=lora.num_slices,
-        SLOTS=slots_pad, MAX_SPLITS=max_splits, BLOCK_M=bm, BLOCK_N=bn,
+        SLOTS=slots_pad, MAX_SPLITS=config.max_splits, BLOCK_M=bm, BLOCK_N=bn,
         PRECISION=precision(b_t.dtype), num_warps=warps(bm * bn), **flags,
     )  # fmt: skip

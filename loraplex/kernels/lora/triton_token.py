@@ -153,16 +153,3 @@ def expand_tokens(
         SPLITS_PAD=pad(config.max_splits), BLOCK_N=config.expand_block_n,
         num_warps=warps(pad(lora.max_rank) * config.expand_block_n), **flags,
     )  # fmt: skip
-
-
-def lora_tokens(
-    x: torch.Tensor,
-    out: torch.Tensor,
-    lora: LoRAStack,
-    meta: LoRAKernelMeta,
-    workspace: torch.Tensor,
-    config: LoRAKernelConfig,
-) -> None:
-    """Every token's delta of every slice into `out`: the shrink, then the expand."""
-    splits = shrink_tokens(x, lora, meta, workspace, config)
-    expand_tokens(workspace, splits, out, lora, meta, config)

@@ -60,6 +60,9 @@ class LoRAKernelConfig:
     group_block_n: int = 128
     expand_programs: int = 256  # expands: loop over column tiles until about this many programs
     expand_max_tiles: int = 16  # most column tiles one expand program loops over
+    # NOTE: up to this many tokens a two-launch step runs its shrink on a side stream beside the
+    # base product (`LoRABatchMeta.side_stream`), which it needs not wait for; 0: never
+    overlap_max_tokens: int = 1 << 20
 
     def __post_init__(self) -> None:
         for name in ("decode_block_k", "decode_block_n", "shrink_block_k", "expand_block_n",
@@ -72,8 +75,16 @@ class LoRAKernelConfig:
         for name in ("max_splits", "target_programs", "token_k_per_split", "expand_max_tiles"):
             if getattr(self, name) < 1:
                 raise ValueError(f"LoRAKernelConfig.{name} must be >= 1")
-        if min(self.decode_max_tokens, self.token_kernels_max_tokens, self.expand_programs) < 0:
+        limits = (self.decode_max_tokens, self.token_kernels_max_tokens, self.expand_programs,
+                  self.overlap_max_tokens)  # fmt: skip
+        if min(limits) < 0:
             raise ValueError("LoRAKernelConfig: token limits and expand_programs must be >= 0")
+
+    def overlaps(self, num_tokens: int, has_counters: bool) -> bool:
+        """Whether a step of `num_tokens` runs its shrink beside the base product (two launches
+        within `overlap_max_tokens`)."""
+        two_launches = self.regime(num_tokens, has_counters) != "decode"
+        return two_launches and 0 < num_tokens <= self.overlap_max_tokens
 
     def regime(self, num_tokens: int, has_counters: bool) -> str:
         """ "decode", "token" or "group" for a step of `num_tokens` tokens."""

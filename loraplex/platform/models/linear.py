@@ -28,6 +28,11 @@ from loraplex.quant.registry import linear_method_for
 class LoRAHook(Protocol):
     """What `adapters` attaches to a linear layer: adds each token's LoRA delta in place."""
 
+    def begin(self, x: torch.Tensor) -> None:
+        """Before the base product: start what of the delta needs only `x` (it may run beside
+        the product); the call after the product finishes it."""
+        ...
+
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None: ...
 
     def fused(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
@@ -168,8 +173,10 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, input_size] -> [num_tokens, output_size]
         if not self.row_parallel:
-            if self.lora is not None and (fused := self.lora.fused(self, x)) is not None:
-                return fused
+            if self.lora is not None:
+                if (fused := self.lora.fused(self, x)) is not None:
+                    return fused
+                self.lora.begin(x)
             out = self.method.apply(self, x, self.bias)
             if self.lora is not None:
                 self.lora(x, out)
@@ -177,6 +184,8 @@ class Linear(nn.Module):
         # NOTE: each rank's partial product and partial LoRA delta are summed in one
         # all-reduce; the bias is added once, after it.
         full_x = self.tp.all_gather(x) if getattr(self.method, "gathers_input", False) else x
+        if self.lora is not None:
+            self.lora.begin(x)
         out = self.method.apply(self, full_x, None)
         if self.lora is not None:
             self.lora(x, out)
