@@ -340,3 +340,48 @@ def test_shrink_beside_the_base_gemm_replays_in_a_cuda_graph(num_tokens, monkeyp
             graph.replay()
             torch.testing.assert_close(out.float(), expected(), rtol=2e-2, atol=5e-2)
     assert len(streams) == 2 and streams[1] != torch.cuda.current_stream()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("num_tokens", [40, 300])  # the side-stream pair, the grouped epilogue
+def test_gate_up_with_silu_and_mul_equals_the_layer_then_the_activation(num_tokens):
+    """`forward_silu_and_mul` of an adapted gate-up layer (the grouped expand carrying the
+    activation) gives SiLU-and-mul of the layer's output, adapter and base tokens mixed, eagerly
+    and replayed from a CUDA graph."""
+    from loraplex.adapters.lora_layer import LoRABatchMeta, LoRALayer
+    from loraplex.kernels.activation import silu_and_mul
+
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    linear = Linear(4096, [1024, 1024], shard_names=("gate_proj", "up_proj"),
+                    prefix="model.layers.0.mlp.gate_up_proj").to(device, dtype)  # fmt: skip
+    linear.weight.data.normal_(std=4096**-0.5)
+    meta = LoRABatchMeta(8, 16, 512, device)
+    layer = LoRALayer(linear, 0, meta, 16, device, dtype)
+    w = layer.weights
+    w.a.normal_(std=4096**-0.5)
+    w.b_t.normal_(std=0.25)
+    w.ranks.copy_(torch.randint(1, 17, tuple(w.ranks.shape), dtype=torch.int32))
+    w.scaling.fill_(2.0)
+    linear.lora = layer
+    x = torch.randn(num_tokens, 4096, dtype=dtype, device=device)
+
+    def slots(seed: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(-1, 8, (num_tokens,), generator=g, dtype=torch.int32).to(device)
+
+    with torch.inference_mode():
+        meta.set(slots(1))
+        expected = silu_and_mul(linear(x))
+        meta.set(slots(1))
+        torch.testing.assert_close(linear.forward_silu_and_mul(x), expected, rtol=8e-3, atol=1e-3)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            act = linear.forward_silu_and_mul(x)
+        for seed in (2, 3):
+            meta.set(slots(seed))
+            expected = silu_and_mul(linear(x))
+            meta.set(slots(seed))
+            graph.replay()
+            torch.testing.assert_close(act, expected, rtol=8e-3, atol=1e-3)

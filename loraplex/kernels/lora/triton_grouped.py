@@ -179,3 +179,129 @@ def expand_grouped(
         SLOTS=slots_pad, MAX_SPLITS=config.max_splits, BLOCK_M=bm, BLOCK_N=bn,
         PRECISION=precision(b_t.dtype), num_warps=warps(bm * bn), **flags,
     )  # fmt: skip
+
+
+@triton.jit
+def _slice_t(t_ptr, rows, m_mask, slot, slice_idx, num_tokens, num_splits, stride_tm, rank_ptr,
+             stride_rs, scaling_ptr, MAX_RANK: tl.constexpr, RANK_PAD: tl.constexpr,
+             MAX_SPLITS: tl.constexpr):  # fmt: skip
+    """A block's summed shrink partials of one slice (`[BLOCK_M, RANK_PAD]` fp32, 0 past the
+    slot's rank), the rank mask and the slice's scaling."""
+    offs_r = tl.arange(0, RANK_PAD)
+    rank = tl.load(rank_ptr + slice_idx * stride_rs + slot)
+    r_mask = offs_r < rank
+    t_ptrs = t_ptr + rows[:, None] * stride_tm + (slice_idx * MAX_RANK + offs_r)[None, :]
+    t = sum_partials(t_ptrs, m_mask[:, None] & r_mask[None, :], num_splits,
+                     num_tokens * stride_tm, MAX_SPLITS)  # fmt: skip
+    return t, r_mask, tl.load(scaling_ptr + slice_idx * stride_rs + slot)
+
+
+@triton.jit
+def _adapted_tile(t, r_mask, scaling, b_rows, o_rows, g_row, bias_ptr, offs_n, n_mask, m_mask,
+                  PRECISION: tl.constexpr, DORA: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+    """One slice's output tile with the delta, rounded to the output's type as the expand
+    stores it, then back in fp32."""
+    b = tl.load(b_rows + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+    cur = tl.load(o_rows + offs_n[None, :], mask=m_mask[:, None] & n_mask[None, :], other=0.0)
+    acc = tl.dot(t.to(b.dtype), b, input_precision=PRECISION) * scaling
+    new = dora_update(cur.to(tl.float32), acc, g_row + offs_n[None, :],
+                      bias_ptr + offs_n[None, :], n_mask[None, :], DORA, HAS_BIAS)  # fmt: skip
+    return new.to(cur.dtype).to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_splits", "chunk_n"])
+def _expand_group_act_kernel(
+    t_ptr, b_ptr, out_ptr, act_ptr, order_ptr, start_ptr, count_ptr, rank_ptr, scaling_ptr,
+    g_ptr, bias_ptr,
+    num_tokens, num_slots, num_splits, chunk_n, intermediate,
+    stride_tm, stride_bs, stride_br, stride_om, stride_am, stride_rs, stride_gs,
+    MAX_RANK: tl.constexpr, RANK_PAD: tl.constexpr, SLOTS: tl.constexpr,
+    MAX_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, DORA: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    # NOTE: the grouped expand of a gate-up pair with SiLU-and-mul as its epilogue: program
+    # (block, chunk) takes gate columns [chunk * chunk_n, +chunk_n) and the up columns
+    # `intermediate` further, adds each slice's delta (rounded as the expand would store it)
+    # and writes silu(gate) * up, so the gate-up output is read once and never rewritten.
+    pid = tl.program_id(0)
+    chunk0 = tl.program_id(1) * chunk_n
+    slot, pos0, pos_end = group_block(count_ptr, start_ptr, pid, num_slots, BLOCK_M, SLOTS)
+    if slot >= num_slots:
+        # NOTE: the programs past the slots' blocks take the base tokens (last in token_order)
+        offs_s = tl.arange(0, SLOTS)
+        counts = tl.load(count_ptr + offs_s, mask=offs_s < num_slots, other=0)
+        pos0 = tl.sum(counts, 0) + (pid - tl.sum((counts + BLOCK_M - 1) // BLOCK_M, 0)) * BLOCK_M
+        if pos0 >= num_tokens:
+            return
+        offs_m = pos0 + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < num_tokens
+        rows = tl.load(order_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+        for col0 in range(chunk0, tl.minimum(chunk0 + chunk_n, intermediate), BLOCK_N):
+            offs_n = col0 + tl.arange(0, BLOCK_N)
+            mask = m_mask[:, None] & (offs_n < intermediate)[None, :]
+            o_tile = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
+            gate = tl.load(o_tile, mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(o_tile + intermediate, mask=mask, other=0.0).to(tl.float32)
+            tl.store(
+                act_ptr + rows[:, None] * stride_am + offs_n[None, :],
+                (gate * tl.sigmoid(gate) * up).to(act_ptr.dtype.element_ty),
+                mask=mask,
+            )
+        return
+    offs_m = pos0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < pos_end
+    rows = tl.load(order_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+    t_g, r_g, scale_g = _slice_t(t_ptr, rows, m_mask, slot, 0, num_tokens, num_splits, stride_tm,
+                                 rank_ptr, stride_rs, scaling_ptr, MAX_RANK, RANK_PAD,
+                                 MAX_SPLITS)  # fmt: skip
+    t_u, r_u, scale_u = _slice_t(t_ptr, rows, m_mask, slot, 1, num_tokens, num_splits, stride_tm,
+                                 rank_ptr, stride_rs, scaling_ptr, MAX_RANK, RANK_PAD,
+                                 MAX_SPLITS)  # fmt: skip
+    offs_r = tl.arange(0, RANK_PAD)
+    b_rows = b_ptr + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br
+    o_rows = out_ptr + rows[:, None] * stride_om
+    g_row = g_ptr + slot.to(tl.int64) * stride_gs
+    a_rows = act_ptr + rows[:, None] * stride_am
+    for col0 in range(chunk0, tl.minimum(chunk0 + chunk_n, intermediate), BLOCK_N):
+        offs_n = col0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < intermediate
+        gate = _adapted_tile(t_g, r_g, scale_g, b_rows, o_rows, g_row, bias_ptr, offs_n, n_mask,
+                             m_mask, PRECISION, DORA, HAS_BIAS)  # fmt: skip
+        up = _adapted_tile(t_u, r_u, scale_u, b_rows, o_rows, g_row, bias_ptr,
+                           offs_n + intermediate, n_mask, m_mask, PRECISION, DORA,
+                           HAS_BIAS)  # fmt: skip
+        act = gate * tl.sigmoid(gate) * up
+        tl.store(a_rows + offs_n[None, :], act.to(act_ptr.dtype.element_ty),
+                 mask=m_mask[:, None] & n_mask[None, :])  # fmt: skip
+
+
+def expand_grouped_silu_and_mul(
+    workspace: torch.Tensor,  # [rows, >= 2 * max_rank] fp32, the shrink's partials
+    splits: int,
+    out: torch.Tensor,  # [num_tokens, 2 * intermediate], the base gate-up product
+    lora: LoRAStack,  # two slices, gate then up, of `intermediate` columns each
+    meta: LoRAKernelMeta,
+    config: LoRAKernelConfig,
+) -> torch.Tensor:
+    """silu(gate) * up of the gate-up output with every token's delta (`[num_tokens,
+    intermediate]`), base tokens' rows without one, in one launch."""
+    num_tokens = out.shape[0]
+    intermediate = lora.slice_sizes[0]
+    act = torch.empty(num_tokens, intermediate, dtype=out.dtype, device=out.device)
+    num_slots = lora.a.shape[0]
+    bm, bn = config.group_block_m, config.group_block_n
+    blocks, slots_pad = _grouping(num_tokens, num_slots, config)
+    blocks += triton.cdiv(num_tokens, bm)  # the base tokens' blocks, after the slots'
+    b_t, t = lora.b_t, workspace
+    (g, bias), flags = dora_args(lora)
+    chunk, chunks = expand_chunks((intermediate,), bn, triton.cdiv(num_tokens, bm), config)
+    _expand_group_act_kernel[(blocks, chunks)](
+        t, b_t, out, act, meta.token_order, meta.slot_start, meta.slot_count, lora.ranks,
+        lora.scaling, g, bias, num_tokens, num_slots, splits, chunk, intermediate,
+        t.stride(0), b_t.stride(0), b_t.stride(1), out.stride(0), act.stride(0),
+        lora.ranks.stride(0), g.stride(0),
+        MAX_RANK=lora.max_rank, RANK_PAD=pad(lora.max_rank), SLOTS=slots_pad,
+        MAX_SPLITS=config.max_splits, BLOCK_M=bm, BLOCK_N=bn, PRECISION=precision(b_t.dtype),
+        num_warps=warps(bm * bn), **flags,
+    )  # fmt: skip
+    return act
