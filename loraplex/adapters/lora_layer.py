@@ -48,7 +48,6 @@ from loraplex.adapters.saved_modules import SavedModules
 from loraplex.adapters.slot_memory import SlotImage, SlotMemory, SlotShapes
 from loraplex.adapters.vocab_lora import EmbeddingLoRA, LMHeadLoRA
 from loraplex.config import LoRAConfig
-from loraplex.kernels.activation import silu_and_mul
 from loraplex.kernels.lora import (
     DEFAULT_KERNEL_CONFIG,
     LoRAKernelConfig,
@@ -56,7 +55,6 @@ from loraplex.kernels.lora import (
     LoRAStack,
     add_lora,
     expand_lora,
-    expand_lora_silu_and_mul,
     fill_kernel_meta,
     fused_gemv_lora,
     new_counters,
@@ -258,23 +256,6 @@ class LoRALayer:
             expand_lora(meta.workspace, splits, out, self.weights, meta.kernel_meta)
         elif meta.active:
             add_lora(x, out, self.weights, meta.kernel_meta, meta.workspace, counters=meta.counters)
-
-    def silu_and_mul(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """For a gate-up layer, in place of the call after the base product: silu(gate) * up
-        of `out` with each token's delta, `[num_tokens, out_features // 2]`; a grouped step's
-        expand carries the activation (`expand_lora_silu_and_mul`)."""
-        meta = self.meta
-        if self._splits is not None:
-            splits, self._splits = self._splits, None
-            assert meta.side_stream is not None
-            torch.cuda.current_stream(out.device).wait_stream(meta.side_stream)
-        elif meta.active and DEFAULT_KERNEL_CONFIG.regime(x.shape[0], True) == "group":
-            splits = shrink_lora(x, self.weights, meta.kernel_meta, meta.workspace)
-        else:
-            self(x, out)
-            return silu_and_mul(out)
-        return expand_lora_silu_and_mul(meta.workspace, splits, out, self.weights,
-                                        meta.kernel_meta)  # fmt: skip
 
     def fused(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """One token through a plain weight on CUDA: the base GEMV with the delta in one launch

@@ -419,33 +419,3 @@ def test_fused_gemv_lora_on_gpu_replays_in_a_cuda_graph(sizes, k):
         slots = torch.tensor([slot], dtype=torch.int32)
         expected = base + _dense_delta(x.cpu(), cpu, slots, n)
         torch.testing.assert_close(out.cpu().double(), expected, rtol=2e-2, atol=2e-2)
-
-
-@pytest.mark.parametrize("dora", [False, True])
-@pytest.mark.parametrize(("num_tokens", "intermediate"), [(5, 21), (37, 40)])
-def test_grouped_expand_with_silu_and_mul_equals_expand_then_activation(
-    dora, num_tokens, intermediate
-):
-    """A gate-up layer's grouped expand with SiLU-and-mul as its epilogue gives the expand
-    followed by the activation, on adapter and base tokens (-1) alike, under the interpreter."""
-    from loraplex.kernels.activation import silu_and_mul_ref
-    from loraplex.kernels.lora.ops import _expand_triton, _shrink_triton
-    from loraplex.kernels.lora.triton_grouped import expand_grouped_silu_and_mul
-
-    lora = _stack(19, (intermediate, intermediate), 3, 8, 7)
-    if dora:
-        lora = _with_dora(lora, 7, bias=True)
-    x, slots = _inputs(num_tokens, 19, 3, 7)
-    assert (slots < 0).any() and (slots >= 0).any()
-    meta = lora_kernel_meta(slots, 3)
-    config = _config("group")
-    workspace = torch.zeros(64 * num_tokens, 16)
-    splits = _shrink_triton(x, lora, meta, workspace, config)
-    base = torch.randn(num_tokens, 2 * intermediate)
-    expanded = base.clone()
-    _expand_triton(workspace, splits, expanded, lora, meta, config)
-    act = expand_grouped_silu_and_mul(workspace, splits, base.clone(), lora, meta, config)
-    torch.testing.assert_close(act, silu_and_mul_ref(expanded), rtol=1e-5, atol=1e-5)
-    base_rows = slots < 0
-    torch.testing.assert_close(act[base_rows], silu_and_mul_ref(base[base_rows]))
-    assert not torch.allclose(act[~base_rows], silu_and_mul_ref(base[~base_rows]))

@@ -135,34 +135,6 @@ def expand_lora(
     _expand_triton(workspace, splits, out, lora, meta, config or DEFAULT_KERNEL_CONFIG)
 
 
-def expand_lora_silu_and_mul(
-    workspace: torch.Tensor,  # the partials `shrink_lora` wrote
-    splits: int,  # what it returned
-    out: torch.Tensor,  # [num_tokens, 2 * intermediate], a gate-up layer's base output
-    lora: LoRAStack,  # its two slices: gate, then up
-    meta: LoRAKernelMeta,
-    config: LoRAKernelConfig | None = None,
-) -> torch.Tensor:
-    """`expand_lora` of a gate-up layer, then SiLU-and-mul: `[num_tokens, intermediate]`. A
-    grouped step on CUDA runs them as one kernel (the expand's epilogue is the activation), so
-    the gate-up output is read once and never rewritten; elsewhere the two in turn (`out` then
-    holds the delta)."""
-    from loraplex.kernels.activation import silu_and_mul
-
-    config = config or DEFAULT_KERNEL_CONFIG
-    check_lora_out(out, meta.lora_slots.shape[0], lora)
-    gate, up = (lora.slice_sizes + (0, 0))[:2]
-    paired = lora.num_slices == 2 and gate == up and out.shape[1] == 2 * gate
-    if not paired:
-        raise ValueError(f"lora: SiLU-and-mul needs two equal slices in out {tuple(out.shape)}")
-    if out.is_cuda and out.shape[0] > 0 and config.regime(out.shape[0], False) == "group":
-        from loraplex.kernels.lora.triton_grouped import expand_grouped_silu_and_mul
-
-        return expand_grouped_silu_and_mul(workspace, splits, out, lora, meta, config)
-    expand_lora(workspace, splits, out, lora, meta, config)
-    return silu_and_mul(out)
-
-
 def fused_gemv_lora(
     x: torch.Tensor,  # [1, in]
     weight: torch.Tensor,  # [out, in], plain (unquantized)

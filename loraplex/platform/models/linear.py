@@ -18,7 +18,6 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from loraplex.kernels.activation import silu_and_mul
 from loraplex.platform.models.checkpoint_tensor import CheckpointTensor, narrow
 from loraplex.platform.parallel.parallel_state import SINGLE, TensorParallel
 from loraplex.platform.parallel.sharding import LinearShard, Range
@@ -35,11 +34,6 @@ class LoRAHook(Protocol):
         ...
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None: ...
-
-    def silu_and_mul(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """In place of the call, for a gate-up layer: silu(gate) * up of `out` with the delta
-        (the activation may be the delta kernel's epilogue)."""
-        ...
 
     def fused(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """The layer's whole output (base product, bias and delta) from one kernel where one
@@ -175,17 +169,6 @@ class Linear(nn.Module):
                 "use a tensor-parallel size whose slices hold whole groups"
             )
         return narrow(loaded, dim, start // pack, -(-size // pack))
-
-    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of this gate-up projection of `x` (`[num_tokens, output_size // 2]`):
-        with LoRA the hook adds the delta and the activation together where one kernel does
-        both, so the projection's output is not rewritten before the activation reads it."""
-        if self.lora is None or self.row_parallel:
-            return silu_and_mul(self.forward(x))
-        if (fused := self.lora.fused(self, x)) is not None:
-            return silu_and_mul(fused)
-        self.lora.begin(x)
-        return self.lora.silu_and_mul(x, self.method.apply(self, x, self.bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, input_size] -> [num_tokens, output_size]

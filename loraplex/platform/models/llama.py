@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from loraplex.kernels.activation import silu_and_mul
 from loraplex.kernels.attention import paged_attention
 from loraplex.kernels.gemv import linear
 from loraplex.kernels.layernorm import fused_add_rms_norm, rms_norm
@@ -157,7 +158,7 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
