@@ -133,33 +133,6 @@ def test_a_few_rows_on_one_thread_skip_onednn(monkeypatch) -> None:
         torch.set_num_threads(threads)
 
 
-@needs_onednn
-def test_a_plain_weight_like_the_tied_lm_head_takes_the_few_row_kernel(monkeypatch) -> None:
-    """A weight held plain (the LM head that is also the embedding) runs 2 to FEW_ROWS_MAX rows
-    on one thread through the C kernel on its cached packed copy, with F.linear's result, and
-    each row's logits are the same bits whatever else of 2 rows or more shares the batch."""
-    gen = torch.Generator().manual_seed(7)
-    w = torch.randn(300, 576, generator=gen)
-    if not isinstance(cpu_linear.packed_weight(w), cpu_linear.PackedWeight):
-        pytest.skip("oneDNN packs this weight in another layout on this CPU")
-    calls: list[int] = []
-    onednn = cpu_linear._onednn
-    monkeypatch.setattr(
-        cpu_linear, "_onednn", lambda x, *a: calls.append(x.shape[0]) or onednn(x, *a)
-    )
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        x = torch.randn(11, 576, generator=gen)
-        out = cpu_linear.linear_cpu(x, w)
-        torch.testing.assert_close(out, F.linear(x, w), atol=2e-4, rtol=1e-5)
-        for rows in (slice(0, 2), slice(3, 10), slice(8, 11)):
-            assert torch.equal(cpu_linear.linear_cpu(x[rows], w)[-1], out[rows][-1])
-        assert calls == []
-    finally:
-        torch.set_num_threads(threads)
-
-
 def test_pack_declines_what_linear_cpu_would_not_take() -> None:
     assert cpu_linear.pack(torch.randn(8, 16, dtype=torch.bfloat16)) is None
     assert cpu_linear.pack(torch.randn(8, 16, requires_grad=True)) is None
