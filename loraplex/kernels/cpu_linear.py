@@ -18,9 +18,11 @@ caller keeps the plain weight). A model then costs one copy of its fp32 weights,
 one row is no slower: the linears of the embedded model's batch-1 step measured medians of
 13.4 and 14.9 ms read packed against 15.8 and 19.4 read plain (`benchmarks.cpu_step_profile`,
 greedy and temperature 1, three alternating runs a side on one host). A few rows (2 to
-`FEW_ROWS_MAX`) on one compute thread, a decode batch on the default 2-core engine, go to a C
-kernel on the same layout that streams each block's weights once for four rows at a time, about
-a tenth faster than oneDNN there (see `FEW_ROWS_MAX`).
+`FEW_ROWS_MAX`) on one compute thread, a decode batch or a short prompt on the default 2-core
+engine, go to a C kernel on the same layout: 6-row register tiles over each 64-column block (the
+block streamed from memory once, then read from cache), prefetching the next block while it
+computes, so the weight stream overlaps the arithmetic; about a tenth faster than oneDNN there
+(see `FEW_ROWS_MAX`).
 
 Any other weight (a test's, a layer built outside the model loader, an LM head that is also the
 embedding) keeps its plain tensor and a packed copy cached on it (`packed_weight`), keyed by the
@@ -189,50 +191,71 @@ CLONES void gemv_blocked(const float *x, const float *w, const float *bias, floa
   }
 }
 
-#define ROW_TIMES_BLOCK(r, s)                                                                   \
-  a##r##0 += s * w0;                                                                            \
-  a##r##1 += s * w1;                                                                            \
-  a##r##2 += s * w2;                                                                            \
-  a##r##3 += s * w3;
-#define STORE_ROW(r)                                                                            \
-  *(v16 *)t[r] = a##r##0;                                                                       \
-  *(v16 *)(t[r] + 16) = a##r##1;                                                                \
-  *(v16 *)(t[r] + 32) = a##r##2;                                                                \
-  *(v16 *)(t[r] + 48) = a##r##3;
+#define TILE_ROWS 6
 
-/* y [M, N] = x [M, K] @ w^T (+ bias) for a few rows, w in the blocked layout: each block's
-   weights are streamed once from memory for four rows at a time (the next four read them from
-   cache); a last group of fewer rows repeats its first row and stores only its own */
+/* rows [R] of x [R, K] times one 64-column block `p` ([K][64] floats) into y [R, N] (`cols` of
+   the block's columns kept). R * 4 accumulators, four weight vectors and one broadcast: 29 of
+   AVX-512's 32 registers at R = 6. Each k step also prefetches one k step (four cache lines)
+   of `pf`, the next block's, while any of its `pf_steps` are left. Every output is summed over
+   k in order, as `gemv_blocked` sums it. */
+INLINE void block_rows(const int R, const float *x, int64_t K, const float *p, const float *bias,
+                       float *y, int64_t N, int64_t cols, const float *pf, int64_t pf_steps) {
+  v16 acc[TILE_ROWS][4];
+  for (int r = 0; r < R; r++)
+    for (int j = 0; j < 4; j++) acc[r][j] = (v16){0};
+  for (int64_t k = 0; k < K; k++, p += 64) {
+    v16 w0 = *(const v16 *)p, w1 = *(const v16 *)(p + 16);
+    v16 w2 = *(const v16 *)(p + 32), w3 = *(const v16 *)(p + 48);
+    if (k < pf_steps) {
+      const float *q = pf + k * 64;
+      __builtin_prefetch(q, 0, 3);
+      __builtin_prefetch(q + 16, 0, 3);
+      __builtin_prefetch(q + 32, 0, 3);
+      __builtin_prefetch(q + 48, 0, 3);
+    }
+    for (int r = 0; r < R; r++) {
+      float s = x[r * K + k];
+      acc[r][0] += s * w0;
+      acc[r][1] += s * w1;
+      acc[r][2] += s * w2;
+      acc[r][3] += s * w3;
+    }
+  }
+  for (int r = 0; r < R; r++) {
+    float t[64];
+    for (int j = 0; j < 4; j++) *(v16 *)(t + 16 * j) = acc[r][j];
+    for (int64_t i = 0; i < cols; i++) y[r * N + i] = bias ? t[i] + bias[i] : t[i];
+  }
+}
+
+/* y [M, N] = x [M, K] @ w^T (+ bias) for a few rows, w in the blocked layout. Per 64-column
+   block, the rows go in groups of at most TILE_ROWS (sizes balanced, so 8 rows are 4 + 4, not
+   6 + 2): the first group streams the block from memory, the others read it from cache. Each
+   group also prefetches its share of the next block, so the memory stream overlaps the
+   arithmetic instead of waiting for the first group of the next block. */
 CLONES void gemm_blocked(const float *x, int64_t M, const float *w, const float *bias,
                          float *y, int64_t N, int64_t K, int64_t Kp) {
+  int64_t groups = (M + TILE_ROWS - 1) / TILE_ROWS;
   for (int64_t n0 = 0; n0 < N; n0 += 64) {
-    const float *wb = w + n0 * Kp;
+    const float *block = w + n0 * Kp, *next = n0 + 64 < N ? block + 64 * Kp : 0;
+    const float *b = bias ? bias + n0 : 0;
     int64_t cols = N - n0 < 64 ? N - n0 : 64;
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-      const float *x0 = x + m0 * K;
-      const float *x1 = x + (m0 + 1 < M ? m0 + 1 : m0) * K;
-      const float *x2 = x + (m0 + 2 < M ? m0 + 2 : m0) * K;
-      const float *x3 = x + (m0 + 3 < M ? m0 + 3 : m0) * K;
-      v16 a00 = {0}, a01 = {0}, a02 = {0}, a03 = {0}, a10 = {0}, a11 = {0}, a12 = {0};
-      v16 a13 = {0}, a20 = {0}, a21 = {0}, a22 = {0}, a23 = {0}, a30 = {0}, a31 = {0};
-      v16 a32 = {0}, a33 = {0};
-      const float *p = wb;
-      for (int64_t k = 0; k < K; k++, p += 64) {
-        v16 w0 = *(const v16 *)p, w1 = *(const v16 *)(p + 16);
-        v16 w2 = *(const v16 *)(p + 32), w3 = *(const v16 *)(p + 48);
-        ROW_TIMES_BLOCK(0, x0[k])
-        ROW_TIMES_BLOCK(1, x1[k])
-        ROW_TIMES_BLOCK(2, x2[k])
-        ROW_TIMES_BLOCK(3, x3[k])
+    for (int64_t g = 0, m0 = 0; g < groups; g++) {
+      int64_t rows = (M - m0) / (groups - g);
+      int64_t lo = g * K / groups, hi = (g + 1) * K / groups;
+      const float *pf = next ? next + lo * 64 : 0;
+      int64_t steps = next ? hi - lo : 0;
+      const float *xr = x + m0 * K;
+      float *yr = y + m0 * N + n0;
+      switch (rows) {
+        case 1: block_rows(1, xr, K, block, b, yr, N, cols, pf, steps); break;
+        case 2: block_rows(2, xr, K, block, b, yr, N, cols, pf, steps); break;
+        case 3: block_rows(3, xr, K, block, b, yr, N, cols, pf, steps); break;
+        case 4: block_rows(4, xr, K, block, b, yr, N, cols, pf, steps); break;
+        case 5: block_rows(5, xr, K, block, b, yr, N, cols, pf, steps); break;
+        default: block_rows(6, xr, K, block, b, yr, N, cols, pf, steps); break;
       }
-      float t[4][64];
-      STORE_ROW(0)
-      STORE_ROW(1)
-      STORE_ROW(2)
-      STORE_ROW(3)
-      for (int64_t r = 0; r < 4 && m0 + r < M; r++)
-        for (int64_t i = 0; i < cols; i++)
-          y[(m0 + r) * N + n0 + i] = bias ? t[r][i] + bias[n0 + i] : t[r][i];
+      m0 += rows;
     }
   }
 }
@@ -249,10 +272,12 @@ _GEMV_SIGNATURES = (
 )
 
 #: Most rows the few-row C kernel takes on one compute thread; past that, or on more threads,
-#: oneDNN. NOTE: on one thread of the 2-core AVX-512 test host the embedded model's 120
-#: decoder linears measured 18.9 against 21.6 ms through oneDNN at 8 rows, 42.6 against 45.8 at
-#: 32 (16.1 / 17.3 at 4); one row keeps the one-row GEMV (11.9 ms, 14.4 through this kernel).
-FEW_ROWS_MAX = 32
+#: oneDNN. NOTE: on one thread of the 2-core AVX-512 host (Sapphire Rapids, one other process
+#: busy), the embedded model's 120 decoder linears measured (medians of seven interleaved runs
+#: a side against oneDNN or the 4-row kernel before this one) 50.6-61.3 against 59.9-71.5 ms at
+#: 8 rows, 91.7-116.0 against 101.6-122.7 at 32 and 179-210 against 197-233 through oneDNN at
+#: 64 (a prompt of 64 tokens); at 96 and 128 rows the two were within 3%.
+FEW_ROWS_MAX = 64
 
 
 def _gemv_library() -> ctypes.CDLL | None:
@@ -276,7 +301,9 @@ def linear_cpu(
     weight: torch.Tensor,  # [N, K] fp32 on CPU
     bias: torch.Tensor | None = None,  # [N] fp32
 ) -> torch.Tensor:  # [M, N] fp32
-    """x @ weight^T (+ bias): one row in C, more through oneDNN on the packed weight."""
+    """x @ weight^T (+ bias): one row in C, more through oneDNN on the packed weight.
+    NOTE: the few-row C kernel on this packed copy measured no faster than oneDNN for the tied
+    LM head (49152 x 576) in the engine: 29.6-29.9 against 28.9-29.1 ms at 32 rows."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x [M, K] and weight [N, K] expected, got {x.shape}, {weight.shape}")
     if x.dtype != torch.float32 or weight.dtype != torch.float32:

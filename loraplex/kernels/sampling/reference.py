@@ -184,10 +184,24 @@ def draw_from_uniforms(
     uniform: torch.Tensor,  # [n, vocab] fp32, the rows' Philox uniforms; overwritten
 ) -> torch.Tensor:
     """`draw_ref` given the uniforms. -> [n] int64"""
-    greedy = temperature < GREEDY_TEMPERATURE  # [n]
+    return gumbel_scores(logits, temperature, thresholds, uniform).argmax(dim=-1)
+
+
+def gumbel_scores(
+    logits: torch.Tensor,  # [n, vocab] fp32
+    temperature: torch.Tensor,  # [n] fp32
+    thresholds: torch.Tensor | None,  # [n] fp32, or None
+    uniform: torch.Tensor,  # [n, vocab] fp32, the rows' Philox uniforms; overwritten
+    any_greedy: bool = True,
+) -> torch.Tensor:  # [n, vocab] fp32
+    """What `draw_from_uniforms` takes the argmax of: logit / T + Gumbel noise over the kept
+    tokens, a greedy row's logits as they are. `any_greedy=False`: the caller knows no row is
+    greedy (that pass is skipped)."""
     inv_t = 1.0 / _safe_temperature(temperature)  # [n]
     scores = gumbel_(uniform).add_(logits * inv_t[:, None])  # [n, vocab]
     if thresholds is not None:
         scores.masked_fill_(logits < thresholds[:, None], _NEG_INF)
-    scores = torch.where(greedy[:, None], logits, scores)
-    return scores.argmax(dim=-1)
+    if not any_greedy:
+        return scores
+    greedy = temperature < GREEDY_TEMPERATURE  # [n]
+    return torch.where(greedy[:, None], logits, scores)

@@ -20,6 +20,7 @@ from loraplex.adapters.lora_layer import LoRAModelState, attach_lora_layers
 from loraplex.config import EngineConfig
 from loraplex.kernels.attention import decode_plan
 from loraplex.kernels.bitmask import warm_up as warm_up_bitmask
+from loraplex.kernels.sampling import greedy_tokens
 from loraplex.kernels.sampling import warm_up as warm_up_sampler
 from loraplex.platform.core.scheduler_output import (
     ModelRunnerOutput,
@@ -344,7 +345,7 @@ class ModelRunner:
         num_logprobs: list[int | None] = []
         if batch.sampling is None:
             # NOTE: the common decode case: one argmax, read back when the engine asks.
-            tokens = logits.argmax(dim=-1)
+            tokens = greedy_tokens(logits)
         else:
             mask = rows = None
             if bitmask is not None and bitmask_rows is not None and len(bitmask_rows):

@@ -16,7 +16,7 @@ import torch
 
 from loraplex.kernels.bitmask import apply_token_bitmask_
 from loraplex.kernels.sampling import apply_penalties as penalties_kernel
-from loraplex.kernels.sampling import compute_logprobs, draw, truncation_thresholds
+from loraplex.kernels.sampling import compute_logprobs, draw, greedy_tokens, truncation_thresholds
 from loraplex.platform.runner.sampling_metadata import (
     LogprobsTensors,
     SamplerOutput,
@@ -116,7 +116,7 @@ class Sampler:
         """Greedy rows: argmax; the others: temperature, top-k, top-p, min-p, then the seeded
         draw. -> [n] int64"""
         if metadata.all_greedy:
-            return logits.argmax(dim=-1)
+            return greedy_tokens(logits)
         thresholds = None
         if metadata.any_top_k_top_p or metadata.any_min_p:
             thresholds = truncation_thresholds(
