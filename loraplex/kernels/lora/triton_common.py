@@ -1,5 +1,6 @@
 """Pieces every LoRA Triton kernel shares: where a column tile lies, the DoRA update, the
-slot block of a grouped program, the sum of a split shrink's partials, and host-side sizing."""
+slot block of a grouped program, the sum of a split shrink's partials, one token's delta on a
+fused kernel's output rows, and host-side sizing."""
 
 from __future__ import annotations
 
@@ -40,8 +41,15 @@ def dora_update(cur, delta, g_ptrs, bias_ptrs, mask, DORA: tl.constexpr, HAS_BIA
         bias = 0.0
         if HAS_BIAS:
             bias = tl.load(bias_ptrs, mask=mask, other=0.0).to(tl.float32)
-        new = tl.where(g == 1.0, new, g * (cur - bias + delta) + bias)
+        new = dora_combine(cur, delta, g, bias)
     return new
+
+
+@triton.jit
+def dora_combine(cur, delta, g, bias):
+    """`dora_update` on loaded values: `cur + delta` where the column scale `g` is 1, else
+    `g * (cur - bias + delta) + bias` (fp32; `bias` 0.0 for a layer without one)."""
+    return tl.where(g == 1.0, cur + delta, g * (cur - bias + delta) + bias)
 
 
 @triton.jit
@@ -77,6 +85,56 @@ def shrink_item(x_row, a_ptr, rank_ptr, t_row, slot, k_lo, k_hi, stride_as, stri
         acc += tl.sum(a.to(tl.float32) * x.to(tl.float32)[None, :], 1)
     ranks = tl.load(rank_ptr + (offs_n // MAX_RANK) * stride_rs + slot, mask=n_mask, other=0)
     tl.store(t_row + offs_n, tl.where(offs_n % MAX_RANK < ranks, acc, 0.0), mask=n_mask)
+
+
+@triton.jit
+def row_lora_operands(offsets_ptr, rank_ptr, scaling_ptr, b_ptr, rows, row_ok, slot,
+                      stride_rs, stride_bs, stride_br, NUM_SLICES: tl.constexpr,
+                      RANK_PAD: tl.constexpr):  # fmt: skip
+    """What a fused kernel's output rows need of one token's adapter (`slot`, -1: none): each
+    row's slice (0 outside every slice), which rows take a delta, the rank mask
+    `[BLOCK_N, RANK_PAD]`, the slice's scaling and the rows of B^T. None of it waits for the
+    shrink, so a kernel loads it before its base product: the chain of dependent loads (offsets,
+    then rank, then B) runs behind the weight stream instead of after it."""
+    slice_idx = tl.full(rows.shape, -1, dtype=tl.int32)
+    for s in tl.static_range(NUM_SLICES):
+        lo = tl.load(offsets_ptr + s)
+        hi = tl.load(offsets_ptr + s + 1)
+        slice_idx = tl.where((rows >= lo) & (rows < hi), s, slice_idx)
+    # NOTE: the slot test as a tensor, like the others (a scalar mask breaks the interpreter)
+    in_lora = row_ok & (slice_idx >= 0) & (tl.zeros_like(slice_idx) + slot >= 0)
+    safe_slice = tl.maximum(slice_idx, 0)
+    safe_slot = tl.maximum(slot, 0).to(tl.int64)
+    rank = tl.load(rank_ptr + safe_slice * stride_rs + safe_slot, mask=in_lora, other=0)
+    scaling = tl.load(scaling_ptr + safe_slice * stride_rs + safe_slot, mask=in_lora, other=0.0)
+    offs_r = tl.arange(0, RANK_PAD)
+    r_mask = offs_r[None, :] < rank[:, None]  # [BLOCK_N, RANK_PAD]
+    b = tl.load(b_ptr + safe_slot * stride_bs + offs_r[None, :] * stride_br + rows[:, None],
+                mask=r_mask, other=0.0)  # fmt: skip
+    return safe_slice, in_lora, r_mask, scaling, b
+
+
+@triton.jit
+def row_lora_delta(t_ptr, count_ptr, safe_slice, r_mask, scaling, b, stride_tm,
+                   MAX_RANK: tl.constexpr, RANK_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   MAX_POLLS: tl.constexpr):  # fmt: skip
+    """The rows' delta `scaling * t @ B^T` (fp32 `[BLOCK_N]`, 0 where `r_mask` is off) once the
+    `NUM_SPLITS` shrink items of one token have counted on `count_ptr`: a bounded poll, then the
+    sum of their partial rows (`t_ptr + split * stride_tm`)."""
+    done = tl.load(count_ptr, volatile=True)
+    polls = 0
+    while (done < NUM_SPLITS) & (polls < MAX_POLLS):
+        done = tl.load(count_ptr, volatile=True)
+        polls += 1
+    # NOTE: the count read gates the loads of t (they read L2, `.cg`); unrolled, so every
+    # partial's load is in flight at once
+    t_mask = r_mask & ((tl.zeros_like(safe_slice) + done)[:, None] >= NUM_SPLITS)
+    offs_r = tl.arange(0, RANK_PAD)
+    t_ptrs = t_ptr + (safe_slice * MAX_RANK)[:, None] + offs_r[None, :]
+    t = tl.zeros(r_mask.shape, dtype=tl.float32)
+    for split in tl.static_range(NUM_SPLITS):
+        t += tl.load(t_ptrs + split * stride_tm, mask=t_mask, other=0.0, cache_modifier=".cg")
+    return tl.sum(t * b.to(tl.float32), 1) * scaling
 
 
 @triton.jit

@@ -8,9 +8,11 @@ kilobytes. Here the GEMV's programs carry the adapter:
 - the first `num_splits` programs are shrink items: a chunk of the input features -> its partial
   `t` of every slice into the workspace (`[num_splits, 1, width]` rows), then one count on the
   layer's counter;
-- every later program owns `BLOCK_N` output rows: it streams their weight slab as the plain GEMV
-  does, then waits until every shrink item has counted (by then, almost always, long done),
-  sums the partials of its rows' slice and adds `scaling * t @ B^T` for those rows.
+- every later program owns `BLOCK_N` output rows: it loads what its rows need of the adapter
+  (slice, rank, scaling, B rows: a chain of dependent loads, issued before the weight stream so
+  it runs behind it), streams their weight slab as the plain GEMV does, then waits until every
+  shrink item has counted (by then, almost always, long done), sums the partials of its rows'
+  slice and adds `scaling * t @ B^T` for those rows.
 
 Only the shrink items touch the counter with atomics: thousands of GEMV programs each taking an
 arrival ticket and counting its end on one address (as the decode kernel does for its few dozen
@@ -30,9 +32,11 @@ import triton.language as tl
 from loraplex.kernels.gemv import GemvConfig
 from loraplex.kernels.lora.triton_common import (
     dora_args,
-    dora_update,
+    dora_combine,
     offsets_tensor,
     pad,
+    row_lora_delta,
+    row_lora_operands,
     shrink_item,
     split_k,
 )
@@ -70,43 +74,26 @@ def _gemv_lora_kernel(
     else:
         rows = (pid - NUM_SPLITS) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
+        # NOTE: before the weight stream, so their dependent loads hide behind it
+        safe_slice, in_lora, r_mask, scaling, b = row_lora_operands(
+            offsets_ptr, rank_ptr, scaling_ptr, b_ptr, rows, row_ok, slot, stride_rs, stride_bs,
+            stride_br, NUM_SLICES, RANK_PAD)  # fmt: skip
+        bias = 0.0
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        if DORA:
+            g = tl.load(g_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_gs + rows,
+                        mask=in_lora, other=1.0)  # fmt: skip
         y = gemv_rows(x_ptr, w_ptr, rows, row_ok, K, stride_wn, EVEN_K, BLOCK_N, BLOCK_K)
         if HAS_BIAS:
-            y += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+            y += bias
         if slot >= 0:
-            # each row's slice (-1 outside every slice's columns), its rank and scaling
-            slice_idx = tl.full((BLOCK_N,), -1, dtype=tl.int32)
-            for s in tl.static_range(NUM_SLICES):
-                lo = tl.load(offsets_ptr + s)
-                hi = tl.load(offsets_ptr + s + 1)
-                slice_idx = tl.where((rows >= lo) & (rows < hi), s, slice_idx)
-            in_lora = row_ok & (slice_idx >= 0)
-            safe_slice = tl.maximum(slice_idx, 0)
-            rank = tl.load(rank_ptr + safe_slice * stride_rs + slot, mask=in_lora, other=0)
-            scaling = tl.load(scaling_ptr + safe_slice * stride_rs + slot, mask=in_lora, other=0.0)
-            offs_r = tl.arange(0, RANK_PAD)
-            r_mask = offs_r[None, :] < rank[:, None]  # [BLOCK_N, RANK_PAD]
-            b = tl.load(
-                b_ptr + slot.to(tl.int64) * stride_bs + offs_r[None, :] * stride_br + rows[:, None],
-                mask=r_mask, other=0.0,
-            )  # fmt: skip
-            done = tl.load(count_ptr, volatile=True)
-            polls = 0
-            while (done < NUM_SPLITS) & (polls < MAX_POLLS):
-                done = tl.load(count_ptr, volatile=True)
-                polls += 1
-            # NOTE: the count read gates the loads of t (they read L2, `.cg`); unrolled, so every
-            # partial's load is in flight at once
-            t_mask = r_mask & ((tl.zeros_like(rank) + done)[:, None] >= NUM_SPLITS)
-            t_ptrs = t_ptr + (safe_slice * MAX_RANK)[:, None] + offs_r[None, :]
-            t = tl.zeros((BLOCK_N, RANK_PAD), dtype=tl.float32)
-            for split in tl.static_range(NUM_SPLITS):
-                t += tl.load(t_ptrs + split * stride_tm, mask=t_mask, other=0.0,
-                             cache_modifier=".cg")  # fmt: skip
-            delta = tl.sum(t * b.to(tl.float32), 1) * scaling
-            g_ptrs = g_ptr + slot.to(tl.int64) * stride_gs + rows
-            new = dora_update(y, delta, g_ptrs, bias_ptr + rows, in_lora, DORA, HAS_BIAS)
-            y = tl.where(in_lora, new, y)
+            delta = row_lora_delta(t_ptr, count_ptr, safe_slice, r_mask, scaling, b, stride_tm,
+                                   MAX_RANK, RANK_PAD, NUM_SPLITS, MAX_POLLS)  # fmt: skip
+            if DORA:
+                y = dora_combine(y, delta, g, bias)
+            else:
+                y += delta
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
