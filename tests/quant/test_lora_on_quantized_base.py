@@ -81,3 +81,47 @@ def test_adapter_adds_the_same_delta_on_a_quantized_base(fmt: str, adapter_folde
             assert dense_delta[slots >= 0].abs().max() > 1e-3, merged  # the adapter does act
             torch.testing.assert_close(delta, dense_delta, rtol=1e-4, atol=1e-5)
             assert torch.equal(delta[slots < 0], torch.zeros_like(delta[slots < 0]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def test_one_token_on_a_packed_base_gets_the_delta_in_one_launch_on_gpu(
+    fmt: str, adapter_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batch-1 decode on a bf16 AWQ / GPTQ (act-order) base on the GPU: every projection's one
+    launch (`fused_w4a16_lora`) gives the quantized base's output plus the adapter's delta as the
+    dense layers compute it; the base-only token gets the base alone."""
+    import loraplex.adapters.lora_layer as lora_layer
+
+    fused_calls = []
+    real = lora_layer.fused_w4a16_lora
+
+    def counted(*args, **kwargs):
+        out = real(*args, **kwargs)
+        fused_calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(lora_layer, "fused_w4a16_lora", counted)
+    tensors, config, quantization = _checkpoint(fmt)
+    quantized = load_tiny(tensors, config, quantization).to("cuda", torch.bfloat16)
+    bare = load_tiny(tensors, config, quantization).to("cuda", torch.bfloat16)
+    dense = load_tiny(random_weights(seed=3), None)
+    lora = LoRAConfig(max_loras=1, max_lora_rank=8, max_cpu_loras=1)
+    spec = BaseModelSpec.from_hf_config(HF_CONFIG)
+    state = attach_lora_layers(quantized, lora, "cuda", torch.bfloat16, max_num_tokens=16)
+    state.load_slot(0, load_peft_adapter(adapter_folder, spec, 8))
+    _with_adapter(dense, adapter_folder, torch.tensor([0], dtype=torch.int32))
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for slot in (0, -1):
+            state.meta.set(torch.tensor([slot], dtype=torch.int32, device="cuda"),
+                           always_apply=True)  # fmt: skip
+            for merged in MERGED:
+                x = torch.randn(1, quantized.linear(merged).input_size)
+                out = quantized.linear(merged)(x.to("cuda", torch.bfloat16)).float().cpu()
+                base = bare.linear(merged)(x.to("cuda", torch.bfloat16)).float().cpu()
+                layer = dense.linear(merged)
+                delta = layer(x) - layer.method.apply(layer, x, None) if slot >= 0 else 0.0
+                torch.testing.assert_close(out, base + delta, rtol=3e-2, atol=3e-2)
+    assert fused_calls and all(fused_calls)  # every projection took the one launch
