@@ -511,7 +511,7 @@ def test_fused_w4a16_lora_on_gpu_replays_in_a_cuda_graph(sizes, k):
         torch.zeros(64, 48, device="cuda"),
         torch.zeros(1, dtype=torch.int32, device="cuda"),
     )
-    args = (x, weight, None, lora, meta, workspace, counter)
+    args = (x, weight, None, lora, meta, workspace, counter, LoRAKernelConfig(fuse_w4a16=True))
     assert fused_w4a16_lora(*args) is not None  # compiled outside the capture
     counter.zero_()
     graph = torch.cuda.CUDAGraph()

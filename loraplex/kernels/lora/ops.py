@@ -189,10 +189,10 @@ def fused_w4a16_lora(
     config: LoRAKernelConfig | None = None,
 ) -> torch.Tensor | None:
     """`x @ dequant(W)^T (+ bias)` with the token's adapter delta, in one launch: one token on
-    CUDA where the W4A16 dispatch runs its fused tensor-core kernel (`fuse_gemv`, as for plain
-    weights). None elsewhere: the caller runs its base product, then `add_lora`."""
+    CUDA where the W4A16 dispatch runs its fused tensor-core kernel (`fuse_w4a16`). None
+    elsewhere: the caller runs its base product, then `add_lora`."""
     config = config or DEFAULT_KERNEL_CONFIG
-    if not (config.fuse_gemv and x.is_cuda and x.dim() == 2 and x.shape[0] == 1):
+    if not (config.fuse_w4a16 and x.is_cuda and x.dim() == 2 and x.shape[0] == 1):
         return None
     if counter is None or (lora.dora_scale is not None and lora.base_bias is not bias):
         return None
