@@ -436,7 +436,10 @@ def measure_fused_gemv(bench: Bench, iters: int) -> dict[str, float]:
     def w4a16(x: torch.Tensor, w: W4A16Weight) -> torch.Tensor:
         return w4a16_gemm(x, w.qweight, w.scales, w.zeros, w.group_size, w.bits)
 
-    row = _measure_fused(bench, iters, "gemv", "fused", bench.weights, linear, fused_gemv_lora)
+    def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return linear(x, w, None)
+
+    row = _measure_fused(bench, iters, "gemv", "fused", bench.weights, gemv, fused_gemv_lora)
     quantized = [packed(w) for w in bench.weights]
     on = dataclasses.replace(
         DEFAULT_KERNEL_CONFIG, fuse_w4a16=True

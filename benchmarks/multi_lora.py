@@ -389,7 +389,7 @@ def run_base(args, folder: Path, base: str) -> tuple[dict[str, float], dict[str,
     timed = pool._writer = TimedSlotWriter(pool._writer)
     warm_host_cache(llm.engine, commands)
     loras = [LoRARequest(c.name, "/registered") for c in commands]
-    serve(llm, prompts, short, [loras[i % slots] for i in range(len(prompts))])
+    serve(llm, prompts, short, [loras[i % min(slots, k_max)] for i in range(len(prompts))])
     for k in args.adapters:
         label = f"{k}" if k <= slots else f"{k}_on_{slots}_slots"
         if k <= slots:
