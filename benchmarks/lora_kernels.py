@@ -415,78 +415,45 @@ def measure_case(
 
 
 def measure_fused_gemv(bench: Bench, iters: int) -> dict[str, float]:
-    """One token as the engine runs it, per layer in a graph, on the bf16 base and on a 4-bit
-    one (random words, group size 128): the base projections alone (the tuned Triton GEMV of
-    `kernels.gemv.linear`; the fused W4A16 kernel of `w4a16_gemm`), followed by the default
-    LoRA, and as the one launch that carries the adapter (`fused_gemv_lora`, `fused_w4a16_lora`;
-    a counter per projection zeroed once a step as the engine does); fused outputs checked
-    first. bf16 keys are `gemv_*` and `fused_*`, the 4-bit ones `w4a16_*`."""
+    """One token as the engine runs it: the base projections through `kernels.gemv.linear` (the
+    tuned Triton GEMV), alone, followed by the default LoRA, and as the fused GEMV that carries
+    the adapter (`fused_gemv_lora`, a counter per projection zeroed once a step as the engine
+    does), per layer in a graph; the fused output checked first."""
     from loraplex.kernels.gemv import linear
-    from loraplex.kernels.lora import fused_gemv_lora, fused_w4a16_lora
-    from loraplex.kernels.w4a16 import W4A16Weight, w4a16_gemm
+    from loraplex.kernels.lora import fused_gemv_lora
 
-    def packed(w: torch.Tensor) -> W4A16Weight:
-        n, k = w.shape
-        words = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32,
-                              device=w.device)  # fmt: skip  # any word is eight 4-bit values
-        scales = torch.full((k // 128, n), 0.25 * k**-0.5, dtype=w.dtype, device=w.device)
-        zeros = torch.full((k // 128, n), 8.0, dtype=w.dtype, device=w.device)
-        return W4A16Weight(words, scales, zeros, 128, 4)
-
-    def w4a16(x: torch.Tensor, w: W4A16Weight) -> torch.Tensor:
-        return w4a16_gemm(x, w.qweight, w.scales, w.zeros, w.group_size, w.bits)
-
-    def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return linear(x, w, None)
-
-    row = _measure_fused(bench, iters, "gemv", "fused", bench.weights, gemv, fused_gemv_lora)
-    quantized = [packed(w) for w in bench.weights]
-    on = dataclasses.replace(
-        DEFAULT_KERNEL_CONFIG, fuse_w4a16=True
-    )  # measured whatever the default
-
-    def fused(*args) -> torch.Tensor | None:
-        return fused_w4a16_lora(*args, config=on)
-
-    row.update(_measure_fused(bench, iters, "w4a16", "w4a16_fused", quantized, w4a16, fused))
-    return row
-
-
-def _measure_fused(bench: Bench, iters: int, base_name: str, fused_name: str, weights: list,
-                   base: Callable, fused: Callable) -> dict[str, float]:  # fmt: skip
     meta, layers = bench.meta, bench.setup.num_layers
     apply = bench.lora(DEFAULT_KERNEL_CONFIG)
-    counts = torch.zeros(layers, len(weights), 1, dtype=torch.int32, device=bench.device)
+    counts = torch.zeros(layers, len(bench.weights), 1, dtype=torch.int32, device=bench.device)
     row: dict[str, float] = {}
-    error = f"{fused_name}_max_rel_error" if base_name != "gemv" else "fused_gemv_max_rel_error"
-    for p, (layer, w, x) in enumerate(zip(bench.layers[0], weights, bench.xs)):
-        expected = base(x, w)
+    for p, (layer, w, x) in enumerate(zip(bench.layers[0], bench.weights, bench.xs)):
+        expected = linear(x, w, None)
         apply(layer, x, expected)
-        out = fused(x, w, None, layer, meta.kernel_meta, meta.workspace, counts[0, p])
-        if out is None:
-            return {f"{fused_name}_failed": 1.0}
-        err = (out.float() - expected.float()).abs().max() / expected.float().abs().max()
-        row[error] = max(row.get(error, 0.0), err.item())
+        fused = fused_gemv_lora(x, w, None, layer, meta.kernel_meta, meta.workspace, counts[0, p])
+        if fused is None:
+            return {"fused_gemv_failed": 1.0}
+        err = (fused.float() - expected.float()).abs().max() / expected.float().abs().max()
+        row["fused_gemv_max_rel_error"] = max(row.get("fused_gemv_max_rel_error", 0.0), err.item())
 
     def steps(mode: str) -> Callable[[], None]:
         def step() -> None:
             counts.zero_()
             for i, per_layer in enumerate(bench.layers):
-                for p, (layer, w, x) in enumerate(zip(per_layer, weights, bench.xs)):
-                    if mode == fused_name:
-                        fused(x, w, None, layer, meta.kernel_meta, meta.workspace, counts[i, p])
+                for p, (layer, w, x) in enumerate(zip(per_layer, bench.weights, bench.xs)):
+                    if mode == "fused":
+                        fused_gemv_lora(x, w, None, layer, meta.kernel_meta, meta.workspace,
+                                        counts[i, p])  # fmt: skip
                         continue
-                    y = base(x, w)
-                    if mode != base_name:
+                    y = linear(x, w, None)
+                    if mode == "gemv_then_lora":
                         apply(layer, x, y)
 
         return step
 
-    then = f"{base_name}_then_lora"
-    for mode in (base_name, then, fused_name):
+    for mode in ("gemv", "gemv_then_lora", "fused"):
         row[f"{mode}_layer_us"] = bench.timer.us(steps(mode), graph=True, iters=iters) / layers
-    row[f"{then}_added_us"] = row[f"{then}_layer_us"] - row[f"{base_name}_layer_us"]
-    row[f"{fused_name}_added_us"] = row[f"{fused_name}_layer_us"] - row[f"{base_name}_layer_us"]
+    row["gemv_then_lora_added_us"] = row["gemv_then_lora_layer_us"] - row["gemv_layer_us"]
+    row["fused_added_us"] = row["fused_layer_us"] - row["gemv_layer_us"]
     return row
 
 

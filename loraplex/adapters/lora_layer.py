@@ -57,7 +57,6 @@ from loraplex.kernels.lora import (
     expand_lora,
     fill_kernel_meta,
     fused_gemv_lora,
-    fused_w4a16_lora,
     new_counters,
     shrink_lora,
 )
@@ -68,9 +67,7 @@ _MIN_WORKSPACE_ROWS = 4096  # room for a small batch's split shrink (tokens x sp
 
 class BaseWeightMethod(Protocol):
     """What DoRA reads of a linear layer's weight method (`quant.base.LinearMethod`; adapters
-    and quant never import each other). A packed W4A16 / W8A16 method also has
-    `w4a16_weight(layer)` (`kernels.w4a16.W4A16Weight`), which the fused one-token kernel
-    reads."""
+    and quant never import each other)."""
 
     def apply(self, layer: object, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
 
@@ -261,19 +258,21 @@ class LoRALayer:
             add_lora(x, out, self.weights, meta.kernel_meta, meta.workspace, counters=meta.counters)
 
     def fused(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-        """One token on CUDA: the base product with the delta in one launch, through a plain
-        weight the GEMV (`fused_gemv_lora`), through a packed W4A16 / W8A16 one the fused
-        tensor-core kernel (`fused_w4a16_lora`); None otherwise, or when no adapter is in the
-        batch."""
-        if x.shape[0] != 1 or not self.meta.active or self.fused_counter is None:
+        """One token through a plain weight on CUDA: the base GEMV with the delta in one launch
+        (`fused_gemv_lora`); None otherwise, or when no adapter is in the batch."""
+        if (
+            x.shape[0] != 1
+            or not self.meta.active
+            or self.fused_counter is None
+            or getattr(layer.method, "name", None) != "unquantized"
+        ):
             return None
-        meta, method = self.meta, layer.method
-        args = (self.weights, meta.kernel_meta, meta.workspace, self.fused_counter)
-        if getattr(method, "name", None) == "unquantized":
-            weight = getattr(layer, "weight", None)  # NOTE: none where a CPU fp32 one is packed
-            return fused_gemv_lora(x, weight, layer.bias, *args) if weight is not None else None
-        packed = getattr(method, "w4a16_weight", None)  # NOTE: AWQ and GPTQ (`quant.wna16`)
-        return fused_w4a16_lora(x, packed(layer), layer.bias, *args) if packed else None
+        weight = getattr(layer, "weight", None)  # NOTE: none where a CPU fp32 one is held packed
+        if weight is None:
+            return None
+        meta = self.meta
+        return fused_gemv_lora(x, weight, layer.bias, self.weights, meta.kernel_meta,
+                               meta.workspace, self.fused_counter)  # fmt: skip
 
     def stage(self, image: SlotImage, weights: LoRAWeights) -> None:
         """Write this layer's modules of `weights` into its part of a host slot image (any

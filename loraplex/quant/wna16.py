@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from loraplex import envs
-from loraplex.kernels.w4a16 import W4A16Weight, w4a16_gemm
+from loraplex.kernels.w4a16 import w4a16_gemm
 from loraplex.kernels.w4a16.dispatch import use_selection_table
 from loraplex.kernels.w4a16.reference import dequantize_reference
 from loraplex.quant.base import LinearMethod
@@ -97,11 +97,6 @@ class WNA16LinearMethod(LinearMethod):
             x, layer.qweight, layer.scales, layer.zeros, self.group_size, self.bits,
             getattr(layer, "perm", None), bias,
         )  # fmt: skip
-
-    def w4a16_weight(self, layer: nn.Module) -> W4A16Weight:
-        """The layer's packed weight as the kernels take it (the fused LoRA kernel's base)."""
-        return W4A16Weight(layer.qweight, layer.scales, layer.zeros, self.group_size, self.bits,
-                           getattr(layer, "perm", None))  # fmt: skip
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
         w = dequantize_reference(

@@ -13,7 +13,6 @@ from loraplex.kernels.lora import (
     add_lora,
     expand_lora,
     fused_gemv_lora,
-    fused_w4a16_lora,
     lora_kernel_meta,
     lora_triton,
     new_counters,
@@ -375,68 +374,7 @@ def test_gemv_with_lora_in_one_launch_equals_gemv_then_lora(slot, k, bias, dora)
     assert counter.item() == -(-k // 32)  # every shrink item (splits of 32 features) counted
 
 
-def _packed(bits: int, n: int, k: int, group_size: int, act_order: bool, seed: int):
-    """A random W4A16 / W8A16 weight in the kernels' layout (fp32 scales and zero points)."""
-    from loraplex.kernels.w4a16 import W4A16Weight
-    from loraplex.quant.w4a16_repack import repack_w4a16
-
-    g = torch.Generator().manual_seed(seed)
-    values = torch.randint(0, 2**bits, (k, n), generator=g, dtype=torch.int32)
-    scales = torch.rand(k // group_size, n, generator=g) * 0.05 + 1e-3
-    zeros = torch.randint(0, 2**bits, (k // group_size, n), generator=g).float()
-    perm = torch.randperm(k, generator=g).to(torch.int32) if act_order else None
-    return W4A16Weight(repack_w4a16(values, bits), scales, zeros, group_size, bits, perm)
-
-
-@pytest.mark.parametrize(
-    ("bits", "group_size", "act_order", "launch"),
-    [(4, 64, False, ("mma", 2)), (4, 32, True, ("mma", 1)), (8, 64, False, ("mma_wscale", 3)),
-     (4, 64, False, ("mma_prefetch", 3))],
-)  # fmt: skip
-@pytest.mark.parametrize(("slot", "bias", "dora"), [(0, False, False), (1, True, False),
-                                                    (0, True, True), (-1, False, False)])  # fmt: skip
-def test_w4a16_with_lora_in_one_launch_equals_gemm_then_lora(
-    bits, group_size, act_order, launch, slot, bias, dora
-):
-    """One token through a packed weight: the fused kernel's output equals the W4A16 reference
-    product (+ bias) followed by the reference delta (DoRA: the rescaled column), over split-K,
-    act-order, both bit widths and both scaling forms, for an adapter slot (one with a rank-0
-    slice), a DoRA slot and the base model; columns past the slices get the product only."""
-    from loraplex.kernels.lora.triton_w4a16_lora import w4a16_lora
-    from loraplex.kernels.w4a16.reference import w4a16_gemm_reference
-    from loraplex.kernels.w4a16.types import W4A16Config
-
-    k = 384
-    lora = _stack(k, (37, 9, 9), 3, 20, 21)  # slices at columns 0..55 of 58
-    lora.ranks[1, 1] = 0
-    if dora:
-        lora = _with_dora(lora, 21, bias)
-    n = lora.b_t.shape[2]
-    weight = _packed(bits, n, k, group_size, act_order, 22)
-    g = torch.Generator().manual_seed(23)
-    base_bias = lora.base_bias if dora else (torch.randn(n, generator=g) if bias else None)
-    x = torch.randn(1, k, generator=g)
-    meta = lora_kernel_meta(torch.tensor([slot], dtype=torch.int32), 3)
-    w = weight
-    base = w4a16_gemm_reference(x, w.qweight, w.scales, w.zeros, w.group_size, w.bits, w.perm,
-                                base_bias)  # fmt: skip
-    expected = base.clone()
-    add_lora(x, expected, lora, meta, torch.zeros(1, 60))
-    kind, split = launch
-    config = W4A16Config(kind.removesuffix("_prefetch"), 16, 32, split, 4, 2,
-                         prefetch=kind.endswith("_prefetch"))  # fmt: skip
-    counter = torch.zeros(1, dtype=torch.int32)
-    for _ in range(2):  # the second launch finds the split-K workspace zeroed again
-        counter.zero_()
-        out = w4a16_lora(x, weight, base_bias, lora, meta, torch.full((16, 60), float("nan")),
-                         counter, config, LoRAKernelConfig(**TINY))  # fmt: skip
-        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(out[:, 55:], base[:, 55:], rtol=1e-4, atol=1e-4)
-    assert torch.allclose(out, base, atol=1e-3) == (slot < 0)  # the adapter acted, or none
-    assert counter.item() == k // 32  # every shrink item (splits of 32 features) counted
-
-
-def test_fused_kernels_serve_one_token_on_cuda_only():
+def test_fused_gemv_lora_serves_one_token_on_cuda_only():
     """Off CUDA the fused path declines (None), so the caller runs the base product and the
     reference delta apart (the GPU test above covers the path it serves)."""
     lora = _stack(9, (11,), 2, 5, 1)
@@ -444,9 +382,6 @@ def test_fused_kernels_serve_one_token_on_cuda_only():
     meta = lora_kernel_meta(slots, 2)
     args = (lora, meta, torch.zeros(4, 5), torch.zeros(1, dtype=torch.int32))
     assert fused_gemv_lora(x, torch.randn(14, 9), None, *args) is None
-    weight = _packed(4, 14, 128, 64, False, 1)
-    assert fused_w4a16_lora(torch.randn(1, 128), weight, None, replace(lora, a=torch.randn(
-        2, 5, 128)), lora_kernel_meta(slots, 2), *args[2:]) is None  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -477,51 +412,6 @@ def test_fused_gemv_lora_on_gpu_replays_in_a_cuda_graph(sizes, k):
     cpu = LoRAStack(lora.a.cpu(), lora.b_t.cpu(), lora.ranks.cpu(), lora.scaling.cpu(),
                     lora.slice_offsets)  # fmt: skip
     base = (x.float() @ weight.float().T).cpu().double()
-    for slot in (3, 0, -1):
-        meta.lora_slots.fill_(slot)
-        counter.zero_()  # as LoRABatchMeta.set does every step
-        graph.replay()
-        slots = torch.tensor([slot], dtype=torch.int32)
-        expected = base + _dense_delta(x.cpu(), cpu, slots, n)
-        torch.testing.assert_close(out.cpu().double(), expected, rtol=2e-2, atol=2e-2)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize(("sizes", "k"), [((4096, 1024, 1024), 4096), ((14336, 14336), 4096),
-                                          ((4096,), 14336)])  # fmt: skip
-def test_fused_w4a16_lora_on_gpu_replays_in_a_cuda_graph(sizes, k):
-    """The 8B projections at one token on a 4-bit base (group size 128, bf16): the fused kernel
-    with the adapter, captured once and replayed with new slots (an adapter, another, the base
-    model), equals the product through the dequantized weight plus the reference delta."""
-    from loraplex.kernels.lora import fused_w4a16_lora
-    from loraplex.kernels.w4a16 import W4A16Weight
-    from loraplex.kernels.w4a16.reference import dequantize_reference
-
-    stack = _stack(k, sizes, 8, 16, 3, torch.bfloat16)
-    lora = LoRAStack(stack.a.cuda() / 8, stack.b_t.cuda() / 8, stack.ranks.cuda(),
-                     stack.scaling.cuda(), stack.slice_offsets)  # fmt: skip
-    n = lora.slice_offsets[-1]
-    packed = _packed(4, n, k, 128, False, 4)
-    weight = W4A16Weight(packed.qweight.cuda(), (packed.scales / k**0.5).bfloat16().cuda(),
-                         packed.zeros.bfloat16().cuda(), 128, 4)  # fmt: skip
-    x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
-    meta = lora_kernel_meta(torch.tensor([0], dtype=torch.int32, device="cuda"), 8)
-    workspace, counter = (
-        torch.zeros(64, 48, device="cuda"),
-        torch.zeros(1, dtype=torch.int32, device="cuda"),
-    )
-    args = (x, weight, None, lora, meta, workspace, counter, LoRAKernelConfig(fuse_w4a16=True))
-    assert fused_w4a16_lora(*args) is not None  # compiled outside the capture
-    counter.zero_()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fused_w4a16_lora(*args)
-    cpu = LoRAStack(lora.a.cpu(), lora.b_t.cpu(), lora.ranks.cpu(), lora.scaling.cpu(),
-                    lora.slice_offsets)  # fmt: skip
-    w = dequantize_reference(weight.qweight, weight.scales.float(), weight.zeros.float(), 128, 4,
-                             None)  # fmt: skip  # [K, N]
-    base = (x.float() @ w).cpu().double()
     for slot in (3, 0, -1):
         meta.lora_slots.fill_(slot)
         counter.zero_()  # as LoRABatchMeta.set does every step

@@ -21,9 +21,8 @@ expand rescales the whole column, `out = g * (out - bias + delta) + bias`, with 
 
 The family: `types` (the stack, the batch metadata, the kernel config), `reference` (plain
 torch: the CPU path and the oracle), `ops` (the public entry: checks and dispatch), and the
-Triton kernels by regime, which import only the types: `triton_gemv_lora` and
-`triton_w4a16_lora` (one token: the base GEMV, or the W4A16 kernel, and the delta in one
-launch), `triton_decode` (one launch for a decode batch),
+Triton kernels by regime, which import only the types: `triton_gemv_lora` (one token: the base
+GEMV and the delta in one launch), `triton_decode` (one launch for a decode batch),
 `triton_token` (per-token shrink + expand), `triton_grouped` (tokens grouped by slot),
 `triton_meta` (the per-step grouping).
 """
@@ -34,7 +33,6 @@ from loraplex.kernels.lora.ops import (
     expand_lora,
     fill_kernel_meta,
     fused_gemv_lora,
-    fused_w4a16_lora,
     lora_triton,
     new_counters,
     shrink_lora,
@@ -59,7 +57,6 @@ __all__ = [
     "expand_lora",
     "fill_kernel_meta",
     "fused_gemv_lora",
-    "fused_w4a16_lora",
     "lora_expand_ref",
     "lora_kernel_meta",
     "lora_shrink_ref",

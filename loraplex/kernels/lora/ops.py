@@ -2,13 +2,10 @@
 the Triton kernel of the step's regime (`LoRAKernelConfig.regime`), elsewhere to the torch
 reference; its two halves apart where they are two launches (`shrink_lora`, which reads only
 the input and so may run beside the base product on another stream, and `expand_lora`); and,
-for one token, the base product with the delta in one launch: through a plain weight the GEMV
-(`fused_gemv_lora`), through a W4A16 / W8A16 one the fused tensor-core kernel
-(`fused_w4a16_lora`)."""
+for one token through a plain weight, the base GEMV with the delta in one launch
+(`fused_gemv_lora`)."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,9 +17,6 @@ from loraplex.kernels.lora.types import (
     LoRAKernelMeta,
     LoRAStack,
 )
-
-if TYPE_CHECKING:
-    from loraplex.kernels.w4a16 import W4A16Weight
 
 
 def new_counters(device: torch.device | str) -> torch.Tensor:
@@ -176,37 +170,6 @@ def fused_gemv_lora(
     from loraplex.kernels.lora.triton_gemv_lora import gemv_lora
 
     return gemv_lora(x, weight, bias, lora, meta, workspace, counter, gemv, config, out)
-
-
-def fused_w4a16_lora(
-    x: torch.Tensor,  # [1, in]
-    weight: W4A16Weight,
-    bias: torch.Tensor | None,  # [out] or None (for DoRA: the stack's base bias)
-    lora: LoRAStack,
-    meta: LoRAKernelMeta,
-    workspace: torch.Tensor,  # [rows, >= num_slices * max_rank] fp32
-    counter: torch.Tensor | None,  # [1] int32, zeroed by the caller before each launch
-    config: LoRAKernelConfig | None = None,
-) -> torch.Tensor | None:
-    """`x @ dequant(W)^T (+ bias)` with the token's adapter delta, in one launch: one token on
-    CUDA where the W4A16 dispatch runs its fused tensor-core kernel (`fuse_w4a16`). None
-    elsewhere: the caller runs its base product, then `add_lora`."""
-    config = config or DEFAULT_KERNEL_CONFIG
-    if not (config.fuse_w4a16 and x.is_cuda and x.dim() == 2 and x.shape[0] == 1):
-        return None
-    if counter is None or (lora.dora_scale is not None and lora.base_bias is not bias):
-        return None
-    from loraplex.kernels.w4a16 import mma_launch
-
-    launch = mma_launch(x, weight, bias)
-    if launch is None:
-        return None
-    check_lora_args(x, None, lora, meta, workspace)
-    if lora.slice_offsets[-1] > weight.shape[0]:
-        raise ValueError(f"lora: slices {lora.slice_offsets} outside {weight.shape[0]} outputs")
-    from loraplex.kernels.lora.triton_w4a16_lora import w4a16_lora
-
-    return w4a16_lora(x, weight, bias, lora, meta, workspace, counter, launch, config)
 
 
 def lora_triton(

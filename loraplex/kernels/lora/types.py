@@ -29,11 +29,10 @@ class LoRAKernelConfig:
     Three regimes by the step's token count: up to `decode_max_tokens` one launch per `Linear`
     (the decode kernel, needs sync counters), up to `token_kernels_max_tokens` the per-token
     shrink + expand pair, beyond it the grouped pair with `group_block_m` tokens of one slot per
-    program. One token skips them all where its base kernel carries the adapter: through a plain
-    weight with a tuned GEMV (`fuse_gemv`), through a packed 4/8-bit one on the fused tensor-core
-    kernel (`fuse_w4a16`). Reduction splits and expand chunks are run-time values and the
-    constexprs depend on the shapes and the regime only, so a step of a new size never compiles
-    a kernel."""
+    program. One token through a plain weight with a tuned GEMV skips them all when `fuse_gemv`
+    (the GEMV carries the adapter). Reduction splits and expand chunks are run-time values and
+    the constexprs depend on the shapes and the regime only, so a step of a new size never
+    compiles a kernel."""
 
     # NOTE: picked by the H200 runs of benchmarks.lora_kernels (results/h200_lora_kernels.json):
     # the one-launch decode kernel adds the least to a layer at one token where no GEMV carries
@@ -47,7 +46,6 @@ class LoRAKernelConfig:
     # at 256 tokens on 64 adapters, 832 against 1,528 at 8,192) and 1,024 programs (175, 837).
     decode_max_tokens: int = 1
     fuse_gemv: bool = True  # one token through a plain weight: the base GEMV carries the LoRA
-    fuse_w4a16: bool = True  # ... through a packed W4A16 / W8A16 weight: the fused MMA kernel does
     decode_pdl: bool = True  # launch it as a programmatic dependent of the base GEMM (sm90)
     decode_block_k: int = 256  # shrink: input features per load
     decode_k_per_split: int = 256  # shrink: input features per work item (a multiple of the above)

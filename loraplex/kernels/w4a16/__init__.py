@@ -24,24 +24,14 @@ from loraplex.kernels.w4a16.triton_dequant import w4a16_dequant_kernel
 from loraplex.kernels.w4a16.triton_mma import w4a16_mma_kernel
 from loraplex.kernels.w4a16.types import (
     FRAGMENT_LANES,
-    MMA_KINDS,
     TILE_K,
     W4A16Config,
-    W4A16Weight,
     pack_factor,
     padded_k,
     scale_dots,
 )
 
-__all__ = [
-    "W4A16Weight",
-    "kernel_name",
-    "mma_launch",
-    "mma_magic",
-    "w4a16_dequantize",
-    "w4a16_gemm",
-    "w4a16_gemm_triton",
-]
+__all__ = ["kernel_name", "w4a16_dequantize", "w4a16_gemm", "w4a16_gemm_triton"]
 
 _DEQUANT: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
@@ -82,7 +72,7 @@ def _check_inputs(
         raise ValueError("x and the weight tensors must be on one device")
 
 
-def mma_magic(dtype: torch.dtype, bits: int) -> tuple[int, float]:
+def _magic(dtype: torch.dtype, bits: int) -> tuple[int, float]:
     """16-bit pattern whose low mantissa bits take an integer value, and the value it adds."""
     if dtype == torch.float16:
         return 0x6400, 1024.0
@@ -184,7 +174,7 @@ def w4a16_gemm_triton(
     split = triton.cdiv(k_tiles, tiles_per_split)
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
     ws, locks = split_k_workspace(x.device, m * n if split > 1 else 1, tiles)
-    magic, offset = mma_magic(x.dtype, bits)
+    magic, offset = _magic(x.dtype, bits)
     halves = qweight.view(torch.int16)  # [N, 2 * K_pad / pack]
     w4a16_mma_kernel[(tiles, split)](
         x, halves, scales, zeros, bias if bias is not None else scales, out, ws, locks,
@@ -215,20 +205,6 @@ def w4a16_gemm(
     if not x.is_cuda:
         return w4a16_gemm_reference(x, qweight, scales, zeros, group_size, bits, perm, bias)
     return w4a16_gemm_triton(x, qweight, scales, zeros, group_size, bits, perm, bias)
-
-
-def mma_launch(
-    x: torch.Tensor, weight: W4A16Weight, bias: torch.Tensor | None
-) -> W4A16Config | None:
-    """The fused kernel's launch (split-K resolved) that `w4a16_gemm` runs for `x` through
-    `weight` on CUDA, for kernels that extend it (`kernels.lora`); None where it runs dequant +
-    cuBLAS instead. Raises `ValueError` for tensors that do not fit together."""
-    w = weight
-    _check_inputs(x, w.qweight, w.scales, w.zeros, w.group_size, w.bits, w.perm, bias)
-    (m, k), n = x.shape, w.qweight.shape[0]
-    config = select_config(m, n, k, w.bits)
-    config = resolve(config, m, n, k, w.group_size, w.bits, num_sms(x.device))
-    return config if config.kind in MMA_KINDS else None
 
 
 def kernel_name(m: int, n: int, k: int, group_size: int, bits: int) -> str:

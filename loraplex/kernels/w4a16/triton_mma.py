@@ -37,39 +37,8 @@ def w4a16_mma_kernel(
     LANES: tl.constexpr,
 ):  # fmt: skip
     """Program (tile, split) covers BLOCK_M tokens x BLOCK_N outputs over `tiles_per_split`
-    layout tiles (`mma_tile`). The BLOCK_M tiles sharing a weight tile are consecutive programs
-    (read once)."""
-    tile = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    offs_m = (tile % num_pid_m) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = (tile // num_pid_m) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    acc = mma_tile(
-        x_ptr, qw_ptr, scales_ptr, zeros_ptr, offs_m, offs_n, mask_m, mask_n, K,
-        tl.program_id(1) * tiles_per_split, tiles_per_split, stride_xm, stride_qn, stride_sg,
-        GROUP_SIZE, SCALE_DOTS, BITS, MAGIC, OFFSET, BLOCK_M, BLOCK_N, NUM_STAGES, DOT_PRECISION,
-        USE_ASM, SCALE_WEIGHTS, PREFETCH, TILE_K, LANES,
-    )  # fmt: skip
-    store_split_k_tile(
-        tl.trans(acc), offs_m, offs_n, mask_m, mask_n, tile, bias_ptr, out_ptr, ws_ptr,
-        lock_ptr, N, stride_om, HAS_BIAS, SPLIT_K,
-    )  # fmt: skip
-
-
-@triton.jit
-def mma_tile(
-    x_ptr, qw_ptr, scales_ptr, zeros_ptr, offs_m, offs_n, mask_m, mask_n, K, t_begin,
-    tiles_per_split, stride_xm, stride_qn, stride_sg,
-    GROUP_SIZE: tl.constexpr, SCALE_DOTS: tl.constexpr, BITS: tl.constexpr,
-    MAGIC: tl.constexpr, OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_ASM: tl.constexpr,
-    SCALE_WEIGHTS: tl.constexpr, PREFETCH: tl.constexpr, TILE_K: tl.constexpr,
-    LANES: tl.constexpr,
-):  # fmt: skip
-    """acc^T [BLOCK_N, BLOCK_M] fp32: tokens `offs_m` x weight rows `offs_n` over the layout
-    tiles [t_begin, t_begin + tiles_per_split). MAGIC (16-bit pattern) > 0: value v becomes
-    OFFSET + v by bits (else OFFSET is 0).
+    layout tiles. MAGIC (16-bit pattern) > 0: value v becomes OFFSET + v by bits (else OFFSET
+    is 0). The BLOCK_M tiles sharing a weight tile are consecutive programs (read once).
     SCALE_WEIGHTS: the scale multiplies the operand in x's dtype (one accumulator, no fp32
     partial per group: the large-tile form), else the fp32 partial of each run of dots.
     PREFETCH (one group per tile, SCALE_DOTS == pairs per word): the next tile's scales and zero
@@ -78,8 +47,15 @@ def mma_tile(
     HALF: tl.constexpr = 16 // BITS  # position pairs per word
     DEPTH: tl.constexpr = TILE_K // HALF  # features per pair = 16-bit halves per row and tile
     dtype = x_ptr.dtype.element_ty
+    tile = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    offs_m = (tile % num_pid_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = (tile // num_pid_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
     offs_d = tl.arange(0, DEPTH)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    t_begin = tl.program_id(1) * tiles_per_split
     t_end = tl.minimum(t_begin + tiles_per_split, tl.cdiv(K, TILE_K))
     AHEAD: tl.constexpr = PREFETCH and SCALE_DOTS == HALF
     if AHEAD:
@@ -129,4 +105,7 @@ def mma_tile(
                 if (p + 1) % SCALE_DOTS == 0:
                     acc += part * s.to(tl.float32)[:, None]
                     part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    return acc
+    store_split_k_tile(
+        tl.trans(acc), offs_m, offs_n, mask_m, mask_n, tile, bias_ptr, out_ptr, ws_ptr,
+        lock_ptr, N, stride_om, HAS_BIAS, SPLIT_K,
+    )  # fmt: skip

@@ -115,20 +115,3 @@ class W4A16Config:
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
         if self.split_k < 0 or self.num_warps < 1 or self.num_stages < 1:
             raise ValueError(f"bad split_k / num_warps / num_stages in {self}")
-
-
-@dataclass(frozen=True)
-class W4A16Weight:
-    """One layer's packed weight as the kernels take it (the layout above)."""
-
-    qweight: torch.Tensor  # [N, K_pad / pack] int32
-    scales: torch.Tensor  # [G, N]
-    zeros: torch.Tensor  # [G, N]
-    group_size: int
-    bits: int
-    perm: torch.Tensor | None = None  # [K] int32: act-order
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """(N, K): output and input features."""
-        return self.qweight.shape[0], self.scales.shape[0] * self.group_size
