@@ -115,8 +115,7 @@ def _cuda_path_on_cpu(llm: LLM, monkeypatch) -> set[str]:
         if x.shape[0] != 1:
             return None
         regimes.add("fused")
-        return gemv_lora(x, weight, bias, lora, meta, workspace, counter, GemvConfig(16, 32, 4, 1),
-                         config)  # fmt: skip
+        return gemv_lora(x, weight, bias, lora, meta, workspace, counter, GemvConfig(16, 32, 4, 1))
 
     for module in ("lora_layer", "vocab_lora"):
         monkeypatch.setattr(f"loraplex.adapters.{module}.add_lora", triton_path)

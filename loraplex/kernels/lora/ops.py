@@ -169,7 +169,7 @@ def fused_gemv_lora(
     check_lora_args(x, out, lora, meta, workspace)
     from loraplex.kernels.lora.triton_gemv_lora import gemv_lora
 
-    return gemv_lora(x, weight, bias, lora, meta, workspace, counter, gemv, config, out)
+    return gemv_lora(x, weight, bias, lora, meta, workspace, counter, gemv, out)
 
 
 def lora_triton(

@@ -115,25 +115,21 @@ def row_lora_operands(offsets_ptr, rank_ptr, scaling_ptr, b_ptr, rows, row_ok, s
 
 
 @triton.jit
-def row_lora_delta(t_ptr, count_ptr, safe_slice, r_mask, scaling, b, stride_tm,
-                   MAX_RANK: tl.constexpr, RANK_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   MAX_POLLS: tl.constexpr):  # fmt: skip
-    """The rows' delta `scaling * t @ B^T` (fp32 `[BLOCK_N]`, 0 where `r_mask` is off) once the
-    `NUM_SPLITS` shrink items of one token have counted on `count_ptr`: a bounded poll, then the
-    sum of their partial rows (`t_ptr + split * stride_tm`)."""
+def row_lora_delta(t_ptr, count_ptr, safe_slice, r_mask, scaling, b, MAX_RANK: tl.constexpr,
+                   RANK_PAD: tl.constexpr, ARRIVALS: tl.constexpr, MAX_POLLS: tl.constexpr):  # fmt: skip
+    """The rows' delta `scaling * t @ B^T` (fp32 `[BLOCK_N]`, 0 where `r_mask` is off) once
+    the `ARRIVALS` programs that write one token's `t` (`t_ptr`, `[num_slices * MAX_RANK]`) have
+    counted on `count_ptr`: a bounded poll, then the rows' slice of `t`."""
     done = tl.load(count_ptr, volatile=True)
     polls = 0
-    while (done < NUM_SPLITS) & (polls < MAX_POLLS):
+    while (done < ARRIVALS) & (polls < MAX_POLLS):
         done = tl.load(count_ptr, volatile=True)
         polls += 1
-    # NOTE: the count read gates the loads of t (they read L2, `.cg`); unrolled, so every
-    # partial's load is in flight at once
-    t_mask = r_mask & ((tl.zeros_like(safe_slice) + done)[:, None] >= NUM_SPLITS)
+    # NOTE: the count read gates the load of t (it reads L2, `.cg`)
+    t_mask = r_mask & ((tl.zeros_like(safe_slice) + done)[:, None] >= ARRIVALS)
     offs_r = tl.arange(0, RANK_PAD)
-    t_ptrs = t_ptr + (safe_slice * MAX_RANK)[:, None] + offs_r[None, :]
-    t = tl.zeros(r_mask.shape, dtype=tl.float32)
-    for split in tl.static_range(NUM_SPLITS):
-        t += tl.load(t_ptrs + split * stride_tm, mask=t_mask, other=0.0, cache_modifier=".cg")
+    t = tl.load(t_ptr + (safe_slice * MAX_RANK)[:, None] + offs_r[None, :], mask=t_mask,
+                other=0.0, cache_modifier=".cg")  # fmt: skip
     return tl.sum(t * b.to(tl.float32), 1) * scaling
 
 

@@ -5,22 +5,27 @@ At batch 1 a projection is a pure read of its weight (`triton_gemv`), and a LoRA
 one-launch decode kernel after it costs microseconds of launch and latency for a few hundred
 kilobytes. Here the GEMV's programs carry the adapter:
 
-- the first `num_splits` programs are shrink items: a chunk of the input features -> its partial
-  `t` of every slice into the workspace (`[num_splits, 1, width]` rows), then one count on the
-  layer's counter;
+- the first programs are the shrink: the slot's A rows (`num_slices * max_rank` of them, the
+  columns of `t`) are `BLOCK_N` more rows of the GEMV, streamed as the weight is, so `t` is
+  whole when they end (no partials to sum); each then counts once on the layer's counter;
 - every later program owns `BLOCK_N` output rows: it loads what its rows need of the adapter
   (slice, rank, scaling, B rows: a chain of dependent loads, issued before the weight stream so
   it runs behind it), streams their weight slab as the plain GEMV does, then waits until every
-  shrink item has counted (by then, almost always, long done), sums the partials of its rows'
-  slice and adds `scaling * t @ B^T` for those rows.
+  shrink program has counted (by then, almost always, long done), loads its rows' slice of `t`
+  and adds `scaling * t @ B^T` for those rows.
 
-Only the shrink items touch the counter with atomics: thousands of GEMV programs each taking an
-arrival ticket and counting its end on one address (as the decode kernel does for its few dozen
-programs) measured slower than the GEMV followed by the decode kernel. So the roles follow the
-program index (the GPU starts a grid's programs in index order, so the shrink items run first;
-the polls are bounded, so a broken order shows as a wrong result, not a hang), the waits are
-plain polling loads whose value gates the loads of `t`, and the caller zeroes the counter
-before each launch (`LoRABatchMeta.set`, once a step, one counter per layer).
+Only the shrink programs touch the counter with atomics: thousands of GEMV programs each taking
+an arrival ticket and counting its end on one address measured slower than the GEMV followed by
+the decode kernel. So the roles follow the program index (the GPU starts a grid's programs in
+index order, so the shrink runs in the first wave; the polls are bounded, so a broken order
+shows as a wrong result, not a hang), the wait is a plain polling load whose value gates the
+load of `t`, and the caller zeroes the counter before each launch (`LoRABatchMeta.set`, once a
+step, one counter per layer).
+
+NOTE: the shrink was split over the input features before (work items of 256 features, their
+partials summed by every output program): on the H200 the sum's loads and the items' extra
+programs cost 13.8 and 5 us of the 18 us that kernel added to a Llama-3.1-8B layer at batch 1
+(`benchmarks/results/h200_lora_fused_rows.json`).
 """
 
 from __future__ import annotations
@@ -37,42 +42,40 @@ from loraplex.kernels.lora.triton_common import (
     pad,
     row_lora_delta,
     row_lora_operands,
-    shrink_item,
-    split_k,
 )
-from loraplex.kernels.lora.types import LoRAKernelConfig, LoRAKernelMeta, LoRAStack
+from loraplex.kernels.lora.types import LoRAKernelMeta, LoRAStack
 from loraplex.kernels.triton_gemv import gemv_rows
 
 # NOTE: bounds the polls of the shrink counter, so that a broken counter shows as a wrong
-# result instead of a hang (the shrink items end within microseconds).
+# result instead of a hang (the shrink programs end with the first wave).
 _MAX_POLLS = 1 << 16
 
 
 @triton.jit
 def _gemv_lora_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, a_ptr, b_ptr, t_ptr, count_ptr, slots_ptr, rank_ptr,
-    scaling_ptr, offsets_ptr, g_ptr,
-    N, K, k_per_split,
-    stride_wn, stride_as, stride_ar, stride_bs, stride_br, stride_tm, stride_rs, stride_gs,
-    MAX_RANK: tl.constexpr, RANK_PAD: tl.constexpr, WIDTH_PAD: tl.constexpr,
-    NUM_SLICES: tl.constexpr, NUM_SPLITS: tl.constexpr, SHRINK_BLOCK_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    DORA: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    MAX_POLLS: tl.constexpr,
+    scaling_ptr, offsets_ptr, g_ptr, N, K,
+    stride_wn, stride_as, stride_ar, stride_bs, stride_br, stride_rs, stride_gs,
+    MAX_RANK: tl.constexpr, RANK_PAD: tl.constexpr, NUM_SLICES: tl.constexpr,
+    SHRINK_PROGRAMS: tl.constexpr, HAS_BIAS: tl.constexpr, DORA: tl.constexpr,
+    EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MAX_POLLS: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     slot = tl.load(slots_ptr)
-    if pid < NUM_SPLITS:
+    if pid < SHRINK_PROGRAMS:
         if slot >= 0:
-            k_lo = pid * k_per_split
-            shrink_item(x_ptr, a_ptr, rank_ptr, t_ptr + pid.to(tl.int64) * stride_tm, slot, k_lo,
-                        tl.minimum(k_lo + k_per_split, K), stride_as, stride_ar, stride_rs,
-                        MAX_RANK, NUM_SLICES, WIDTH_PAD, SHRINK_BLOCK_K)  # fmt: skip
+            cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # t column: slice * MAX_RANK + r
+            col_ok = cols < NUM_SLICES * MAX_RANK
+            a_slot = a_ptr + slot.to(tl.int64) * stride_as
+            t = gemv_rows(x_ptr, a_slot, cols, col_ok, K, stride_ar, EVEN_K, BLOCK_N, BLOCK_K)
+            rank = tl.load(rank_ptr + (cols // MAX_RANK) * stride_rs + slot, mask=col_ok,
+                           other=0)  # fmt: skip
+            tl.store(t_ptr + cols, tl.where(cols % MAX_RANK < rank, t, 0.0), mask=col_ok)
         # NOTE: every thread's stores before one release: the barrier, then the counter
         tl.debug_barrier()
         tl.atomic_add(count_ptr, 1, sem="release")
     else:
-        rows = (pid - NUM_SPLITS) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = (pid - SHRINK_PROGRAMS) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         # NOTE: before the weight stream, so their dependent loads hide behind it
         safe_slice, in_lora, r_mask, scaling, b = row_lora_operands(
@@ -88,8 +91,8 @@ def _gemv_lora_kernel(
         if HAS_BIAS:
             y += bias
         if slot >= 0:
-            delta = row_lora_delta(t_ptr, count_ptr, safe_slice, r_mask, scaling, b, stride_tm,
-                                   MAX_RANK, RANK_PAD, NUM_SPLITS, MAX_POLLS)  # fmt: skip
+            delta = row_lora_delta(t_ptr, count_ptr, safe_slice, r_mask, scaling, b, MAX_RANK,
+                                   RANK_PAD, SHRINK_PROGRAMS, MAX_POLLS)  # fmt: skip
             if DORA:
                 y = dora_combine(y, delta, g, bias)
             else:
@@ -103,10 +106,9 @@ def gemv_lora(
     bias: torch.Tensor | None,  # [N] or None; also DoRA's base bias
     lora: LoRAStack,
     meta: LoRAKernelMeta,
-    workspace: torch.Tensor,  # [rows, >= num_slices * max_rank] fp32
-    counter: torch.Tensor,  # [1] int32, zero before the launch; the shrink items count on it
+    workspace: torch.Tensor,  # [rows, >= num_slices * max_rank] fp32; row 0 takes t
+    counter: torch.Tensor,  # [1] int32, zero before the launch; the shrink programs count on it
     gemv: GemvConfig,
-    config: LoRAKernelConfig,
     out: torch.Tensor | None = None,  # [1, N] in x's dtype, else allocated
 ) -> torch.Tensor:  # out
     """The token's base product and its adapter's delta in one launch (DoRA needs `bias` to be
@@ -116,23 +118,20 @@ def gemv_lora(
         raise ValueError("lora: the fused GEMV's counter must be int32 [1]")
     if lora.dora_scale is not None and lora.base_bias is not bias:
         raise ValueError("lora: a DoRA stack's base bias must be the GEMV's bias")
-    splits = min(triton.cdiv(k, config.decode_k_per_split), config.max_splits, workspace.shape[0])
-    splits, k_per_split = split_k(k, splits, config.decode_block_k)
     if out is None:
         out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    width_pad = pad(lora.num_slices * lora.max_rank)
     a, b_t, t = lora.a, lora.b_t, workspace
     (g, _), flags = dora_args(lora)
-    _gemv_lora_kernel[(splits + triton.cdiv(n, gemv.block_n),)](
+    shrink_programs = triton.cdiv(lora.num_slices * lora.max_rank, gemv.block_n)
+    _gemv_lora_kernel[(shrink_programs + triton.cdiv(n, gemv.block_n),)](
         x, weight, bias if bias is not None else out, out, a, b_t, t, counter,
         meta.lora_slots, lora.ranks, lora.scaling, offsets_tensor(lora.slice_offsets, x.device),
-        g, n, k, k_per_split,
-        weight.stride(0), a.stride(0), a.stride(1), b_t.stride(0), b_t.stride(1), t.stride(0),
+        g, n, k,
+        weight.stride(0), a.stride(0), a.stride(1), b_t.stride(0), b_t.stride(1),
         lora.ranks.stride(0), g.stride(0),
-        MAX_RANK=lora.max_rank, RANK_PAD=pad(lora.max_rank), WIDTH_PAD=width_pad,
-        NUM_SLICES=lora.num_slices, NUM_SPLITS=splits, SHRINK_BLOCK_K=config.decode_block_k,
-        HAS_BIAS=bias is not None, DORA=flags["DORA"], EVEN_K=k % gemv.block_k == 0,
-        BLOCK_N=gemv.block_n, BLOCK_K=gemv.block_k, MAX_POLLS=_MAX_POLLS,
-        num_warps=gemv.num_warps, num_stages=gemv.num_stages,
+        MAX_RANK=lora.max_rank, RANK_PAD=pad(lora.max_rank), NUM_SLICES=lora.num_slices,
+        SHRINK_PROGRAMS=shrink_programs, HAS_BIAS=bias is not None, DORA=flags["DORA"],
+        EVEN_K=k % gemv.block_k == 0, BLOCK_N=gemv.block_n, BLOCK_K=gemv.block_k,
+        MAX_POLLS=_MAX_POLLS, num_warps=gemv.num_warps, num_stages=gemv.num_stages,
     )  # fmt: skip
     return out
