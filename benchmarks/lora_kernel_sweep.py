@@ -2,8 +2,6 @@
 (H200, Llama-3.1-8B shapes, rank 16 on all seven projections, 64 slots): per-layer LoRA time in
 a CUDA graph for each `LoRAKernelConfig` variant, each checked against the torch reference.
 
-- 1 token: the fused GEMV (`fused_gemv_lora`) at several shrink split widths
-  (`decode_k_per_split`), as time added to the plain GEMV's layer;
 - 256 tokens on 64 and 8 adapters, the grouped pair: expand tile width (`group_block_n`) by
   expand programs (`expand_programs`), more tiles per program, the shrink's program target, its
   reduction block, 32-token blocks;
@@ -11,9 +9,9 @@ a CUDA graph for each `LoRAKernelConfig` variant, each checked against the torch
 
     python -m benchmarks.lora_kernel_sweep          # writes results/h200_lora_kernel_sweep.json
 
-Metrics: `<case>_<variant>_us` (LoRA per layer) and `..._max_rel_error`; for one token
-`t1_fused_kps<k>_added_us`. The baseline is each case's default regime (`group`, `token`) and,
-for one token, the plain GEMV's layer.
+Metrics: `<case>_<variant>_us` (LoRA per layer) and `..._max_rel_error`. The baseline is each
+case's default regime (`group`, `token`). (Runs before 74eca34 also swept the fused batch-1
+GEMV's shrink split width; its shrink has no split since.)
 """
 
 from __future__ import annotations
@@ -57,47 +55,6 @@ def variants() -> tuple[dict, dict]:
     return group, token
 
 
-def fused_split_widths(bench: lk.Bench, metrics: dict, baseline: dict) -> None:
-    """One token: the fused GEMV at each shrink split width against the plain GEMV."""
-    from loraplex.kernels.gemv import linear
-    from loraplex.kernels.lora import fused_gemv_lora
-
-    bench.set_case(1, 1)
-    meta, layers = bench.meta, bench.setup.num_layers
-    counts = torch.zeros(layers, len(bench.weights), 1, dtype=torch.int32, device=bench.device)
-
-    def step(config) -> None:
-        counts.zero_()
-        for i, per_layer in enumerate(bench.layers):
-            for p, (layer, w, x) in enumerate(zip(per_layer, bench.weights, bench.xs)):
-                if config is None:
-                    linear(x, w, None)
-                else:
-                    fused_gemv_lora(x, w, None, layer, meta.kernel_meta, meta.workspace,
-                                    counts[i, p], config)  # fmt: skip
-
-    gemv_us = bench.timer.us(lambda: step(None), True, bench.setup.graph_iters) / layers
-    baseline["t1_gemv_layer_us"] = gemv_us
-    apply = bench.lora(lk.DEFAULT_KERNEL_CONFIG)
-    for kps in SPLIT_WIDTHS:
-        config = dataclasses.replace(lk.DEFAULT_KERNEL_CONFIG, decode_k_per_split=kps,
-                                     decode_block_k=min(256, kps))  # fmt: skip
-        err = 0.0
-        for layer, w, x in zip(bench.layers[0], bench.weights, bench.xs):
-            expected = linear(x, w, None)
-            apply(layer, x, expected)
-            counter = torch.zeros(1, dtype=torch.int32, device=bench.device)
-            fused = fused_gemv_lora(x, w, None, layer, meta.kernel_meta, meta.workspace,
-                                    counter, config)  # fmt: skip
-            rel = (fused.float() - expected.float()).abs().max() / expected.float().abs().max()
-            err = max(err, rel.item())
-        us = bench.timer.us(lambda c=config: step(c), True, bench.setup.graph_iters) / layers
-        metrics[f"t1_fused_kps{kps}_added_us"] = us - gemv_us
-        metrics[f"t1_fused_kps{kps}_max_rel_error"] = err
-        print(f"t1 fused, decode_k_per_split {kps}: +{us - gemv_us:.2f} us a layer, "
-              f"error {err:.4f}", flush=True)  # fmt: skip
-
-
 def sweep(bench: lk.Bench, cases, named: dict, default: str, metrics: dict, baseline: dict):
     lk.VARIANTS.update(named)
     for num_tokens, num_adapters in cases:
@@ -124,7 +81,6 @@ def main() -> int:
     bench = lk.Bench(lk.H200, torch.device("cuda"), torch.bfloat16)
     metrics: dict[str, float] = {}
     baseline: dict[str, float] = {}
-    fused_split_widths(bench, metrics, baseline)
     group, token = variants()
     sweep(bench, GROUP_CASES, group, "group", metrics, baseline)
     sweep(bench, TOKEN_CASES, token, "token", metrics, baseline)
