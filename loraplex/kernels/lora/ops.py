@@ -153,8 +153,10 @@ def fused_gemv_lora(
     if not (config.fuse_gemv and x.is_cuda and x.dim() == 2 and x.shape[0] == 1):
         return None
     from loraplex.kernels.gemv import GEMV_CONFIGS
+    from loraplex.kernels.lora.triton_gemv_lora import FUSED_GEMV_CONFIGS, gemv_lora
 
-    gemv = GEMV_CONFIGS.get((weight.shape[0], weight.shape[1]))
+    shape = (weight.shape[0], weight.shape[1])
+    gemv = FUSED_GEMV_CONFIGS.get(shape, GEMV_CONFIGS.get(shape))
     if (
         gemv is None
         or counter is None
@@ -167,8 +169,6 @@ def fused_gemv_lora(
         return None
     out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
     check_lora_args(x, out, lora, meta, workspace)
-    from loraplex.kernels.lora.triton_gemv_lora import gemv_lora
-
     return gemv_lora(x, weight, bias, lora, meta, workspace, counter, gemv, out)
 
 
