@@ -88,50 +88,49 @@ def shrink_item(x_row, a_ptr, rank_ptr, t_row, slot, k_lo, k_hi, stride_as, stri
 
 
 @triton.jit
-def slice_bounds(offsets_ptr, NUM_SLICES: tl.constexpr, SLICES_PAD: tl.constexpr):
-    """The first column of slice 0 and every slice's end column (`[SLICES_PAD]`, int32 max past
-    the last): a fused kernel loads them before its base product and uses them after it."""
-    s = tl.arange(0, SLICES_PAD)
-    lo = tl.load(offsets_ptr)
-    his = tl.load(offsets_ptr + 1 + s, mask=s < NUM_SLICES, other=2147483647)
-    return lo, his
+def row_lora_operands(offsets_ptr, rank_ptr, scaling_ptr, b_ptr, rows, row_ok, slot,
+                      stride_rs, stride_bs, stride_br, NUM_SLICES: tl.constexpr,
+                      RANK_PAD: tl.constexpr):  # fmt: skip
+    """What a fused kernel's output rows need of one token's adapter (`slot`, -1: none): each
+    row's slice (0 outside every slice), which rows take a delta, the rank mask
+    `[BLOCK_N, RANK_PAD]`, the slice's scaling and the rows of B^T. None of it waits for the
+    shrink, so a kernel loads it before its base product: the chain of dependent loads (offsets,
+    then rank, then B) runs behind the weight stream instead of after it."""
+    slice_idx = tl.full(rows.shape, -1, dtype=tl.int32)
+    for s in tl.static_range(NUM_SLICES):
+        lo = tl.load(offsets_ptr + s)
+        hi = tl.load(offsets_ptr + s + 1)
+        slice_idx = tl.where((rows >= lo) & (rows < hi), s, slice_idx)
+    # NOTE: the slot test as a tensor, like the others (a scalar mask breaks the interpreter)
+    in_lora = row_ok & (slice_idx >= 0) & (tl.zeros_like(slice_idx) + slot >= 0)
+    safe_slice = tl.maximum(slice_idx, 0)
+    safe_slot = tl.maximum(slot, 0).to(tl.int64)
+    rank = tl.load(rank_ptr + safe_slice * stride_rs + safe_slot, mask=in_lora, other=0)
+    scaling = tl.load(scaling_ptr + safe_slice * stride_rs + safe_slot, mask=in_lora, other=0.0)
+    offs_r = tl.arange(0, RANK_PAD)
+    r_mask = offs_r[None, :] < rank[:, None]  # [BLOCK_N, RANK_PAD]
+    b = tl.load(b_ptr + safe_slot * stride_bs + offs_r[None, :] * stride_br + rows[:, None],
+                mask=r_mask, other=0.0)  # fmt: skip
+    return safe_slice, in_lora, r_mask, scaling, b
 
 
 @triton.jit
-def row_lora_delta(t_ptr, count_ptr, rank_ptr, scaling_ptr, b_ptr, lo, his, rows, row_ok, slot,
-                   stride_rs, stride_bs, stride_br, MAX_RANK: tl.constexpr,
-                   RANK_PAD: tl.constexpr, NUM_SLICES: tl.constexpr, ARRIVALS: tl.constexpr,
-                   MAX_POLLS: tl.constexpr):  # fmt: skip
-    """One token's delta `scaling * t @ B^T` on a fused kernel's output `rows` (fp32
-    `[BLOCK_N]`, 0 outside every slice) and which rows take one, once the `ARRIVALS` programs
-    that write its `t` (`t_ptr`, `[num_slices * MAX_RANK]`) have counted on `count_ptr`.
-
-    Run after the base product: its loads are two round trips, the slice's rank and scaling, the
-    rows of B and the counter at once (none waits for another; B's rows past the rank are zeroed
-    after the load), then `t`. Loads that wait for other loads before the weight stream stall
-    every program there (measured: `h200_lora_fused_rows.json`)."""
-    slice_idx = tl.sum((rows[:, None] >= his[None, :]).to(tl.int32), 1)
-    # NOTE: the slot test as a tensor, like the others (a scalar mask breaks the interpreter)
-    in_lora = row_ok & (rows >= lo) & (slice_idx < NUM_SLICES) & (tl.zeros_like(rows) + slot >= 0)
-    safe_slice = tl.minimum(slice_idx, NUM_SLICES - 1)
-    safe_slot = tl.maximum(slot, 0).to(tl.int64)
-    offs_r = tl.arange(0, RANK_PAD)
-    rank = tl.load(rank_ptr + safe_slice * stride_rs + safe_slot, mask=in_lora, other=0)
-    scaling = tl.load(scaling_ptr + safe_slice * stride_rs + safe_slot, mask=in_lora, other=0.0)
-    b = tl.load(b_ptr + safe_slot * stride_bs + offs_r[None, :] * stride_br + rows[:, None],
-                mask=in_lora[:, None] & (offs_r < MAX_RANK)[None, :], other=0.0)  # fmt: skip
+def row_lora_delta(t_ptr, count_ptr, safe_slice, r_mask, scaling, b, MAX_RANK: tl.constexpr,
+                   RANK_PAD: tl.constexpr, ARRIVALS: tl.constexpr, MAX_POLLS: tl.constexpr):  # fmt: skip
+    """The rows' delta `scaling * t @ B^T` (fp32 `[BLOCK_N]`, 0 where `r_mask` is off) once
+    the `ARRIVALS` programs that write one token's `t` (`t_ptr`, `[num_slices * MAX_RANK]`) have
+    counted on `count_ptr`: a bounded poll, then the rows' slice of `t`."""
     done = tl.load(count_ptr, volatile=True)
     polls = 0
     while (done < ARRIVALS) & (polls < MAX_POLLS):
         done = tl.load(count_ptr, volatile=True)
         polls += 1
-    r_mask = offs_r[None, :] < rank[:, None]
     # NOTE: the count read gates the load of t (it reads L2, `.cg`)
-    t_mask = r_mask & ((tl.zeros_like(rows) + done)[:, None] >= ARRIVALS)
+    t_mask = r_mask & ((tl.zeros_like(safe_slice) + done)[:, None] >= ARRIVALS)
+    offs_r = tl.arange(0, RANK_PAD)
     t = tl.load(t_ptr + (safe_slice * MAX_RANK)[:, None] + offs_r[None, :], mask=t_mask,
                 other=0.0, cache_modifier=".cg")  # fmt: skip
-    b = tl.where(r_mask, b.to(tl.float32), 0.0)
-    return tl.sum(t * b, 1) * scaling, in_lora
+    return tl.sum(t * b.to(tl.float32), 1) * scaling
 
 
 @triton.jit

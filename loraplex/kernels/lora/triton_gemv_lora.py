@@ -8,12 +8,11 @@ kilobytes. Here the GEMV's programs carry the adapter:
 - the first programs are the shrink: the slot's A rows (`num_slices * max_rank` of them, the
   columns of `t`) are `BLOCK_N` more rows of the GEMV, streamed as the weight is, so `t` is
   whole when they end (no partials to sum); each then counts once on the layer's counter;
-- every later program owns `BLOCK_N` output rows: it streams their weight slab as the plain
-  GEMV does, then loads what its rows need of the adapter (slice, rank, scaling, B rows) with
-  the shrink counter in one round trip, waits until every shrink program has counted (by then,
-  almost always, long done), loads its rows' slice of `t` and adds `scaling * t @ B^T`. Nothing
-  that waits for a loaded value (the slot) runs before the stream: such a chain stalled every
-  program before its stream.
+- every later program owns `BLOCK_N` output rows: it loads what its rows need of the adapter
+  (slice, rank, scaling, B rows: a chain of dependent loads, issued before the weight stream so
+  it runs behind it), streams their weight slab as the plain GEMV does, then waits until every
+  shrink program has counted (by then, almost always, long done), loads its rows' slice of `t`
+  and adds `scaling * t @ B^T` for those rows.
 
 Only the shrink programs touch the counter with atomics: thousands of GEMV programs each taking
 an arrival ticket and counting its end on one address measured slower than the GEMV followed by
@@ -23,10 +22,13 @@ shows as a wrong result, not a hang), the wait is a plain polling load whose val
 load of `t`, and the caller zeroes the counter before each launch (`LoRABatchMeta.set`, once a
 step, one counter per layer).
 
-NOTE: the shrink was split over the input features before (work items of 256 features, their
-partials summed by every output program): on the H200 the sum's loads and the items' extra
-programs cost 13.8 and 5 us of the 18 us that kernel added to a Llama-3.1-8B layer at batch 1
-(`benchmarks/results/h200_lora_fused_rows.json`).
+NOTE: measured on the H200 at batch 1 (`python -m benchmarks.lora_kernels`, time added to a
+Llama-3.1-8B layer by the four fused projections): 18.1 us when the shrink was split over the
+input features (work items of 256 features whose partials every output program summed;
+`h200_lora_fused_w4a16.json`), 15.8 us with the shrink as rows of the GEMV
+(`h200_lora_fused_shrink_rows.json`), 12.2 us with down_proj's 32-row tiles
+(`h200_lora_fused_rows.json`). Loading the adapter's operands after the weight stream instead
+of before, all in one round trip with the counter, was 2.1-2.5 us slower a layer.
 """
 
 from __future__ import annotations
@@ -42,14 +44,14 @@ from loraplex.kernels.lora.triton_common import (
     offsets_tensor,
     pad,
     row_lora_delta,
-    slice_bounds,
+    row_lora_operands,
 )
 from loraplex.kernels.lora.types import LoRAKernelMeta, LoRAStack
 from loraplex.kernels.triton_gemv import gemv_rows
 
 #: (out_features, in_features) -> the fused kernel's GEMV tiles where they differ from the plain
 #: GEMV's (`kernels.gemv.GEMV_CONFIGS`). NOTE: measured on the H200 (h200_lora_fused_rows.json):
-#: down_proj of Llama-3.1-8B with 32 rows a program added 3.4 us less to the layer than with 16.
+#: Llama-3.1-8B's down_proj with 32 rows a program instead of 16 added 3.3 us less to a layer.
 FUSED_GEMV_CONFIGS: dict[tuple[int, int], GemvConfig] = {
     (4096, 14336): GemvConfig(32, 1024, 8, 2),
 }
@@ -65,7 +67,7 @@ def _gemv_lora_kernel(
     scaling_ptr, offsets_ptr, g_ptr, N, K,
     stride_wn, stride_as, stride_ar, stride_bs, stride_br, stride_rs, stride_gs,
     MAX_RANK: tl.constexpr, RANK_PAD: tl.constexpr, NUM_SLICES: tl.constexpr,
-    SLICES_PAD: tl.constexpr, SHRINK_PROGRAMS: tl.constexpr, HAS_BIAS: tl.constexpr, DORA: tl.constexpr,
+    SHRINK_PROGRAMS: tl.constexpr, HAS_BIAS: tl.constexpr, DORA: tl.constexpr,
     EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MAX_POLLS: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -85,22 +87,23 @@ def _gemv_lora_kernel(
     else:
         rows = (pid - SHRINK_PROGRAMS) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
-        # NOTE: loads whose values wait for nothing go before the weight stream; what depends on
-        # the slot (a loaded value) goes after it, so no program stalls before its stream
-        lo, his = slice_bounds(offsets_ptr, NUM_SLICES, SLICES_PAD)
+        # NOTE: before the weight stream, so their dependent loads hide behind it
+        safe_slice, in_lora, r_mask, scaling, b = row_lora_operands(
+            offsets_ptr, rank_ptr, scaling_ptr, b_ptr, rows, row_ok, slot, stride_rs, stride_bs,
+            stride_br, NUM_SLICES, RANK_PAD)  # fmt: skip
         bias = 0.0
         if HAS_BIAS:
             bias = tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        if DORA:
+            g = tl.load(g_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_gs + rows,
+                        mask=in_lora, other=1.0)  # fmt: skip
         y = gemv_rows(x_ptr, w_ptr, rows, row_ok, K, stride_wn, EVEN_K, BLOCK_N, BLOCK_K)
         if HAS_BIAS:
             y += bias
         if slot >= 0:
-            delta, in_lora = row_lora_delta(
-                t_ptr, count_ptr, rank_ptr, scaling_ptr, b_ptr, lo, his, rows, row_ok, slot,
-                stride_rs, stride_bs, stride_br, MAX_RANK, RANK_PAD, NUM_SLICES, SHRINK_PROGRAMS,
-                MAX_POLLS)  # fmt: skip
+            delta = row_lora_delta(t_ptr, count_ptr, safe_slice, r_mask, scaling, b, MAX_RANK,
+                                   RANK_PAD, SHRINK_PROGRAMS, MAX_POLLS)  # fmt: skip
             if DORA:
-                g = tl.load(g_ptr + slot.to(tl.int64) * stride_gs + rows, mask=in_lora, other=1.0)
                 y = dora_combine(y, delta, g, bias)
             else:
                 y += delta
@@ -137,7 +140,6 @@ def gemv_lora(
         weight.stride(0), a.stride(0), a.stride(1), b_t.stride(0), b_t.stride(1),
         lora.ranks.stride(0), g.stride(0),
         MAX_RANK=lora.max_rank, RANK_PAD=pad(lora.max_rank), NUM_SLICES=lora.num_slices,
-        SLICES_PAD=max(2, triton.next_power_of_2(lora.num_slices)),
         SHRINK_PROGRAMS=shrink_programs, HAS_BIAS=bias is not None, DORA=flags["DORA"],
         EVEN_K=k % gemv.block_k == 0, BLOCK_N=gemv.block_n, BLOCK_K=gemv.block_k,
         MAX_POLLS=_MAX_POLLS, num_warps=gemv.num_warps, num_stages=gemv.num_stages,
