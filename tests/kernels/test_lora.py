@@ -338,10 +338,11 @@ def test_dora_rescales_base_and_delta_per_slot(
         torch.testing.assert_close(out_tri, out_ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("block_n", [16, 32])
 @pytest.mark.parametrize("dora", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize(("slot", "k"), [(0, 70), (1, 64), (-1, 70)])
-def test_gemv_with_lora_in_one_launch_equals_gemv_then_lora(slot, k, bias, dora):
+def test_gemv_with_lora_in_one_launch_equals_gemv_then_lora(slot, k, bias, dora, block_n):
     """One token: the fused GEMV's output equals the base product (+ bias) followed by the
     reference delta (DoRA: the rescaled column), for an adapter slot, one of rank 0 on a slice,
     and the base model; columns past the slices get the base product only."""
@@ -365,12 +366,12 @@ def test_gemv_with_lora_in_one_launch_equals_gemv_then_lora(slot, k, bias, dora)
     add_lora(x, expected, lora, meta, torch.zeros(1, 60))
     counter = torch.zeros(1, dtype=torch.int32)
     out = gemv_lora(x, weight, base_bias, lora, meta, torch.full((8, 60), float("nan")), counter,
-                    GemvConfig(16, 32, 4, 1))  # fmt: skip
+                    GemvConfig(block_n, 32, 4, 1))  # fmt: skip
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
     base = x @ weight.T + (base_bias if base_bias is not None else 0.0)
     torch.testing.assert_close(out[:, 55:], base[:, 55:], rtol=1e-4, atol=1e-4)
     assert torch.allclose(out, base, atol=1e-4) == (slot < 0)  # the adapter acted, or none
-    assert counter.item() == 4  # every shrink program (16 of t's 60 columns each) counted
+    assert counter.item() == -(-60 // block_n)  # every shrink program (block_n of t's 60 columns)
 
 
 def test_fused_gemv_lora_serves_one_token_on_cuda_only():
