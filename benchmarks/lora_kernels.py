@@ -23,6 +23,8 @@ is rewritten after every case, so a run cut short keeps what it measured (`--bud
 starting new cases past that many seconds).
 
     python -m benchmarks.lora_kernels [--out h200_lora_kernels.json] [--budget-s 270]
+    python -m benchmarks.lora_kernels --variants default,sorted_w4 --cases 64x8,256x64 \
+        --profile-variants sorted_w4 --profile-cases 256x64
     python -m benchmarks.lora_kernels --smoke   # CPU, Triton interpreter, tiny shapes
 
 (from the repository root, so that `loraplex` imports from the working tree). `--smoke` walks
@@ -75,8 +77,18 @@ VARIANTS = {
     "group_x0": dataclasses.replace(_GROUP, expand_programs=0),
     "group_x256": dataclasses.replace(_GROUP, expand_programs=256),
     "group_x4096": dataclasses.replace(_GROUP, expand_programs=4096),
+    "sorted": dataclasses.replace(_GROUP, group_sorted=True),
+    "sorted_w2": dataclasses.replace(_GROUP, group_sorted=True, sorted_ways=2),
+    "sorted_w4": dataclasses.replace(_GROUP, group_sorted=True, sorted_ways=4),
+    "sorted_w16": dataclasses.replace(_GROUP, group_sorted=True, sorted_ways=16),
+    "sorted_w4_x1024": dataclasses.replace(
+        _GROUP, group_sorted=True, sorted_ways=4, expand_programs=1024
+    ),
+    "sorted_w16_x1024": dataclasses.replace(
+        _GROUP, group_sorted=True, sorted_ways=16, expand_programs=1024
+    ),
 }
-PREFILL_VARIANTS = ["default", "group_x0", "group_x256", "group_x4096"]
+PREFILL_VARIANTS = ["default", "group_x0", "group_x256", "group_x4096", "sorted", "sorted_w4"]
 SIDE_STREAM = "side_stream"  # the default pair, its shrink on a second stream beside the GEMM
 TOLERANCE = 3e-2  # max |error| / max |reference| in bf16
 
@@ -457,15 +469,17 @@ def measure_fused_gemv(bench: Bench, iters: int) -> dict[str, float]:
     return row
 
 
-def profile(bench: Bench) -> dict[str, float]:
-    """Device time per layer of each kernel of the default, by case and projection (eager,
-    under the torch profiler: kernel durations without launch gaps)."""
+def profile(bench: Bench, variant: str = "default") -> dict[str, float]:
+    """Device time per layer of each kernel of a variant (the default unless named in the keys),
+    by case and projection (eager, under the torch profiler: kernel durations without launch
+    gaps)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     out: dict[str, float] = {}
-    apply = bench.lora(DEFAULT_KERNEL_CONFIG)
-    for num_tokens, num_adapters in bench.setup.profile_cases:
+    apply = bench.lora(VARIANTS[variant])
+    prefix = "profile" if variant == "default" else f"profile_{variant}"
+    for num_tokens, num_adapters in bench.profile_cases:
         bench.set_case(num_tokens, num_adapters)
         for p, name in enumerate(bench.setup.projections):
             x, y = bench.xs[p], bench.outs[p]
@@ -479,7 +493,7 @@ def profile(bench: Bench) -> dict[str, float]:
             for event in prof.key_averages():
                 us = event.self_device_time_total / bench.setup.num_layers
                 if us > 0:
-                    key = f"profile_t{num_tokens}_a{num_adapters}_{name}_{event.key[:40]}_us"
+                    key = f"{prefix}_t{num_tokens}_a{num_adapters}_{name}_{event.key[:40]}_us"
                     out[key] = round(us, 2)
     return out
 
@@ -493,6 +507,13 @@ def main() -> int:
     parser.add_argument("--variants", default="",
                         help="comma-separated variants to run (default: all), e.g. "
                              "default,side_stream")  # fmt: skip
+    parser.add_argument("--cases", default="",
+                        help="comma-separated TOKENSxADAPTERS cases to run (default: all), "
+                             "e.g. 64x8,256x64")  # fmt: skip
+    parser.add_argument("--profile-variants", default="default",
+                        help="comma-separated variants whose kernels the profile times")  # fmt: skip
+    parser.add_argument("--profile-cases", default="",
+                        help="TOKENSxADAPTERS cases to profile (default: the setup's)")  # fmt: skip
     parser.add_argument("--smoke", action="store_true",
                         help="CPU, Triton interpreter, tiny shapes; writes nothing")  # fmt: skip
     args = parser.parse_args()
@@ -513,6 +534,9 @@ def main() -> int:
     bench.only = [v for v in args.variants.split(",") if v]
     metrics: dict[str, float | str] = {"copy_gbs": round(bandwidth, 1)}
     cases = [(c, False) for c in setup.decode_cases] + [(c, True) for c in setup.prefill_cases]
+    if args.cases:
+        wanted = {tuple(int(n) for n in c.split("x")) for c in args.cases.split(",")}
+        cases = [(c, prefill) for c, prefill in cases if c in wanted]
     for (num_tokens, num_adapters), prefill in cases:
         if time.monotonic() - start > args.budget_s:
             metrics.setdefault("skipped_cases", "")
@@ -526,8 +550,13 @@ def main() -> int:
               flush=True)  # fmt: skip
         if not args.smoke:
             _write(args.out, metrics, setup)
+    bench.profile_cases = setup.profile_cases
+    if args.profile_cases:
+        bench.profile_cases = tuple(tuple(int(n) for n in c.split("x"))
+                                    for c in args.profile_cases.split(","))  # fmt: skip
     if not args.smoke and time.monotonic() - start < args.budget_s + 20:
-        metrics.update(profile(bench))
+        for variant in args.profile_variants.split(","):
+            metrics.update(profile(bench, variant))
         _write(args.out, metrics, setup)
     print(json.dumps({k: v for k, v in metrics.items() if "best" in k or "floor" in k}, indent=1))
     return 0

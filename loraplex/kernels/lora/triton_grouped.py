@@ -179,3 +179,159 @@ def expand_grouped(
         SLOTS=slots_pad, MAX_SPLITS=config.max_splits, BLOCK_M=bm, BLOCK_N=bn,
         PRECISION=precision(b_t.dtype), num_warps=warps(bm * bn), **flags,
     )  # fmt: skip
+
+
+# -- sorted row blocks ---------------------------------------------------------------------
+
+
+@triton.jit
+def _sorted_block(order_ptr, slots_ptr, num_tokens, BLOCK_M: tl.constexpr):
+    """The rows (token indices) of the `BLOCK_M` tokens at the program's positions in slot
+    order, their slots (-1: base or none), and each row's segment (the index of its slot among
+    the block's distinct slots; rows of one slot are adjacent) with the segment count."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_in = offs_m < num_tokens
+    rows = tl.load(order_ptr + offs_m, mask=m_in, other=0).to(tl.int64)
+    slots = tl.load(slots_ptr + rows, mask=m_in, other=-1)
+    first = offs_m == tl.program_id(0) * BLOCK_M
+    prev_rows = tl.load(order_ptr + offs_m - 1, mask=m_in & ~first, other=0).to(tl.int64)
+    prev = tl.load(slots_ptr + prev_rows, mask=m_in & ~first, other=-2)
+    starts = (slots >= 0) & (slots != prev)
+    seg = tl.cumsum(starts.to(tl.int32), 0) - 1
+    return rows, slots, seg, tl.sum(starts.to(tl.int32), 0)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _shrink_sorted_kernel(
+    x_ptr, a_ptr, t_ptr, order_ptr, slots_ptr, rank_ptr,
+    num_tokens, K, k_per_split,
+    stride_xm, stride_as, stride_ar, stride_tm, stride_rs,
+    MAX_RANK: tl.constexpr, NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr,
+    WIDTH_PAD: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    WAYS: tl.constexpr,
+):  # fmt: skip
+    split = tl.program_id(1)
+    rows, slots, seg, num_segs = _sorted_block(order_ptr, slots_ptr, num_tokens, BLOCK_M)
+    way = tl.program_id(2)
+    if way >= num_segs:
+        return
+    offs_n = tl.arange(0, WIDTH_PAD)
+    n_mask = offs_n < NUM_SLICES * MAX_RANK
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    for q in range(way, num_segs, WAYS):
+        mine = (slots >= 0) & (seg == q)
+        slot = tl.max(tl.where(mine, slots, -1), 0)
+        a_cols = a_ptr + slot.to(tl.int64) * stride_as + offs_n[None, :] * stride_ar
+        acc = tl.zeros((BLOCK_M, WIDTH_PAD), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < k_hi
+            x = tl.load(
+                x_ptr + rows[:, None] * stride_xm + offs_k[None, :],
+                mask=mine[:, None] & k_mask[None, :], other=0.0,
+            )  # fmt: skip
+            a = tl.load(a_cols + offs_k[:, None], mask=n_mask[None, :] & k_mask[:, None],
+                        other=0.0)  # fmt: skip
+            acc += tl.dot(x, a, input_precision=PRECISION)
+        ranks = tl.load(rank_ptr + (offs_n // MAX_RANK) * stride_rs + slot, mask=n_mask, other=0)
+        acc = tl.where((offs_n % MAX_RANK < ranks)[None, :], acc, 0.0)
+        t_rows = t_ptr + (split * num_tokens + rows) * stride_tm
+        tl.store(t_rows[:, None] + offs_n[None, :], acc, mask=mine[:, None] & n_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_splits", "chunk_n"])
+def _expand_sorted_kernel(
+    t_ptr, b_ptr, out_ptr, order_ptr, slots_ptr, rank_ptr, scaling_ptr, offsets_ptr,
+    g_ptr, bias_ptr,
+    num_tokens, num_splits, chunk_n,
+    stride_tm, stride_bs, stride_br, stride_om, stride_rs, stride_gs,
+    MAX_RANK: tl.constexpr, RANK_PAD: tl.constexpr, NUM_SLICES: tl.constexpr,
+    MAX_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, DORA: tl.constexpr, HAS_BIAS: tl.constexpr, WAYS: tl.constexpr,
+):  # fmt: skip
+    rows, slots, seg, num_segs = _sorted_block(order_ptr, slots_ptr, num_tokens, BLOCK_M)
+    way = tl.program_id(2)
+    if way >= num_segs:
+        return
+    slice_idx, chunk0, col_end = tile_slice(offsets_ptr, tl.program_id(1), chunk_n, NUM_SLICES)
+    offs_r = tl.arange(0, RANK_PAD)
+    o_rows = out_ptr + rows[:, None] * stride_om
+    for q in range(way, num_segs, WAYS):
+        mine = (slots >= 0) & (seg == q)
+        slot = tl.max(tl.where(mine, slots, -1), 0)
+        rank = tl.load(rank_ptr + slice_idx * stride_rs + slot)
+        if rank > 0:
+            r_mask = offs_r < rank
+            t_ptrs = t_ptr + rows[:, None] * stride_tm + (slice_idx * MAX_RANK + offs_r)[None, :]
+            t = sum_partials(t_ptrs, mine[:, None] & r_mask[None, :], num_splits,
+                             num_tokens * stride_tm, MAX_SPLITS)  # fmt: skip
+            scaling = tl.load(scaling_ptr + slice_idx * stride_rs + slot)
+            t = t.to(b_ptr.dtype.element_ty)
+            b_rows = b_ptr + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br
+            g_row = g_ptr + slot.to(tl.int64) * stride_gs
+            for col0 in range(chunk0, tl.minimum(chunk0 + chunk_n, col_end), BLOCK_N):
+                offs_n = col0 + tl.arange(0, BLOCK_N)
+                n_mask = offs_n < col_end
+                b = tl.load(b_rows + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :],
+                            other=0.0)  # fmt: skip
+                mask = mine[:, None] & n_mask[None, :]
+                cur = tl.load(o_rows + offs_n[None, :], mask=mask, other=0.0)
+                acc = tl.dot(t, b, input_precision=PRECISION) * scaling
+                new = dora_update(cur.to(tl.float32), acc, g_row + offs_n[None, :],
+                                  bias_ptr + offs_n[None, :], n_mask[None, :], DORA,
+                                  HAS_BIAS)  # fmt: skip
+                tl.store(o_rows + offs_n[None, :], new.to(cur.dtype), mask=mask)
+
+
+def shrink_sorted(
+    x: torch.Tensor,  # [num_tokens, in]
+    lora: LoRAStack,
+    meta: LoRAKernelMeta,
+    workspace: torch.Tensor,  # [rows, >= num_slices * max_rank] fp32
+    config: LoRAKernelConfig,
+) -> int:
+    """`shrink_grouped` over sorted row blocks (`group_sorted`): grid `(blocks, splits, ways)`,
+    program `way` of a block takes its segments `way`, `way + ways`, ...; returns the split
+    count."""
+    num_tokens, k = x.shape
+    bm, bk = config.group_block_m, config.shrink_block_k
+    blocks = triton.cdiv(num_tokens, bm)
+    wanted = min(triton.cdiv(config.target_programs, blocks), config.max_splits)
+    splits, k_per_split = split_k(k, min(wanted, workspace.shape[0] // num_tokens), bk)
+    width_pad = pad(lora.num_slices * lora.max_rank)
+    a, t = lora.a, workspace
+    _shrink_sorted_kernel[(blocks, splits, config.sorted_ways)](
+        x, a, t, meta.token_order, meta.lora_slots, lora.ranks, num_tokens, k, k_per_split,
+        x.stride(0), a.stride(0), a.stride(1), t.stride(0), lora.ranks.stride(0),
+        MAX_RANK=lora.max_rank, NUM_SLICES=lora.num_slices, BLOCK_M=bm, WIDTH_PAD=width_pad,
+        BLOCK_K=bk, PRECISION=precision(x.dtype), WAYS=config.sorted_ways,
+        num_warps=warps(max(bm, width_pad) * bk),
+    )  # fmt: skip
+    return splits
+
+
+def expand_sorted(
+    workspace: torch.Tensor,
+    splits: int,
+    out: torch.Tensor,  # [num_tokens, >= offsets[-1]]
+    lora: LoRAStack,
+    meta: LoRAKernelMeta,
+    config: LoRAKernelConfig,
+) -> None:
+    """`expand_grouped` over sorted row blocks, as `shrink_sorted` splits them."""
+    num_tokens = out.shape[0]
+    bm, bn = config.group_block_m, config.group_block_n
+    blocks = triton.cdiv(num_tokens, bm)
+    b_t, t = lora.b_t, workspace
+    (g, bias), flags = dora_args(lora)
+    chunk, chunks = expand_chunks(lora.slice_sizes, bn, blocks, config)
+    _expand_sorted_kernel[(blocks, chunks, config.sorted_ways)](
+        t, b_t, out, meta.token_order, meta.lora_slots, lora.ranks, lora.scaling,
+        offsets_tensor(lora.slice_offsets, out.device), g, bias, num_tokens, splits, chunk,
+        t.stride(0), b_t.stride(0), b_t.stride(1), out.stride(0), lora.ranks.stride(0),
+        g.stride(0),
+        MAX_RANK=lora.max_rank, RANK_PAD=pad(lora.max_rank), NUM_SLICES=lora.num_slices,
+        MAX_SPLITS=config.max_splits, BLOCK_M=bm, BLOCK_N=bn, PRECISION=precision(b_t.dtype),
+        WAYS=config.sorted_ways, num_warps=warps(bm * bn), **flags,
+    )  # fmt: skip
