@@ -23,8 +23,8 @@ is rewritten after every case, so a run cut short keeps what it measured (`--bud
 starting new cases past that many seconds).
 
     python -m benchmarks.lora_kernels [--out h200_lora_kernels.json] [--budget-s 270]
-    python -m benchmarks.lora_kernels --variants default,sorted_w4 --cases 64x8,256x64 \
-        --profile-variants sorted_w4 --profile-cases 256x64
+    python -m benchmarks.lora_kernels --variants default,group_x4096 --cases 64x8,256x64 \
+        --profile-variants group_x4096 --profile-cases 256x64
     python -m benchmarks.lora_kernels --smoke   # CPU, Triton interpreter, tiny shapes
 
 (from the repository root, so that `loraplex` imports from the working tree). `--smoke` walks
@@ -77,18 +77,8 @@ VARIANTS = {
     "group_x0": dataclasses.replace(_GROUP, expand_programs=0),
     "group_x256": dataclasses.replace(_GROUP, expand_programs=256),
     "group_x4096": dataclasses.replace(_GROUP, expand_programs=4096),
-    "sorted": dataclasses.replace(_GROUP, group_sorted=True),
-    "sorted_w2": dataclasses.replace(_GROUP, group_sorted=True, sorted_ways=2),
-    "sorted_w4": dataclasses.replace(_GROUP, group_sorted=True, sorted_ways=4),
-    "sorted_w16": dataclasses.replace(_GROUP, group_sorted=True, sorted_ways=16),
-    "sorted_w4_x1024": dataclasses.replace(
-        _GROUP, group_sorted=True, sorted_ways=4, expand_programs=1024
-    ),
-    "sorted_w16_x1024": dataclasses.replace(
-        _GROUP, group_sorted=True, sorted_ways=16, expand_programs=1024
-    ),
 }
-PREFILL_VARIANTS = ["default", "group_x0", "group_x256", "group_x4096", "sorted", "sorted_w4"]
+PREFILL_VARIANTS = ["default", "group_x0", "group_x256", "group_x4096"]
 SIDE_STREAM = "side_stream"  # the default pair, its shrink on a second stream beside the GEMM
 TOLERANCE = 3e-2  # max |error| / max |reference| in bf16
 

@@ -29,17 +29,12 @@ REGIMES = {
     "decode": dict(decode_max_tokens=1 << 20),
     "token": dict(decode_max_tokens=0, token_kernels_max_tokens=1 << 20),
     "group": dict(decode_max_tokens=0, token_kernels_max_tokens=0),
-    # the grouped regime's sorted row blocks, one program per block and two per block
-    "sorted": dict(decode_max_tokens=0, token_kernels_max_tokens=0, group_sorted=True),
-    "sorted_2way": dict(
-        decode_max_tokens=0, token_kernels_max_tokens=0, group_sorted=True, sorted_ways=2
-    ),
 }
 
 
 def _config(regime: str, **fields) -> LoRAKernelConfig:
     config = LoRAKernelConfig(**{**TINY, **REGIMES[regime], **fields})
-    assert config.regime(7, has_counters=True) == regime.split("_")[0].replace("sorted", "group")
+    assert config.regime(7, has_counters=True) == regime
     return config
 
 

@@ -208,10 +208,8 @@ def _shrink_triton(
         from loraplex.kernels.lora.triton_token import shrink_tokens
 
         return shrink_tokens(x, lora, meta, workspace, config)
-    from loraplex.kernels.lora.triton_grouped import shrink_grouped, shrink_sorted
+    from loraplex.kernels.lora.triton_grouped import shrink_grouped
 
-    if config.group_sorted:
-        return shrink_sorted(x, lora, meta, workspace, config)
     return shrink_grouped(x, lora, meta, workspace, config)
 
 
@@ -231,9 +229,6 @@ def _expand_triton(
 
         expand_tokens(workspace, splits, out, lora, meta, config)
         return
-    from loraplex.kernels.lora.triton_grouped import expand_grouped, expand_sorted
+    from loraplex.kernels.lora.triton_grouped import expand_grouped
 
-    if config.group_sorted:
-        expand_sorted(workspace, splits, out, lora, meta, config)
-        return
     expand_grouped(workspace, splits, out, lora, meta, config)

@@ -60,11 +60,6 @@ class LoRAKernelConfig:
     group_block_n: int = 128
     expand_programs: int = 256  # expands: loop over column tiles until about this many programs
     expand_max_tiles: int = 16  # most column tiles one expand program loops over
-    # NOTE: the grouped regime's blocks as `BLOCK_M` tokens in slot order whatever their slots
-    # (a block spans the slots it meets, one segment each; no empty programs), and how many
-    # programs share a block's segments
-    group_sorted: bool = False
-    sorted_ways: int = 1
     # NOTE: up to this many tokens a two-launch step runs its shrink on a side stream beside the
     # base product (`LoRABatchMeta.side_stream`), which it needs not wait for; 0: never. On the
     # H200 (results/h200_lora_side_stream.json) it took 6 / 8 / 11 / 10 us off a layer's LoRA at
@@ -80,8 +75,7 @@ class LoRAKernelConfig:
                 raise ValueError(f"LoRAKernelConfig.{name} must be a power of two >= 16")
         if self.decode_k_per_split % self.decode_block_k:
             raise ValueError("LoRAKernelConfig.decode_k_per_split must divide by decode_block_k")
-        for name in ("max_splits", "target_programs", "token_k_per_split", "expand_max_tiles",
-                     "sorted_ways"):  # fmt: skip
+        for name in ("max_splits", "target_programs", "token_k_per_split", "expand_max_tiles"):
             if getattr(self, name) < 1:
                 raise ValueError(f"LoRAKernelConfig.{name} must be >= 1")
         limits = (self.decode_max_tokens, self.token_kernels_max_tokens, self.expand_programs,
