@@ -214,6 +214,7 @@ class Bench:
         self.side_workspace = torch.zeros_like(self.meta.workspace)
         self.side = torch.cuda.Stream() if self.cuda else None
         self.only: list[str] = []  # the variants to run (all when empty)
+        self.profile_cases = setup.profile_cases  # the cases `profile` times
         # NOTE: every layer's own adapter weights (from HBM, as in a forward); one layer's base
         # weights, [out, in] each
         self.layers = [
@@ -507,6 +508,12 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true",
                         help="CPU, Triton interpreter, tiny shapes; writes nothing")  # fmt: skip
     args = parser.parse_args()
+    named = [v for v in f"{args.variants},{args.profile_variants}".split(",") if v]
+    unknown = sorted(set(named) - set(VARIANTS) - {SIDE_STREAM})
+    if unknown or SIDE_STREAM in args.profile_variants.split(","):
+        parser.error(f"unknown variants {unknown or [SIDE_STREAM]} (profile: {sorted(VARIANTS)})")
+    only_cases = set(_cases(parser, args.cases)) if args.cases else None
+    profile_cases = _cases(parser, args.profile_cases) if args.profile_cases else None
     start = time.monotonic()
     if args.smoke:
         if os.environ.get("TRITON_INTERPRET") != "1":
@@ -524,9 +531,8 @@ def main() -> int:
     bench.only = [v for v in args.variants.split(",") if v]
     metrics: dict[str, float | str] = {"copy_gbs": round(bandwidth, 1)}
     cases = [(c, False) for c in setup.decode_cases] + [(c, True) for c in setup.prefill_cases]
-    if args.cases:
-        wanted = {tuple(int(n) for n in c.split("x")) for c in args.cases.split(",")}
-        cases = [(c, prefill) for c, prefill in cases if c in wanted]
+    if only_cases is not None:
+        cases = [(c, prefill) for c, prefill in cases if c in only_cases]
     for (num_tokens, num_adapters), prefill in cases:
         if time.monotonic() - start > args.budget_s:
             metrics.setdefault("skipped_cases", "")
@@ -540,16 +546,25 @@ def main() -> int:
               flush=True)  # fmt: skip
         if not args.smoke:
             _write(args.out, metrics, setup)
-    bench.profile_cases = setup.profile_cases
-    if args.profile_cases:
-        bench.profile_cases = tuple(tuple(int(n) for n in c.split("x"))
-                                    for c in args.profile_cases.split(","))  # fmt: skip
+    if profile_cases is not None:
+        bench.profile_cases = profile_cases
     if not args.smoke and time.monotonic() - start < args.budget_s + 20:
         for variant in args.profile_variants.split(","):
             metrics.update(profile(bench, variant))
         _write(args.out, metrics, setup)
     print(json.dumps({k: v for k, v in metrics.items() if "best" in k or "floor" in k}, indent=1))
     return 0
+
+
+def _cases(parser: argparse.ArgumentParser, text: str) -> tuple[tuple[int, int], ...]:
+    """`64x8,256x64` -> ((64, 8), (256, 64)); a malformed case stops with a usage error."""
+    try:
+        cases = tuple(tuple(int(n) for n in c.split("x")) for c in text.split(","))
+    except ValueError:
+        cases = ()
+    if not cases or any(len(c) != 2 for c in cases):
+        parser.error(f"cases are TOKENSxADAPTERS, comma-separated: {text!r}")
+    return cases  # type: ignore[return-value]
 
 
 def _triton_version() -> str:

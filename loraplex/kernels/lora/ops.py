@@ -148,7 +148,8 @@ def fused_gemv_lora(
     """`x @ weight^T (+ bias)` with the token's adapter delta, in one launch, where a kernel
     serves the batch: one token on CUDA through a weight with tuned tiles (the fused kernel's own,
     `FUSED_GEMV_CONFIGS`, else the plain GEMV's, `kernels.gemv.GEMV_CONFIGS`). None elsewhere:
-    the caller runs its base product, then `add_lora`. `counter` is this call's own (one per layer), zero when the launch starts."""
+    the caller runs its base product, then `add_lora`. `counter` is this call's own (one per
+    layer), zero when the launch starts."""
     config = config or DEFAULT_KERNEL_CONFIG
     if not (config.fuse_gemv and x.is_cuda and x.dim() == 2 and x.shape[0] == 1):
         return None
