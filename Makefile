@@ -46,7 +46,7 @@ browser:
 test: $(STAMP) browser
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
-# The API fuzz suite at length: FUZZ_EXAMPLES examples per operation (`make test` runs 15).
+# The API fuzz suite at length: FUZZ_EXAMPLES examples per operation (`make test` runs 10).
 FUZZ_EXAMPLES ?= 300
 fuzz: $(STAMP)
 	LORAPLEX_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q tests/platform/api/test_fuzz.py $(PYTEST_ARGS)

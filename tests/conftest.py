@@ -76,6 +76,32 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+# NOTE: `make test` hands whole modules to its xdist workers in collection order, a new one to
+# each worker as it finishes one (`--dist loadfile`). These took a minute or more each in a
+# 2-core run (benchmarks/results/cpu_suite_durations.json): they go first, longest first, so that
+# no worker is left running one of them alone at the end while the other has nothing to do.
+HEAVY_MODULES_FIRST = (
+    "tests/platform/api/test_multiprocess_server.py",
+    "tests/adapters/test_adapter_forms.py",
+    "tests/platform/engine/test_sampling.py",
+    "tests/platform/engine/test_seeded_sampling.py",
+    "tests/entrypoints/test_server_lifecycle.py",
+    "tests/quant/test_end_to_end.py",
+    "tests/platform/engine/test_speculative.py",
+    "tests/platform/api/openai/tools/test_tool_calling.py",
+    "tests/quant/test_quality.py",
+    "tests/test_readme_walkthrough.py",
+    "tests/entrypoints/test_ray_serve.py",
+    "tests/platform/engine/test_grammar_overlap.py",
+    "tests/adapters/test_engine_lora.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {module: i for i, module in enumerate(HEAVY_MODULES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _collect_garbage_after_each_module() -> Iterator[None]:
     """A full collection once a module's fixtures are torn down, then the freed heap handed back

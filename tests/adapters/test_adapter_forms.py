@@ -90,8 +90,12 @@ def test_every_form_mixed_in_one_batch_equals_peft(llm, peft):
             assert out.outputs[0].token_ids != peft.greedy(None, out.prompt_token_ids), name
 
 
-#: Small regime bounds, so that the tiny batches below meet all three kernel regimes.
-SMALL_REGIMES = dict(decode_max_tokens=4, token_kernels_max_tokens=8)
+#: Small regime bounds, so that the tiny batches below meet all three kernel regimes. Wide
+#: column tiles: the interpreter's cost is per program, and the lm_head's 49,152 columns in the
+#: default 128- and 256-column tiles took most of these tests' minutes (tests/kernels/test_lora.py
+#: crosses tile edges with tiny tiles).
+SMALL_REGIMES = dict(decode_max_tokens=4, token_kernels_max_tokens=8, decode_block_n=2048,
+                     expand_block_n=2048, group_block_n=2048)  # fmt: skip
 
 
 def _cuda_path_on_cpu(llm: LLM, monkeypatch) -> set[str]:

@@ -19,8 +19,8 @@ from tests.platform.api.process_server import alive, launch
 from tests.waiting import wait_until
 
 # SIGTERM's grace period, and streams that fit in it and that do not (1500 steps take longer
-# than 30 s even on a fast CPU)
-GRACE_S, SHORT, LONG = 30, 3, 1500
+# than 12 s even on a fast CPU; a longer grace period only made the test wait longer)
+GRACE_S, SHORT, LONG = 12, 3, 1500
 
 
 async def _stream(client: httpx.AsyncClient, url: str, body: dict, started: asyncio.Event):

@@ -6,7 +6,7 @@ lone surrogates, control characters, very long strings. The dashboard's login an
 (not in the schema) get random form fields, raw bytes and cookies. Afterwards /metrics still
 parses with Prometheus' own parser. A planted crashing route shows the fuzzer would catch a 5xx.
 
-`make test` runs a bounded pass (LORAPLEX_FUZZ_EXAMPLES examples per operation, default 15);
+`make test` runs a bounded pass (LORAPLEX_FUZZ_EXAMPLES examples per operation, default 10);
 `make fuzz` runs a long one.
 """
 
@@ -30,7 +30,7 @@ text_string_to_metric_families = pytest.importorskip(
 ).text_string_to_metric_families
 hypothesis = pytest.importorskip("hypothesis", reason="hypothesis comes with schemathesis")
 
-EXAMPLES = int(os.environ.get("LORAPLEX_FUZZ_EXAMPLES", "15"))
+EXAMPLES = int(os.environ.get("LORAPLEX_FUZZ_EXAMPLES", "10"))
 REQUEST_TIMEOUT_S = 60.0
 MAX_TOKENS = 2  # generation stays short: every generated body is clamped to this
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")

@@ -240,13 +240,12 @@ def test_the_dashboard_shows_each_tenants_queues_from_every_api_process(model_di
         assert served.stop() == 0, served.log()
 
 
-@pytest.mark.parametrize("api_servers", [2, 4])
-def test_a_tenants_caps_hold_whichever_api_process_its_requests_land_on(
-    tiny_llama_dir, tmp_path, api_servers
-):
+def test_a_tenants_caps_hold_whichever_api_process_its_requests_land_on(tiny_llama_dir, tmp_path):
     # The engine core counts the tenant's sequences for every API process: of 2 + 3 x N
     # requests on their own connections (the kernel hands each to any API process), exactly 2
     # run at once; the rest get 429. Counted per process, N processes would admit up to 2N.
+    # NOTE: N = 2 (4 processes took another 34 s of the 2-core CI's budget and test no more)
+    api_servers = 2
     cap, key = 2, "sk-capped-across-processes"
     tenants_file = tmp_path / "tenants.yaml"
     tenant = {"name": "capped", "key_sha256": hashlib.sha256(key.encode()).hexdigest(),

@@ -116,13 +116,15 @@ def test_the_limits_name_their_server_options(http):
 
 
 def test_the_largest_allowed_values_are_served(http):
+    # NOTE: 64 prompts in one request took over the client's 30 s on a loaded 2-core CI host;
+    # this test checks what is served, not how fast
     body = {"prompt": ["x"] * 64, "max_tokens": 1, "seed": 2**63 - 1, "temperature": 2.0}
-    response = http.post(C, json=body)
+    response = http.post(C, json=body, timeout=180)
     assert response.status_code == 200, response.text
     assert len(response.json()["choices"]) == 64
     for seed in (-(2**63), 2**63 - 1):  # n samples take seed, seed + 1, ...: no overflow
         body = {"prompt": "a", "n": 16, "max_tokens": 2, "seed": seed, "top_p": 1.0}
-        response = http.post(C, json=body)
+        response = http.post(C, json=body, timeout=180)
         assert response.status_code == 200, response.text
         assert len(response.json()["choices"]) == 16
 
