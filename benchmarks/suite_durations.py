@@ -60,7 +60,9 @@ def main() -> None:
         )  # fmt: skip
         wall = time.monotonic() - start
         modules, tests = durations(junit)
-    summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
+    lines = run.stdout.strip().splitlines()
+    print("\n".join(lines[-40:]))  # failures' summary, the wall-time line, pytest's last line
+    summary = lines[-1] if lines else ""
     metrics = {
         "wall_s": wall,
         "test_seconds_total": sum(modules.values()),
