@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -77,29 +78,29 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 
 
 # NOTE: `make test` hands whole modules to its xdist workers in collection order, a new one to
-# each worker as it finishes one (`--dist loadfile`). These took a minute or more each in a
-# 2-core run (benchmarks/results/cpu_suite_durations.json): they go first, longest first, so that
-# no worker is left running one of them alone at the end while the other has nothing to do.
-HEAVY_MODULES_FIRST = (
-    "tests/platform/api/test_multiprocess_server.py",
-    "tests/adapters/test_adapter_forms.py",
-    "tests/platform/engine/test_sampling.py",
-    "tests/platform/engine/test_seeded_sampling.py",
-    "tests/entrypoints/test_server_lifecycle.py",
-    "tests/quant/test_end_to_end.py",
-    "tests/platform/engine/test_speculative.py",
-    "tests/platform/api/openai/tools/test_tool_calling.py",
-    "tests/quant/test_quality.py",
-    "tests/test_readme_walkthrough.py",
-    "tests/entrypoints/test_ray_serve.py",
-    "tests/platform/engine/test_grammar_overlap.py",
-    "tests/adapters/test_engine_lora.py",
+# each worker as it finishes one (`--dist loadfile`). The modules the latest record of the suite's
+# time names (`python -m benchmarks.suite_durations`, its slowest 25 or so) go first, longest
+# first, so that no worker is left running a long one alone at the end while the other has
+# nothing to do; the others keep their order. Without the record, collection order stands.
+SUITE_DURATIONS = (
+    Path(__file__).resolve().parents[1] / "benchmarks/results/cpu_suite_durations.json"
 )
 
 
+def _recorded_module_seconds() -> dict[str, float]:
+    """Test module path (`tests/...py`) -> its seconds in the suite-durations record."""
+    prefix = "module_s_"
+    try:
+        metrics = json.loads(SUITE_DURATIONS.read_text())["metrics"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    return {f"tests/{name[len(prefix) :]}": float(seconds)
+            for name, seconds in metrics.items() if name.startswith(prefix)}  # fmt: skip
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    rank = {module: i for i, module in enumerate(HEAVY_MODULES_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable
+    seconds = _recorded_module_seconds()
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0.0))  # stable
 
 
 @pytest.fixture(scope="module", autouse=True)
