@@ -37,7 +37,8 @@ if "TRITON_INTERPRET" not in os.environ:
 
 # NOTE: set before any test reads `loraplex.envs.cache_dir()`, so every run shares one converted
 # default model in the git-ignored `.cache/` at the repository root instead of the user's cache.
-_TEST_CACHE = Path(__file__).resolve().parents[1] / ".cache"
+_REPO = Path(__file__).resolve().parents[1]
+_TEST_CACHE = _REPO / ".cache"
 os.environ.setdefault("LORAPLEX_CACHE_DIR", str(_TEST_CACHE))
 # Servers started by tests keep their registries under the same ignored folder, not in $HOME;
 # one folder per xdist worker, so two workers' servers never share a tenant or adapter database.
@@ -82,9 +83,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 # time names (`python -m benchmarks.suite_durations`, its slowest 25 or so) go first, longest
 # first, so that no worker is left running a long one alone at the end while the other has
 # nothing to do; the others keep their order. Without the record, collection order stands.
-SUITE_DURATIONS = (
-    Path(__file__).resolve().parents[1] / "benchmarks/results/cpu_suite_durations.json"
-)
+SUITE_DURATIONS = _REPO / "benchmarks/results/cpu_suite_durations.json"
 
 
 def _recorded_module_seconds() -> dict[str, float]:
