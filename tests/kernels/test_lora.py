@@ -154,6 +154,31 @@ def test_shrink_then_expand_apart_equal_add_lora(device_regime):
         expand_lora(workspace, 1, torch.zeros(12, lora.b_t.shape[2]), lora, meta)
 
 
+@pytest.mark.parametrize(("num_slots", "wide"), [(1, True), (8, False)], ids=["1-slot", "8-slots"])
+def test_grouped_shrink_splits_as_wide_as_the_steps_blocks_fill(num_slots, wide):
+    """The grouped shrink splits its reduction over the programs the step's real blocks leave
+    (found on the device): 64 tokens of one adapter (4 blocks) split 8 ways over the 32
+    programs a 64-token grid has, 64 tokens over 8 adapters (8-16 blocks) fewer; either way the
+    expand sums exactly the partials written (NaN elsewhere) and equals the reference."""
+    from loraplex.kernels.lora.ops import _expand_triton, _shrink_triton
+
+    config = _config("group", target_programs=32, max_splits=8)
+    lora = _stack(256, (24, 8), num_slots, 4, 11)
+    x, _ = _inputs(64, 256, num_slots, 11)
+    slots = torch.arange(64, dtype=torch.int32) % num_slots
+    meta = lora_kernel_meta(slots, num_slots)
+    workspace = torch.full((8 * 64, 8), float("nan"))
+    splits = _shrink_triton(x, lora, meta, workspace, config)
+    written = [not torch.isnan(workspace[p * 64 : (p + 1) * 64]).all() for p in range(8)]
+    used = sum(written)
+    assert written == [True] * used + [False] * (8 - used) and splits == 8
+    assert (used == 8) if wide else (1 < used < 8)
+    out = torch.zeros(64, lora.b_t.shape[2])
+    _expand_triton(workspace, splits, out, lora, meta, config)
+    expected = _dense_delta(x, lora, slots, out.shape[1])
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
+
+
 def test_mismatched_shapes_are_refused():
     lora = _stack(5, (6, 2), 2, 4, 1)
     x, slots = _inputs(3, 5, 2, 1)

@@ -53,18 +53,37 @@ def dora_combine(cur, delta, g, bias):
 
 
 @triton.jit
-def group_block(count_ptr, start_ptr, pid, num_slots, BLOCK_M: tl.constexpr, SLOTS: tl.constexpr):
-    """The slot, first token position and end position of the `pid`-th `BLOCK_M` block of tokens
-    (blocks enumerate each slot's tokens in turn); slot >= num_slots when there is no such block."""
+def group_scan(count_ptr, num_slots, BLOCK_M: tl.constexpr, SLOTS: tl.constexpr):
+    """Each slot's token count, its `BLOCK_M` blocks and their running end (blocks enumerate each
+    slot's tokens in turn); the step's block count is `tl.sum(blocks, 0)`."""
     offs_s = tl.arange(0, SLOTS)
     counts = tl.load(count_ptr + offs_s, mask=offs_s < num_slots, other=0)
     blocks = (counts + BLOCK_M - 1) // BLOCK_M
-    ends = tl.cumsum(blocks, 0)
-    slot = tl.sum((ends <= pid).to(tl.int32), 0)
+    return counts, blocks, tl.cumsum(blocks, 0)
+
+
+@triton.jit
+def group_block(counts, blocks, ends, start_ptr, block, num_slots, BLOCK_M: tl.constexpr,
+                SLOTS: tl.constexpr):  # fmt: skip
+    """The slot, first token position and end position of block `block` of `group_scan`'s
+    blocks; slot >= num_slots when there is no such block."""
+    offs_s = tl.arange(0, SLOTS)
+    slot = tl.sum((ends <= block).to(tl.int32), 0)
     first_block = tl.sum(tl.where(offs_s == slot, ends - blocks, 0), 0)
     count = tl.sum(tl.where(offs_s == slot, counts, 0), 0)
     start = tl.load(start_ptr + slot, mask=slot < num_slots, other=0)
-    return slot, start + (pid - first_block) * BLOCK_M, start + count
+    return slot, start + (block - first_block) * BLOCK_M, start + count
+
+
+@triton.jit
+def group_splits(num_blocks, programs, K, max_splits, BLOCK_K: tl.constexpr):
+    """(splits, input features per split) of a grouped shrink whose `programs` share the step's
+    `num_blocks` blocks: as many splits of whole `BLOCK_K` blocks as fill them, at most
+    `max_splits`, none empty (the host's `split_k` on the device, so that the split count follows
+    the step's blocks and not the grid's worst case)."""
+    wanted = tl.maximum(tl.minimum(programs // tl.maximum(num_blocks, 1), max_splits), 1)
+    per_split = tl.cdiv(tl.cdiv(K, wanted), BLOCK_K) * BLOCK_K
+    return tl.cdiv(K, per_split), per_split
 
 
 @triton.jit

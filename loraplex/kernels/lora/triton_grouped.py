@@ -2,18 +2,20 @@
 one adapter per program, so they share weight loads and tensor-core tiles (S-LoRA / Punica's
 segmented GEMM).
 
-- shrink grid `(blocks, num_splits)`: block `i` is the i-th `BLOCK_M` run of one slot's tokens
-  (read through `token_order`); it computes `x @ A^T` for every slice over its chunk of the
-  input features with `tl.dot` and writes fp32 partials `[num_splits, num_tokens, width]`.
+- shrink grid `(programs,)`: the step's blocks (block `i` is the i-th `BLOCK_M` run of one
+  slot's tokens, read through `token_order`) times their reduction splits, as many splits as the
+  programs fill (`group_splits`, found on the device from the slot counts, so that eight
+  adapters' 16-token blocks split as wide as the GPU needs while 64 adapters' short blocks do
+  not); each computes `x @ A^T` for every slice over its chunk of the input features with
+  `tl.dot` and writes fp32 partials `[num_splits, num_tokens, width]`.
 - expand grid `(blocks, column chunks)`: the block's summed partials (bf16 into the tensor
   cores, as Punica does) times the slot's `B^T` tiles across the chunk's columns, scaled, added
   into the tokens' output rows; a chunk spans several tiles (`expand_chunks`), so a program
   finds its tokens and sums the partials once for all of them.
 
 One tile set serves decode batches of a few tokens per adapter and prefill steps alike (64-row
-prefill tiles measured slower at 2,048 and 8,192 tokens); the shrink splits its reduction to
-fill the GPU. Programs past the last block exit at once, so the grids depend on the token count
-only and replay from CUDA graphs.
+prefill tiles measured slower at 2,048 and 8,192 tokens). Programs past the last block exit at
+once, so the grids depend on the token count only and replay from CUDA graphs.
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ from loraplex.kernels.lora.triton_common import (
     dora_update,
     expand_chunks,
     group_block,
+    group_scan,
+    group_splits,
     offsets_tensor,
     pad,
     precision,
-    split_k,
     sum_partials,
     tile_slice,
     warps,
@@ -38,17 +41,22 @@ from loraplex.kernels.lora.triton_common import (
 from loraplex.kernels.lora.types import LoRAKernelConfig, LoRAKernelMeta, LoRAStack
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
+@triton.jit(do_not_specialize=["num_tokens", "max_splits"])
 def _shrink_group_kernel(
     x_ptr, a_ptr, t_ptr, order_ptr, start_ptr, count_ptr, rank_ptr,
-    num_tokens, num_slots, K, k_per_split,
+    num_tokens, num_slots, K, max_splits,
     stride_xm, stride_as, stride_ar, stride_tm, stride_rs,
     MAX_RANK: tl.constexpr, NUM_SLICES: tl.constexpr, SLOTS: tl.constexpr,
     BLOCK_M: tl.constexpr, WIDTH_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
-    split = tl.program_id(1)
-    slot, pos0, pos_end = group_block(count_ptr, start_ptr, tl.program_id(0), num_slots,
+    counts, blocks, ends = group_scan(count_ptr, num_slots, BLOCK_M, SLOTS)
+    splits, k_per_split = group_splits(
+        tl.sum(blocks, 0), tl.num_programs(0), K, max_splits, BLOCK_K
+    )
+    block = tl.program_id(0) // splits
+    split = tl.program_id(0) % splits
+    slot, pos0, pos_end = group_block(counts, blocks, ends, start_ptr, block, num_slots,
                                       BLOCK_M, SLOTS)  # fmt: skip
     if slot >= num_slots:
         return
@@ -76,20 +84,25 @@ def _shrink_group_kernel(
     tl.store(t_rows[:, None] + offs_n[None, :], acc, mask=m_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_splits", "chunk_n"])
+@triton.jit(do_not_specialize=["num_tokens", "shrink_programs", "max_splits", "chunk_n"])
 def _expand_group_kernel(
     t_ptr, b_ptr, out_ptr, order_ptr, start_ptr, count_ptr, rank_ptr, scaling_ptr, offsets_ptr,
     g_ptr, bias_ptr,
-    num_tokens, num_slots, num_splits, chunk_n,
+    num_tokens, num_slots, shrink_k, shrink_programs, max_splits, chunk_n,
     stride_tm, stride_bs, stride_br, stride_om, stride_rs, stride_gs,
     MAX_RANK: tl.constexpr, RANK_PAD: tl.constexpr, NUM_SLICES: tl.constexpr,
     SLOTS: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, DORA: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SHRINK_BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, DORA: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
-    slot, pos0, pos_end = group_block(count_ptr, start_ptr, tl.program_id(0), num_slots,
-                                      BLOCK_M, SLOTS)  # fmt: skip
+    counts, blocks, ends = group_scan(count_ptr, num_slots, BLOCK_M, SLOTS)
+    slot, pos0, pos_end = group_block(counts, blocks, ends, start_ptr, tl.program_id(0),
+                                      num_slots, BLOCK_M, SLOTS)  # fmt: skip
     if slot >= num_slots:
         return
+    num_splits, _ = group_splits(
+        tl.sum(blocks, 0), shrink_programs, shrink_k, max_splits, SHRINK_BLOCK_K
+    )
     slice_idx, chunk0, col_end = tile_slice(offsets_ptr, tl.program_id(1), chunk_n, NUM_SLICES)
     rank = tl.load(rank_ptr + slice_idx * stride_rs + slot)
     if rank == 0:
@@ -126,6 +139,18 @@ def _grouping(num_tokens: int, num_slots: int, config: LoRAKernelConfig) -> tupl
     return blocks, pad(num_slots)
 
 
+def _shrink_plan(
+    num_tokens: int, num_slots: int, workspace_rows: int, config: LoRAKernelConfig
+) -> tuple[int, int]:
+    """(programs, most splits) of a grouped shrink: about `target_programs` programs over the
+    most blocks a step of `num_tokens` can have, each reduction split at most `max_splits` ways
+    and into the workspace's rows. The kernel splits the step's real blocks over its programs,
+    so a step of a few adapters' long blocks splits wider than one of many short ones."""
+    blocks, _ = _grouping(num_tokens, num_slots, config)
+    most = max(1, min(config.max_splits, workspace_rows // num_tokens))
+    return blocks * min(triton.cdiv(config.target_programs, blocks), most), most
+
+
 def shrink_grouped(
     x: torch.Tensor,  # [num_tokens, in]
     lora: LoRAStack,
@@ -133,49 +158,50 @@ def shrink_grouped(
     workspace: torch.Tensor,  # [rows, >= num_slices * max_rank] fp32
     config: LoRAKernelConfig,
 ) -> int:
-    """Launch the grouped shrink; returns its split count (the expand's argument)."""
+    """Launch the grouped shrink; returns the most splits it may use (the expand's argument)."""
     num_tokens, k = x.shape
     num_slots = lora.a.shape[0]
-    bm, bk = config.group_block_m, config.shrink_block_k
-    blocks, slots_pad = _grouping(num_tokens, num_slots, config)
-    wanted = min(triton.cdiv(config.target_programs, blocks), config.max_splits)
-    splits, k_per_split = split_k(k, min(wanted, workspace.shape[0] // num_tokens), bk)
+    programs, most = _shrink_plan(num_tokens, num_slots, workspace.shape[0], config)
     width_pad = pad(lora.num_slices * lora.max_rank)
+    bm, bk = config.group_block_m, config.shrink_block_k
     a, t = lora.a, workspace
-    _shrink_group_kernel[(blocks, splits)](
+    _shrink_group_kernel[(programs,)](
         x, a, t, meta.token_order, meta.slot_start, meta.slot_count, lora.ranks, num_tokens,
-        num_slots, k, k_per_split,
+        num_slots, k, most,
         x.stride(0), a.stride(0), a.stride(1), t.stride(0), lora.ranks.stride(0),
-        MAX_RANK=lora.max_rank, NUM_SLICES=lora.num_slices, SLOTS=slots_pad, BLOCK_M=bm,
+        MAX_RANK=lora.max_rank, NUM_SLICES=lora.num_slices, SLOTS=pad(num_slots), BLOCK_M=bm,
         WIDTH_PAD=width_pad, BLOCK_K=bk, PRECISION=precision(x.dtype),
         num_warps=warps(max(bm, width_pad) * bk),
     )  # fmt: skip
-    return splits
+    return most
 
 
 def expand_grouped(
     workspace: torch.Tensor,  # [rows, >= num_slices * max_rank] fp32, the shrink's partials
-    splits: int,
+    splits: int,  # what `shrink_grouped` returned
     out: torch.Tensor,  # [num_tokens, >= offsets[-1]]
     lora: LoRAStack,
     meta: LoRAKernelMeta,
     config: LoRAKernelConfig,
 ) -> None:
-    """Launch the grouped expand over `splits` partials of the shrink."""
+    """Launch the grouped expand over the partials of `shrink_grouped` (it finds their count as
+    the shrink did)."""
     num_tokens = out.shape[0]
     num_slots = lora.a.shape[0]
     bm, bn = config.group_block_m, config.group_block_n
     blocks, slots_pad = _grouping(num_tokens, num_slots, config)
+    programs, _ = _shrink_plan(num_tokens, num_slots, workspace.shape[0], config)
     b_t, t = lora.b_t, workspace
     (g, bias), flags = dora_args(lora)
     chunk, chunks = expand_chunks(lora.slice_sizes, bn, triton.cdiv(num_tokens, bm), config)
     _expand_group_kernel[(blocks, chunks)](
         t, b_t, out, meta.token_order, meta.slot_start, meta.slot_count, lora.ranks,
         lora.scaling, offsets_tensor(lora.slice_offsets, out.device), g, bias, num_tokens,
-        num_slots, splits, chunk,
+        num_slots, lora.a.shape[2], programs, splits, chunk,
         t.stride(0), b_t.stride(0), b_t.stride(1), out.stride(0), lora.ranks.stride(0),
         g.stride(0),
         MAX_RANK=lora.max_rank, RANK_PAD=pad(lora.max_rank), NUM_SLICES=lora.num_slices,
         SLOTS=slots_pad, MAX_SPLITS=config.max_splits, BLOCK_M=bm, BLOCK_N=bn,
-        PRECISION=precision(b_t.dtype), num_warps=warps(bm * bn), **flags,
+        SHRINK_BLOCK_K=config.shrink_block_k, PRECISION=precision(b_t.dtype),
+        num_warps=warps(bm * bn), **flags,
     )  # fmt: skip
