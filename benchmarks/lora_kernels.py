@@ -500,7 +500,8 @@ def main() -> int:
                              "default,side_stream")  # fmt: skip
     parser.add_argument("--cases", default="",
                         help="comma-separated TOKENSxADAPTERS cases to run (default: all), "
-                             "e.g. 64x8,256x64")  # fmt: skip
+                             "e.g. 64x8,256x64; one the setup does not list runs as a decode "
+                             "case")  # fmt: skip
     parser.add_argument("--profile-variants", default="default",
                         help="comma-separated variants whose kernels the profile times")  # fmt: skip
     parser.add_argument("--profile-cases", default="",
@@ -532,7 +533,10 @@ def main() -> int:
     metrics: dict[str, float | str] = {"copy_gbs": round(bandwidth, 1)}
     cases = [(c, False) for c in setup.decode_cases] + [(c, True) for c in setup.prefill_cases]
     if only_cases is not None:
+        known = {c for c, _ in cases}
+        # NOTE: a case the setup does not list runs as a decode case (the regime sweeps)
         cases = [(c, prefill) for c, prefill in cases if c in only_cases]
+        cases += [(c, False) for c in _cases(parser, args.cases) if c not in known]
     for (num_tokens, num_adapters), prefill in cases:
         if time.monotonic() - start > args.budget_s:
             metrics.setdefault("skipped_cases", "")

@@ -90,6 +90,13 @@ def cpu_omp_threads_bind() -> str:
     return os.environ.get("LORAPLEX_CPU_OMP_THREADS_BIND", "").strip() or "auto"
 
 
+def cpu_lend_idle_cores() -> bool:
+    """Whether a CPU engine's prefill steps borrow the cores it leaves to the API process while
+    those are idle (LORAPLEX_CPU_LEND_IDLE_CORES, default 1; 0: never; see
+    `loraplex.platform.runner.cpu_threads.SpareCores`)."""
+    return os.environ.get("LORAPLEX_CPU_LEND_IDLE_CORES", "1").strip() != "0"
+
+
 def omp_num_threads_set() -> bool:
     """Whether OMP_NUM_THREADS is set (torch then already took its thread count from it)."""
     return bool(os.environ.get("OMP_NUM_THREADS"))

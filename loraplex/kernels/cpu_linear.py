@@ -35,6 +35,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -228,16 +233,19 @@ INLINE void block_rows(const int R, const float *x, int64_t K, const float *p, c
   }
 }
 
-/* y [M, N] = x [M, K] @ w^T (+ bias) for a few rows, w in the blocked layout. Per 64-column
-   block, the rows go in groups of at most TILE_ROWS (sizes balanced, so 8 rows are 4 + 4, not
-   6 + 2): the first group streams the block from memory, the others read it from cache. Each
-   group also prefetches its share of the next block, so the memory stream overlaps the
-   arithmetic instead of waiting for the first group of the next block. */
+/* y [M, N] = x [M, K] @ w^T (+ bias) for a few rows, w in the blocked layout, the columns
+   [n_begin, n_end) only (n_begin a multiple of 64), so threads can share a product by column
+   blocks: every output is computed alike whoever computes it. Per 64-column block, the rows go
+   in groups of at most TILE_ROWS (sizes balanced, so 8 rows are 4 + 4, not 6 + 2): the first
+   group streams the block from memory, the others read it from cache. Each group also
+   prefetches its share of the next block, so the memory stream overlaps the arithmetic instead
+   of waiting for the first group of the next block. */
 CLONES void gemm_blocked(const float *x, int64_t M, const float *w, const float *bias,
-                         float *y, int64_t N, int64_t K, int64_t Kp) {
+                         float *y, int64_t N, int64_t K, int64_t Kp, int64_t n_begin,
+                         int64_t n_end) {
   int64_t groups = (M + TILE_ROWS - 1) / TILE_ROWS;
-  for (int64_t n0 = 0; n0 < N; n0 += 64) {
-    const float *block = w + n0 * Kp, *next = n0 + 64 < N ? block + 64 * Kp : 0;
+  for (int64_t n0 = n_begin; n0 < n_end; n0 += 64) {
+    const float *block = w + n0 * Kp, *next = n0 + 64 < n_end ? block + 64 * Kp : 0;
     const float *b = bias ? bias + n0 : 0;
     int64_t cols = N - n0 < 64 ? N - n0 : 64;
     for (int64_t g = 0, m0 = 0; g < groups; g++) {
@@ -266,7 +274,7 @@ _GEMV_SIGNATURES = (
     ("gemv_blocked", (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 3, None),
     (
         "gemm_blocked",
-        (ctypes.c_void_p, ctypes.c_int64) + (ctypes.c_void_p,) * 3 + (ctypes.c_int64,) * 3,
+        (ctypes.c_void_p, ctypes.c_int64) + (ctypes.c_void_p,) * 3 + (ctypes.c_int64,) * 5,
         None,
     ),
 )
@@ -282,6 +290,70 @@ FEW_ROWS_MAX = 64
 
 def _gemv_library() -> ctypes.CDLL | None:
     return load_library("gemv", _GEMV_SOURCE, (("-O3",),), _GEMV_SIGNATURES)
+
+
+#: The fewest rows, and multiply-adds, of a few-row product shared with lent threads
+#: (`lending`): below, a thread's share is too short to pay for handing it over (~50 us).
+SHARE_MIN_ROWS = 16
+SHARE_MIN_MACS = 1 << 22
+
+
+class LentThreads:
+    """Threads an engine borrows for some of its steps (`lending`): the few-row kernel splits a
+    product's 64-column blocks between the calling thread and them. Each output is summed over k
+    in order whoever computes it, so the product is the same to the bit as on one thread."""
+
+    def __init__(self, count: int, cores: tuple[int, ...] | None = None) -> None:
+        """`count` threads, bound to `cores` where given (else placed by the OS)."""
+        if count < 1:
+            raise ValueError(f"LentThreads needs at least one thread, got {count}")
+        self.count = count
+        self._pool = ThreadPoolExecutor(
+            count, "loraplex-lent", initializer=_bind_thread, initargs=(cores,)
+        )
+
+    def gemm(
+        self, lib: ctypes.CDLL, rows: torch.Tensor, weight: PackedWeight, bias: int | None,
+        out: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """`gemm_blocked` of contiguous `rows` into `out`, the column blocks shared out."""
+        n, parts = weight.n, self.count + 1
+        blocks = -(-n // 64)
+        edges = [min(n, blocks * i // parts * 64) for i in range(parts)] + [n]
+        args = (rows.data_ptr(), rows.shape[0], weight.data_ptr, bias, out.data_ptr(), n,
+                weight.k, weight.k_padded)  # fmt: skip
+        # NOTE: ctypes lets go of the GIL for the call, so the shares run side by side
+        shares = [self._pool.submit(lib.gemm_blocked, *args, lo, hi)
+                  for lo, hi in zip(edges[1:-1], edges[2:]) if hi > lo]  # fmt: skip
+        lib.gemm_blocked(*args, edges[0], edges[1])
+        for share in shares:
+            share.result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _worth_sharing(m: int, weight: PackedWeight) -> bool:
+    return m >= SHARE_MIN_ROWS and weight.n > 64 and m * weight.n * weight.k >= SHARE_MIN_MACS
+
+
+def _bind_thread(cores: tuple[int, ...] | None) -> None:
+    if cores is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cores)  # NOTE: 0 is the calling thread on Linux
+
+
+_LENT: ContextVar[LentThreads | None] = ContextVar("loraplex_lent_threads", default=None)
+
+
+@contextmanager
+def lending(threads: LentThreads | None) -> Iterator[None]:
+    """Within the block, few-row products of at least `SHARE_MIN_ROWS` rows share their work
+    with `threads` (None: none lent)."""
+    token = _LENT.set(threads)
+    try:
+        yield
+    finally:
+        _LENT.reset(token)
 
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -337,12 +409,15 @@ def linear_packed(
         rows = rows.contiguous()
         out = torch.empty(m, weight.n, dtype=torch.float32)
         b = None if bias is None else bias.data_ptr()
+        lent = _LENT.get()
         if m == 1:
             lib.gemv_blocked(rows.data_ptr(), weight.data_ptr, b, out.data_ptr(), weight.n,
                              weight.k, weight.k_padded)  # fmt: skip
+        elif lent is not None and _worth_sharing(m, weight):
+            lent.gemm(lib, rows, weight, b, out)
         else:
             lib.gemm_blocked(rows.data_ptr(), m, weight.data_ptr, b, out.data_ptr(), weight.n,
-                             weight.k, weight.k_padded)  # fmt: skip
+                             weight.k, weight.k_padded, 0, weight.n)  # fmt: skip
     else:
         out = _onednn(rows.contiguous(), weight.tensor, bias)
     return out.view(*x.shape[:-1], weight.n)

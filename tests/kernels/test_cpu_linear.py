@@ -107,6 +107,48 @@ def test_a_weight_held_packed_gives_f_linear_at_every_row_count(n: int, k: int) 
 
 
 @needs_onednn
+def test_a_product_shared_with_lent_threads_is_the_same_to_the_bit(monkeypatch) -> None:
+    """A prompt's few-row products under `lending` split their 64-column blocks between the
+    caller and the lent threads, and give exactly what one thread gives; products too small to
+    pay for the hand-off (few rows, or little work) stay on the caller's thread."""
+    gen = torch.Generator().manual_seed(5)
+    w, b = torch.randn(328, 96, generator=gen), torch.randn(328, generator=gen)
+    packed = _packed_or_skip(w)
+    shares: list[tuple[int, int, int]] = []
+    lib = cpu_linear._gemv_library()
+    if lib is None:
+        pytest.skip("no C compiler: the few-row kernel is not built")
+    lent = cpu_linear.LentThreads(2)
+    real = lent.gemm
+
+    def spy(lib, rows, weight, bias, out) -> None:
+        shares.append((rows.shape[0], weight.n, weight.k))
+        real(lib, rows, weight, bias, out)
+
+    monkeypatch.setattr(lent, "gemm", spy)
+    monkeypatch.setattr(cpu_linear, "SHARE_MIN_MACS", 0)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for m in (cpu_linear.SHARE_MIN_ROWS - 1, cpu_linear.SHARE_MIN_ROWS, 37,
+                  cpu_linear.FEW_ROWS_MAX):  # fmt: skip
+            x = torch.randn(m, 96, generator=gen)
+            alone = cpu_linear.linear_packed(x, packed, b)
+            with cpu_linear.lending(lent):
+                shared = cpu_linear.linear_packed(x, packed, b)
+            assert torch.equal(shared, alone), m
+            torch.testing.assert_close(shared, F.linear(x, w, b), atol=2e-4, rtol=1e-5)
+        assert [m for m, _, _ in shares] == [cpu_linear.SHARE_MIN_ROWS, 37, cpu_linear.FEW_ROWS_MAX]
+        monkeypatch.setattr(cpu_linear, "SHARE_MIN_MACS", 1 << 40)
+        with cpu_linear.lending(lent):
+            cpu_linear.linear_packed(torch.randn(32, 96, generator=gen), packed, b)
+        assert len(shares) == 3  # too little work to share
+    finally:
+        torch.set_num_threads(threads)
+        lent.close()
+
+
+@needs_onednn
 def test_a_few_rows_on_one_thread_skip_onednn(monkeypatch) -> None:
     """Decode batches of 2 to FEW_ROWS_MAX rows on one compute thread (the default 2-core engine)
     run the few-row C kernel; more rows, or more threads, run oneDNN."""

@@ -22,18 +22,28 @@ list (`1`, `0-3,6`) binds any engine to those cores and, unless a thread count i
 on one thread per listed core. On the shared 2-core host, a pinned engine core kept its
 throughput when the other core was busy where an unbound one halved
 (benchmarks/results/cpu_serving_bind.json).
+
+Lending (`SpareCores`, LORAPLEX_CPU_LEND_IDLE_CORES): an engine that chose its one thread itself
+lends the core it leaves over to its prefill steps while that core is idle.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
+from pathlib import Path
 
 import torch
 
 import loraplex.envs as envs
+from loraplex.kernels.cpu_linear import LentThreads
 
 logger = logging.getLogger(__name__)
+
+#: (the cores usable before any binding, the compute thread's binding or None) of the first
+#: `configure_cpu_threads` of this process, and whether it chose the thread count itself.
+_placement: tuple[tuple[int, ...], tuple[int, ...] | None, bool] | None = None
 
 
 def usable_cores() -> int:
@@ -121,6 +131,7 @@ def configure_cpu_threads(own_process: bool = False, tensor_parallel_size: int =
         threads = len(bound)
     else:
         threads = default_cpu_threads(cores)
+    chosen = explicit is None and not envs.omp_num_threads_set() and value in ("auto", "nobind")
     if bound is not None:
         if value == "auto":
             bound = bound[-min(threads, len(bound)) :]
@@ -132,6 +143,9 @@ def configure_cpu_threads(own_process: bool = False, tensor_parallel_size: int =
             )
         if set(bound) != usable:
             os.sched_setaffinity(0, bound)
+    global _placement
+    if _placement is None or own_process:
+        _placement = (tuple(sorted(usable)), bound, chosen and tensor_parallel_size == 1)
     torch.set_num_threads(threads)
     try:
         # NOTE: the engine runs no inter-op parallel work; a second pool only adds threads. Fails
@@ -152,3 +166,102 @@ def _usable_set() -> set[int]:
     if hasattr(os, "sched_getaffinity"):
         return set(os.sched_getaffinity(0))
     return set(range(usable_cores()))
+
+
+#: A spare core counts as free when at least this share of it went idle over the last window,
+#: the engine's own use apart.
+FREE_SHARE = 0.8
+#: The shortest window over which idleness is measured (/proc/stat counts in 10 ms ticks).
+WINDOW_S = 0.1
+
+
+class SpareCores:
+    """Lends the cores a CPU engine leaves to the API process and the host (one of two on a
+    2-core machine) to its prefill steps while nothing else uses them: a prompt's linears then
+    share their column blocks with a lent thread (`kernels.cpu_linear.lending`; the same result
+    to the bit). At concurrency 1 the API process idles while a prompt fills, so its core would
+    otherwise sit unused for the whole time to first token: a 64-token prompt of the embedded
+    model took 259 ms to its first token on one thread here. Idleness is read from /proc/stat
+    over the last window (at least `WINDOW_S`): the usable cores' idle share plus the engine's
+    own CPU time, less its own threads; a busy API process (many streams) or another program on
+    the spare core keeps the step on the engine's own thread."""
+
+    def __init__(self, usable: tuple[int, ...], bound: tuple[int, ...] | None, threads: int,
+                 stat: Path = Path("/proc/stat")) -> None:  # fmt: skip
+        self.usable, self.threads, self._stat = usable, threads, stat
+        self.spare = len(usable) - threads
+        spare_cores = tuple(c for c in usable if c not in bound) if bound is not None else None
+        self.lent = LentThreads(self.spare, spare_cores or None) if self.spare > 0 else None
+        self._free = 0
+        self._mark = self._sample()
+        self.lent_steps = 0  # steps that ran with the lent threads
+
+    def _sample(self) -> tuple[float, float, dict[int, tuple[int, int]]] | None:
+        """(wall clock, this process's CPU seconds, {core: (idle ticks, total ticks)})."""
+        try:
+            text = self._stat.read_text()
+        except OSError:
+            return None
+        ticks: dict[int, tuple[int, int]] = {}
+        for line in text.splitlines():
+            name, _, rest = line.partition(" ")
+            if not name.startswith("cpu") or not name[3:].isdigit():
+                continue
+            core = int(name[3:])
+            if core in self.usable:
+                fields = [int(f) for f in rest.split()[:8]]
+                ticks[core] = (fields[3] + fields[4], sum(fields))  # idle + iowait, all
+        return time.monotonic(), time.process_time(), ticks
+
+    def free(self) -> int:
+        """How many spare cores are free now (see the class doc), 0..spare."""
+        if self.lent is None or self._mark is None:
+            return 0
+        now = time.monotonic()
+        if now - self._mark[0] < WINDOW_S:
+            return self._free
+        sample = self._sample()
+        if sample is None:
+            return 0
+        (t0, cpu0, ticks0), (t1, cpu1, ticks1) = self._mark, sample
+        idle = 0.0
+        for core, (idle1, total1) in ticks1.items():
+            idle0, total0 = ticks0.get(core, (idle1, total1))
+            idle += (idle1 - idle0) / (total1 - total0) if total1 > total0 else 1.0
+        ours = (cpu1 - cpu0) / (t1 - t0)
+        self._free = max(0, min(self.spare, int(idle + ours - self.threads + 1 - FREE_SHARE)))
+        self._mark = sample
+        return self._free
+
+    def for_step(self, prefill: bool) -> LentThreads | None:
+        """The threads a step may borrow: the lent ones for a prefill step while every spare
+        core is free, else None."""
+        if not prefill or self.lent is None or self.free() < self.spare:
+            return None
+        self.lent_steps += 1
+        return self.lent
+
+    def close(self) -> None:
+        if self.lent is not None:
+            self.lent.close()
+
+
+def spare_cores() -> SpareCores | None:
+    """The lender of this engine's idle spare cores to its prefill steps (`SpareCores`), or None
+    where there is none to lend: LORAPLEX_CPU_LEND_IDLE_CORES=0, a thread count or CPU list set
+    by the user (LORAPLEX_CPU_THREADS, OMP_NUM_THREADS, LORAPLEX_CPU_OMP_THREADS_BIND), tensor
+    parallelism, an engine on more than one thread or with no core left over, or no /proc/stat.
+    Call after `configure_cpu_threads`."""
+    if _placement is None or not envs.cpu_lend_idle_cores():
+        return None
+    usable, bound, chosen = _placement
+    threads = torch.get_num_threads()
+    # NOTE: the few-row kernel, which shares its work, runs on one compute thread only (the
+    # default of a 2-core host); more threads already take oneDNN's parallel path
+    if not chosen or threads != 1 or len(usable) <= threads:
+        return None
+    lender = SpareCores(usable, bound, threads)
+    if lender._mark is None:
+        lender.close()
+        return None
+    return lender

@@ -20,6 +20,7 @@ from loraplex.adapters.lora_layer import LoRAModelState, attach_lora_layers
 from loraplex.config import EngineConfig
 from loraplex.kernels.attention import decode_plan
 from loraplex.kernels.bitmask import warm_up as warm_up_bitmask
+from loraplex.kernels.cpu_linear import lending
 from loraplex.kernels.sampling import greedy_tokens
 from loraplex.kernels.sampling import warm_up as warm_up_sampler
 from loraplex.platform.core.scheduler_output import (
@@ -37,7 +38,7 @@ from loraplex.platform.parallel.parallel_state import (
 )
 from loraplex.platform.parallel.sharding import attention_shard
 from loraplex.platform.runner.batch import Batch, build_batch, fill_pending
-from loraplex.platform.runner.cpu_threads import configure_cpu_threads
+from loraplex.platform.runner.cpu_threads import SpareCores, configure_cpu_threads, spare_cores
 from loraplex.platform.runner.cuda_graph import CudaGraphRunner
 from loraplex.platform.runner.draft_sampler import MetadataDraftSampler
 from loraplex.platform.runner.input_batch import InputBatch, to_device
@@ -109,8 +110,13 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.model.device)
         self.block_size = config.cache.block_size
+        # NOTE: a CPU engine's prefill steps borrow the core it leaves to the API process while
+        # that core idles (`SpareCores`)
+        self.spare_cores: SpareCores | None = None
         if self.device.type == "cpu":
             configure_cpu_threads(tensor_parallel_size=config.parallel.tensor_parallel_size)
+            if tp is None:
+                self.spare_cores = spare_cores()
         self.workers: TensorParallelWorkers | None = None
         self._owed_tokens = 0  # rows of a launched step whose tokens were not broadcast
         if tp is None and config.parallel.tensor_parallel_size > 1:
@@ -247,7 +253,10 @@ class ModelRunner:
         )
 
     def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks (rank 0; a no-op otherwise)."""
+        """Stop the other tensor-parallel ranks (rank 0; a no-op otherwise) and any lent
+        threads."""
+        if self.spare_cores is not None:
+            self.spare_cores.close()
         if self.workers is not None:
             self.workers.shutdown()
             destroy_tensor_parallel(getattr(self, "tp", SINGLE))
@@ -459,7 +468,11 @@ class ModelRunner:
         input_ids = to_device(batch.input_ids, dev)
         fill_pending(input_ids, batch, last_token)
         positions = to_device(batch.positions, dev)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        lent = None
+        if self.spare_cores is not None:
+            lent = self.spare_cores.for_step(prefill=batch.max_query_len > 1)
+        with lending(lent):
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
         prompt_logprobs: PromptLogprobScores = {}
         for req_id, offset, targets, first_pos in batch.prompt_scores:
             row = self.input_batch.req_index[req_id]

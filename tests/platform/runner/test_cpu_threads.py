@@ -182,3 +182,132 @@ def test_a_server_with_a_bad_binding_refuses_to_start_with_the_reason(monkeypatc
     process.join(120)
     assert process.exitcode == STARTUP_REFUSED_EXIT
     assert "LORAPLEX_CPU_OMP_THREADS_BIND" in refusals.recv()
+
+
+class _Clock:
+    """Stands in for the `time` module of `cpu_threads`: wall and process-CPU seconds set by
+    the test."""
+
+    def __init__(self) -> None:
+        self.wall, self.cpu = 100.0, 10.0
+
+    def monotonic(self) -> float:
+        return self.wall
+
+    def process_time(self) -> float:
+        return self.cpu
+
+
+def _stat(path, ticks: dict[int, tuple[int, int]]) -> None:
+    """A /proc/stat with each core's (busy, idle) ticks (user and idle columns)."""
+    lines = ["cpu  0 0 0 0 0 0 0 0 0 0"]
+    lines += [f"cpu{c} {busy} 0 0 {idle} 0 0 0 0 0 0" for c, (busy, idle) in ticks.items()]
+    path.write_text("\n".join(lines) + "\nintr 1 2 3\n")
+
+
+def test_a_prefill_step_borrows_the_spare_core_only_while_it_idles(tmp_path, monkeypatch):
+    """The engine computes on core 1 and leaves core 0 to the API process: a prefill step
+    borrows core 0 while, over the last window, it went idle (the engine's own CPU time aside),
+    not while the API process or another program keeps it busy, and a decode step never."""
+    clock = _Clock()
+    monkeypatch.setattr(cpu_threads, "time", clock)
+    stat = tmp_path / "stat"
+    _stat(stat, {0: (0, 0), 1: (0, 0)})
+    cores = cpu_threads.SpareCores((0, 1), (1,), threads=1, stat=stat)
+    try:
+        assert cores.spare == 1 and cores.lent is not None and cores.lent.count == 1
+
+        def window(core0: tuple[int, int], core1: tuple[int, int], ours: float) -> None:
+            """One second of ticks (100 a core) and the engine's own CPU seconds."""
+            clock.wall += 1.0
+            clock.cpu += ours
+            _stat(stat, {0: core0, 1: core1})
+
+        window((5, 95), (95, 5), ours=0.95)  # one stream: the API process near idle
+        assert cores.for_step(prefill=True) is cores.lent
+        assert cores.for_step(prefill=False) is None
+        window((5 + 60, 95 + 40), (190, 10), ours=0.95)  # many streams: core 0 60 % busy
+        assert cores.for_step(prefill=True) is None
+        window((165, 140), (195, 105), ours=0.0)  # another program on core 0, the engine idle
+        assert cores.for_step(prefill=True) is None
+        window((170, 235), (200, 200), ours=0.0)  # the host idle
+        assert cores.for_step(prefill=True) is cores.lent
+        assert cores.lent_steps == 2
+        clock.wall += cpu_threads.WINDOW_S / 2  # too short a window: the last answer holds
+        _stat(stat, {0: (270, 235), 1: (300, 200)})
+        assert cores.for_step(prefill=True) is cores.lent
+    finally:
+        cores.close()
+
+
+def test_only_a_default_one_thread_engine_lends_its_spare_core(monkeypatch, restore_threads):
+    """`spare_cores` gives a lender where the engine chose its one thread on a 2-core placement
+    itself, and none where the user set the threads or cores, turned lending off, or the engine
+    computes on more threads (oneDNN's own parallel path there)."""
+    for name in ("LORAPLEX_CPU_THREADS", "OMP_NUM_THREADS", "LORAPLEX_CPU_LEND_IDLE_CORES"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(cpu_threads, "_placement", ((0, 1), (1,), True))
+    torch.set_num_threads(1)
+    lender = cpu_threads.spare_cores()
+    assert lender is not None and lender.spare == 1
+    lender.close()
+    monkeypatch.setenv("LORAPLEX_CPU_LEND_IDLE_CORES", "0")
+    assert cpu_threads.spare_cores() is None
+    monkeypatch.delenv("LORAPLEX_CPU_LEND_IDLE_CORES")
+    monkeypatch.setattr(cpu_threads, "_placement", ((0, 1), (1,), False))  # the user's choice
+    assert cpu_threads.spare_cores() is None
+    monkeypatch.setattr(cpu_threads, "_placement", ((0, 1, 2, 3), None, True))
+    torch.set_num_threads(3)
+    assert cpu_threads.spare_cores() is None
+
+
+def test_the_first_configuration_records_who_chose_the_threads(monkeypatch, restore_threads):
+    """`configure_cpu_threads` records the placement lending needs: chosen by the engine by
+    default, not where OMP_NUM_THREADS (the test runner's, say) set the count."""
+    monkeypatch.setattr(cpu_threads, "_placement", None)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("LORAPLEX_CPU_OMP_THREADS_BIND", "nobind")
+    configure_cpu_threads()
+    usable, bound, chosen = cpu_threads._placement
+    assert usable == tuple(sorted(os.sched_getaffinity(0))) and bound is None and not chosen
+    assert cpu_threads.spare_cores() is None
+
+
+def test_a_prompt_filled_with_a_lent_core_gives_the_very_same_tokens(model_dir, tmp_path):
+    """End to end on the embedded model: a 64-token prompt whose prefill borrows the spare core
+    (forced idle here) shares its linears with the lent thread and answers with exactly the
+    tokens and logprobs the engine gives on its own thread."""
+    from loraplex import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", num_kv_blocks=64,
+              enable_prefix_caching=False)  # fmt: skip
+    runner = llm.engine.runner
+    stat = tmp_path / "stat"
+    _stat(stat, {0: (0, 0), 1: (0, 0)})
+    lender = cpu_threads.SpareCores((0, 1), None, threads=1, stat=stat)
+    lender.free = lambda: lender.spare  # type: ignore[method-assign]
+    assert lender.lent is not None
+    shares, gemm = [0], lender.lent.gemm
+
+    def counted(*args) -> None:
+        shares[0] += 1
+        gemm(*args)
+
+    lender.lent.gemm = counted  # type: ignore[method-assign]
+    prompt = [(i * 7919) % 30000 + 100 for i in range(64)]
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=2)
+    try:
+        runner.spare_cores = None
+        alone = llm.generate([prompt], params)[0].outputs[0]
+        runner.spare_cores = lender
+        shared = llm.generate([prompt], params)[0].outputs[0]
+    finally:
+        runner.spare_cores = None
+        lender.close()
+        llm.engine.shutdown()
+    assert lender.lent_steps == 1  # the prefill; the decode steps stay on the engine's thread
+    assert shares[0] >= 4 * 30  # every decoder layer's linears were shared
+    assert shared.token_ids == alone.token_ids
+    assert [{t: lp.logprob for t, lp in step.items()} for step in shared.logprobs] == [
+        {t: lp.logprob for t, lp in step.items()} for step in alone.logprobs
+    ]
