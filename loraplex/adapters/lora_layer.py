@@ -139,11 +139,18 @@ class LoRABatchMeta:
         self._fused_counts = torch.zeros(n, dtype=torch.int32, device=self._fused_counts.device)
         return [self._fused_counts[i : i + 1] for i in range(n)]
 
-    def _view(self, n: int) -> LoRAKernelMeta:
-        return LoRAKernelMeta(self._slots[:n], self._order[:n], self._start, self._count)
+    def _view(self, n: int, num_adapters: int | None = None) -> LoRAKernelMeta:
+        return LoRAKernelMeta(
+            self._slots[:n], self._order[:n], self._start, self._count, num_adapters
+        )
 
     def set(
-        self, lora_slots: torch.Tensor, *, always_apply: bool = False, staged: bool = False
+        self,
+        lora_slots: torch.Tensor,
+        *,
+        always_apply: bool = False,
+        staged: bool = False,
+        num_adapters: int | None = None,
     ) -> None:
         """Install a step's slots (`[num_tokens]` int32, -1 = base) into the shared buffers.
 
@@ -151,7 +158,8 @@ class LoRABatchMeta:
         CUDA-graph capture pass `always_apply=True`, so the kernels are recorded. Never waits
         for the device: a host tensor is copied asynchronously (a pinned one is cloned first,
         so the caller may reuse it at once, unless `staged`: the caller keeps it unchanged
-        until the copy is done, as `LoRASlotWriter` does)."""
+        until the copy is done, as `LoRASlotWriter` does). `num_adapters`: the most distinct
+        adapters the step holds, where the caller knows it (it picks the kernels' regime)."""
         n = lora_slots.shape[0]
         if lora_slots.dim() != 1:
             raise ValueError(f"lora_slots must be 1-D, got shape {tuple(lora_slots.shape)}")
@@ -162,7 +170,7 @@ class LoRABatchMeta:
         if on_host and not staged and lora_slots.is_pinned():
             lora_slots = lora_slots.clone()
         self._slots[:n].copy_(lora_slots.to(torch.int32), non_blocking=True)
-        self.kernel_meta = self._view(n)
+        self.kernel_meta = self._view(n, num_adapters)
         if self.active:
             self._fused_counts.zero_()
         self.regroup()

@@ -277,6 +277,43 @@ def test_default_regimes_by_token_count():
         LoRAKernelConfig(decode_block_k=256, decode_k_per_split=384)
 
 
+def test_few_adapters_take_the_grouped_pair_below_its_token_count():
+    """From 96 tokens on, a step with at least 12 tokens per distinct adapter takes the grouped
+    pair where many adapters (or an unknown count) keep the per-token one; decode steps and
+    steps past 128 tokens do not depend on the count."""
+    config = LoRAKernelConfig()
+    cases = {(64, 1): "token", (64, 8): "token", (96, 8): "group", (96, 9): "token",
+             (128, 8): "group", (128, 10): "group", (128, 11): "token", (128, 64): "token",
+             (128, None): "token", (1, 1): "decode", (256, 64): "group"}  # fmt: skip
+    assert {c: config.regime(c[0], True, c[1]) for c in cases} == cases
+    assert [config.few_adapters(96, 8), config.few_adapters(96, None)] == [True, False]
+    with pytest.raises(ValueError, match="group_tokens_per_adapter"):
+        LoRAKernelConfig(group_tokens_per_adapter=0)
+
+
+def test_the_step_s_adapter_count_picks_the_kernels(monkeypatch):
+    """`lora_triton` reads the regime off the step's metadata: 96 tokens on 4 adapters run the
+    grouped pair, the same tokens with the count unknown the per-token pair, both equal to the
+    reference (Triton interpreter)."""
+    import loraplex.kernels.lora.triton_grouped as triton_grouped
+
+    config = LoRAKernelConfig(**{**TINY, "group_min_tokens": 64, "token_kernels_max_tokens": 96})
+    lora = _stack(24, (16, 8), 4, 4, 13)
+    x, _ = _inputs(96, 24, 4, 13)
+    slots = torch.arange(96, dtype=torch.int32) % 4
+    grouped: list[int] = []
+    real = triton_grouped.shrink_grouped
+    monkeypatch.setattr(triton_grouped, "shrink_grouped",
+                        lambda *a: grouped.append(1) or real(*a))  # fmt: skip
+    expected = _dense_delta(x, lora, slots, lora.b_t.shape[2])
+    for count, calls in ((4, 1), (None, 1)):
+        meta = replace(lora_kernel_meta(slots, 4), num_adapters=count)
+        out = torch.zeros(96, lora.b_t.shape[2])
+        lora_triton(x, out, lora, meta, torch.zeros(2048, 8), config)
+        torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
+        assert len(grouped) == calls
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("num_tokens", [1, 8, 40, 300, 700])  # decode, token, group (x2)

@@ -185,7 +185,7 @@ def lora_triton(
     """`add_lora`'s Triton path on any device (CPU tensors run under `TRITON_INTERPRET=1`)."""
     if x.shape[0] == 0:
         return
-    if config.regime(x.shape[0], counters is not None) == "decode":
+    if config.regime(x.shape[0], counters is not None, meta.num_adapters) == "decode":
         from loraplex.kernels.lora.triton_decode import lora_decode
 
         assert counters is not None
@@ -205,7 +205,7 @@ def _shrink_triton(
     """The shrink of the step's two-launch regime; its split count."""
     if x.shape[0] == 0:
         return 0
-    if config.regime(x.shape[0], False) == "token":
+    if config.regime(x.shape[0], False, meta.num_adapters) == "token":
         from loraplex.kernels.lora.triton_token import shrink_tokens
 
         return shrink_tokens(x, lora, meta, workspace, config)
@@ -225,7 +225,7 @@ def _expand_triton(
     """The expand of the step's two-launch regime over `splits` partials."""
     if out.shape[0] == 0:
         return
-    if config.regime(out.shape[0], False) == "token":
+    if config.regime(out.shape[0], False, meta.num_adapters) == "token":
         from loraplex.kernels.lora.triton_token import expand_tokens
 
         expand_tokens(workspace, splits, out, lora, meta, config)

@@ -20,6 +20,9 @@ class LoRAKernelMeta:
     token_order: torch.Tensor  # [num_tokens] int32, token indices sorted by slot (base last)
     slot_start: torch.Tensor  # [num_slots] int32, first position of each slot in token_order
     slot_count: torch.Tensor  # [num_slots] int32, tokens carrying each slot
+    # NOTE: the distinct adapters the host knows the step to hold (at most; None: unknown, as
+    # many as the slots), which picks the kernels' regime (`LoRAKernelConfig.regime`)
+    num_adapters: int | None = None
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,13 @@ class LoRAKernelConfig:
     decode_k_per_split: int = 256  # shrink: input features per work item (a multiple of the above)
     decode_block_n: int = 256  # expand: columns per work item
     token_kernels_max_tokens: int = 128
+    # NOTE: a step of group_min_tokens to token_kernels_max_tokens tokens with at least
+    # group_tokens_per_adapter tokens per distinct adapter takes the grouped pair: at 96 and 128
+    # tokens on 8 adapters 66 / 69 against 86 / 102 us a layer, while at 64 tokens on 8 adapters
+    # (60.7 against 67.0) and at 96 / 128 tokens on 64 (110 / 125 against 161 / 160) the
+    # per-token pair stays ahead (results/h200_lora_regimes.json)
+    group_min_tokens: int = 96
+    group_tokens_per_adapter: int = 12
     token_k_per_split: int = 512
     target_programs: int = 512  # grouped shrink: split the reduction until about this many programs
     max_splits: int = 32
@@ -75,11 +85,12 @@ class LoRAKernelConfig:
                 raise ValueError(f"LoRAKernelConfig.{name} must be a power of two >= 16")
         if self.decode_k_per_split % self.decode_block_k:
             raise ValueError("LoRAKernelConfig.decode_k_per_split must divide by decode_block_k")
-        for name in ("max_splits", "target_programs", "token_k_per_split", "expand_max_tiles"):
+        for name in ("max_splits", "target_programs", "token_k_per_split", "expand_max_tiles",
+                     "group_tokens_per_adapter"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"LoRAKernelConfig.{name} must be >= 1")
         limits = (self.decode_max_tokens, self.token_kernels_max_tokens, self.expand_programs,
-                  self.overlap_max_tokens)  # fmt: skip
+                  self.overlap_max_tokens, self.group_min_tokens)  # fmt: skip
         if min(limits) < 0:
             raise ValueError("LoRAKernelConfig: token limits and expand_programs must be >= 0")
 
@@ -89,13 +100,27 @@ class LoRAKernelConfig:
         two_launches = self.regime(num_tokens, has_counters) != "decode"
         return two_launches and 0 < num_tokens <= self.overlap_max_tokens
 
-    def regime(self, num_tokens: int, has_counters: bool) -> str:
-        """ "decode", "token" or "group" for a step of `num_tokens` tokens."""
+    def regime(self, num_tokens: int, has_counters: bool, num_adapters: int | None = None) -> str:
+        """ "decode", "token" or "group" for a step of `num_tokens` tokens on at most
+        `num_adapters` distinct adapters (None: unknown)."""
         if has_counters and num_tokens <= self.decode_max_tokens:
             return "decode"
-        if num_tokens <= self.token_kernels_max_tokens:
+        if num_tokens <= self.token_kernels_max_tokens and not self.few_adapters(
+            num_tokens, num_adapters
+        ):
             return "token"
         return "group"
+
+    def few_adapters(self, num_tokens: int, num_adapters: int | None) -> bool:
+        """Whether a step of `num_tokens` tokens is on few enough adapters for the grouped pair
+        where many would take the per-token one (see `group_min_tokens`)."""
+        return (
+            num_adapters is not None
+            and max(self.group_min_tokens, self.decode_max_tokens + 1)
+            <= num_tokens
+            <= self.token_kernels_max_tokens
+            and num_adapters * self.group_tokens_per_adapter <= num_tokens
+        )
 
 
 DEFAULT_KERNEL_CONFIG = LoRAKernelConfig()

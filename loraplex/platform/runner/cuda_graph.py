@@ -16,7 +16,9 @@ tokens; the padding queries attend to earlier context only and their logits are 
 With LoRA enabled every shape is captured twice: with the LoRA kernels (whatever slots the
 step holds; their work follows the adapters present) and without them, which a step with no
 adapter token replays, so base-model requests on a LoRA engine cost what they cost without
-LoRA.
+LoRA. Sizes where a step on few distinct adapters takes other LoRA kernels (`few_adapters`:
+the grouped pair where many adapters take the per-token one) get a third graph, which a step
+on at most that many adapters replays.
 
 Off CUDA (tests) `_EagerGraph` stands in for a captured graph: replay re-runs the forward on
 the same persistent buffers, so the CPU walks the staging, padding and read-back of the GPU.
@@ -93,23 +95,28 @@ class CudaGraphRunner:
         max_bs: int,
         max_blocks_per_seq: int,
         device: torch.device,
-        before_replay: Callable[[int, np.ndarray | None], None] | None = None,
+        before_replay: Callable[[int, np.ndarray | None, int | None], None] | None = None,
         verify_query_len: int | None = None,
         verify_max_bs: int = 0,
+        few_adapters: Callable[[int], int | None] | None = None,
     ) -> None:
         """`verify_query_len` (k + 1 with a proposer of k drafts) adds verification graphs for
-        the capture sizes up to `verify_max_bs`."""
+        the capture sizes up to `verify_max_bs`. `few_adapters(num_tokens)`: the most distinct
+        adapters for which a LoRA step of that many tokens runs other kernels, None where the
+        count changes nothing (`LoRASlotWriter.few_adapters_limit`)."""
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = capture_sizes(max_bs)
         self.max_bs = self.sizes[-1]
         self.device = device
         self._cuda = device.type == "cuda"
-        # Called with (padded token count, per-token LoRA slots or None) before capture / replay.
+        # Called with (padded token count, per-token LoRA slots or None, the most distinct
+        # adapters the kernels plan for or None: any) before capture / replay.
         # NOTE: the slots are None for a step (or graph) with no adapter token: the LoRA layers
         # skip their work; an array (-1 padded) records and replays the LoRA kernels.
         self.before_replay = before_replay
         self.with_lora = before_replay is not None  # two graphs per shape, with and without
+        self.few_adapters = few_adapters if self.with_lora else None
         self.verify_query_len = verify_query_len or 0
         if self.verify_query_len > 1 and verify_max_bs >= 1:
             self.verify_sizes = capture_sizes(min(verify_max_bs, self.max_bs))
@@ -153,6 +160,11 @@ class CudaGraphRunner:
         self.base_logits: dict[int, torch.Tensor] = {}
         self.base_verify_graphs: dict[int, torch.cuda.CUDAGraph | _EagerGraph] = {}
         self.base_verify_logits: dict[int, torch.Tensor] = {}
+        # The shapes `few_adapters` names, with the LoRA kernels for at most that many adapters.
+        self.few_graphs: dict[int, torch.cuda.CUDAGraph | _EagerGraph] = {}
+        self.few_logits: dict[int, torch.Tensor] = {}
+        self.few_verify_graphs: dict[int, torch.cuda.CUDAGraph | _EagerGraph] = {}
+        self.few_verify_logits: dict[int, torch.Tensor] = {}
         self._verify_out: torch.Tensor | None = None  # CUDA: the buffer they all write
 
     def _forward(self, bs: int, query_len: int) -> torch.Tensor:
@@ -177,12 +189,15 @@ class CudaGraphRunner:
         shapes = [(bs, 1) for bs in self.sizes] + [
             (bs, self.verify_query_len) for bs in self.verify_sizes
         ]
-        variants = (True, False) if self.with_lora else (False,)
-        for (bs, q), lora in (
-            (shape, lora) for shape in sorted(shapes, key=lambda s: -s[0] * s[1]) for lora in variants
+        variants = ("lora", "base") if self.with_lora else ("base",)
+        for (bs, q), kind in (
+            (shape, kind) for shape in sorted(shapes, key=lambda s: -s[0] * s[1])
+            for kind in variants + (("few",) if self._few_limit(shape[0] * shape[1]) else ())
         ):  # fmt: skip
             if self.before_replay is not None:
-                self.before_replay(bs * q, np.full(bs * q, -1, np.int32) if lora else None)
+                slots = None if kind == "base" else np.full(bs * q, -1, np.int32)
+                few = self._few_limit(bs * q) if kind == "few" else None
+                self.before_replay(bs * q, slots, few)
             graph: torch.cuda.CUDAGraph | _EagerGraph
             if self._cuda:
                 for _ in range(2):  # compile / autotune Triton kernels outside the capture
@@ -202,7 +217,7 @@ class CudaGraphRunner:
             else:
                 graph = _EagerGraph(lambda bs=bs, q=q: self._forward(bs, q))
                 logits = graph.output
-            graphs, outputs = self._set(q > 1, lora or not self.with_lora)
+            graphs, outputs = self._set(q > 1, kind if self.with_lora else "lora")
             graphs[bs], outputs[bs] = graph, logits
         if self._cuda:
             torch.cuda.synchronize(self.device)
@@ -210,20 +225,44 @@ class CudaGraphRunner:
             "captured %d decode CUDA graphs (batch sizes %s) and %d verification graphs of %d "
             "tokens a row (batch sizes %s)%s in %.1f s",
             len(self.graphs), self.sizes, len(self.verify_graphs), self.verify_query_len,
-            self.verify_sizes, ", each with and without LoRA" if self.with_lora else "",
+            self.verify_sizes,
+            (f", each with and without LoRA ({len(self.few_graphs)} + "
+             f"{len(self.few_verify_graphs)} also for few adapters)") if self.with_lora else "",
             time.monotonic() - start,
         )  # fmt: skip
 
     def _set(
-        self, verify: bool, lora: bool
+        self, verify: bool, kind: str
     ) -> tuple[dict[int, torch.cuda.CUDAGraph | _EagerGraph], dict[int, torch.Tensor]]:
-        """The graphs and their logits of one kind: decode or verification, with the LoRA
-        kernels (or on an engine without LoRA) or without them."""
+        """The graphs and their logits of one kind, decode or verification: "lora" with the
+        LoRA kernels (or on an engine without LoRA), "few" with those for few adapters, "base"
+        without them."""
         if verify:
-            if lora:
-                return self.verify_graphs, self.verify_logits
-            return self.base_verify_graphs, self.base_verify_logits
-        return (self.graphs, self.logits) if lora else (self.base_graphs, self.base_logits)
+            return {
+                "lora": (self.verify_graphs, self.verify_logits),
+                "few": (self.few_verify_graphs, self.few_verify_logits),
+                "base": (self.base_verify_graphs, self.base_verify_logits),
+            }[kind]
+        return {
+            "lora": (self.graphs, self.logits),
+            "few": (self.few_graphs, self.few_logits),
+            "base": (self.base_graphs, self.base_logits),
+        }[kind]
+
+    def _few_limit(self, num_tokens: int) -> int | None:
+        return self.few_adapters(num_tokens) if self.few_adapters is not None else None
+
+    def _kind(self, num_tokens: int, lora: np.ndarray | None) -> tuple[str, int | None]:
+        """Which graph a step of `num_tokens` padded tokens with these slots replays, and the
+        adapter count its kernels were captured for."""
+        if not self.with_lora:
+            return "lora", None
+        if lora is None:
+            return "base", None
+        few = self._few_limit(num_tokens)
+        if few is not None and int(np.unique(lora[lora >= 0]).size) <= few:
+            return "few", few
+        return "lora", None
 
     def _lora_slots(
         self, batch: Batch, num_tokens: int, rows: np.ndarray | None
@@ -298,9 +337,10 @@ class CudaGraphRunner:
         if fill_input_ids is not None:
             fill_input_ids(self.input_ids)
         lora = self._lora_slots(batch, bs, None)
+        kind, few = self._kind(bs, lora)
         if self.before_replay is not None:
-            self.before_replay(bs, lora)
-        graphs, logits = self._set(False, lora is not None or not self.with_lora)
+            self.before_replay(bs, lora, few)
+        graphs, logits = self._set(False, kind)
         graphs[bs].replay()
         return logits[bs][:n]
 
@@ -335,9 +375,10 @@ class CudaGraphRunner:
         if stage.done is not None:
             stage.done.record()
         lora = self._lora_slots(batch, t, dest)
+        kind, few = self._kind(t, lora)
         if self.before_replay is not None:
-            self.before_replay(t, lora)
-        graphs, logits = self._set(True, lora is not None or not self.with_lora)
+            self.before_replay(t, lora, few)
+        graphs, logits = self._set(True, kind)
         graphs[bs].replay()
         return logits[bs][self.logits_index[:num_logits]]
 

@@ -17,6 +17,15 @@ import numpy as np
 import torch
 
 from loraplex.adapters.lora_layer import LoRABatchMeta
+from loraplex.kernels.lora import DEFAULT_KERNEL_CONFIG
+
+#: More distinct adapters than any step holds: what a graph for any number of them plans for.
+_MANY = 1 << 30
+
+
+def distinct_adapters(lora_slots: np.ndarray) -> int:
+    """How many distinct adapters a step's per-token slots hold (-1, the base, not counted)."""
+    return int(np.unique(lora_slots[lora_slots >= 0]).size)
 
 
 class LoRASlotWriter:
@@ -38,11 +47,14 @@ class LoRASlotWriter:
         num_padded: int | None = None,
         *,
         always_apply: bool = False,
+        num_adapters: int | None = None,
     ) -> None:
         """Install the slots of the step's tokens; `num_padded` (>= num_tokens) pads with -1
         rows (graph replay). Without `always_apply` a step with no adapter token switches the
         LoRA layers off; CUDA-graph capture and replay pass it, so the kernels are recorded
-        and replayed whatever the batch holds."""
+        and replayed whatever the batch holds. `num_adapters`: the most distinct adapters the
+        kernels plan for (a graph's); None counts them where the count can change the kernels
+        (`few_adapters_limit`)."""
         n = len(lora_slots)
         total = n if num_padded is None else num_padded
         if total < n or total > self.meta.max_num_tokens:
@@ -61,15 +73,34 @@ class LoRASlotWriter:
         host = self._staging[i].numpy()
         host[:n] = lora_slots
         host[n:total] = -1
-        self.meta.set(self._staging[i][:total], always_apply=True, staged=True)
+        if num_adapters is None and self.few_adapters_limit(total) is not None:
+            num_adapters = distinct_adapters(lora_slots)
+        self.meta.set(self._staging[i][:total], always_apply=True, staged=True,
+                      num_adapters=num_adapters)  # fmt: skip
         if done is not None:
             done.record()
 
-    def for_graph(self, num_padded: int, lora_slots: np.ndarray | None) -> None:
+    def for_graph(
+        self, num_padded: int, lora_slots: np.ndarray | None, num_adapters: int | None = None
+    ) -> None:
         """Before a CUDA graph's capture or replay (`CudaGraphRunner.before_replay`): None
         switches the LoRA layers off (a graph without LoRA work, for steps with no adapter
-        token); slots are padded with -1 to `num_padded` and the LoRA kernels always run."""
+        token); slots are padded with -1 to `num_padded` and the LoRA kernels always run, those
+        for at most `num_adapters` distinct adapters where given (a few-adapter graph), else
+        for any number."""
         if lora_slots is None:
             self.meta.active = False
             return
-        self.write(lora_slots, num_padded, always_apply=True)
+        self.write(lora_slots, num_padded, always_apply=True,
+                   num_adapters=_MANY if num_adapters is None else num_adapters)  # fmt: skip
+
+    def few_adapters_limit(self, num_tokens: int) -> int | None:
+        """The most distinct adapters with which a step of `num_tokens` tokens runs other
+        kernels than with many (the grouped pair, `LoRAKernelConfig.few_adapters`), None where
+        the count changes nothing (or off CUDA, where the torch reference runs): a CUDA-graph
+        runner captures a second LoRA graph for such sizes."""
+        config = DEFAULT_KERNEL_CONFIG
+        most = num_tokens // config.group_tokens_per_adapter
+        if not self._cuda or not config.few_adapters(num_tokens, most):
+            return None
+        return most

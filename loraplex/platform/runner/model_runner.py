@@ -237,6 +237,9 @@ class ModelRunner:
             before_replay=self.lora_writer.for_graph if self.lora_writer is not None else None,
             verify_query_len=query_len,
             verify_max_bs=verify_max_bs,
+            few_adapters=(
+                self.lora_writer.few_adapters_limit if self.lora_writer is not None else None
+            ),
         )
 
     def _init_lora(self) -> LoRAModelState:

@@ -47,3 +47,30 @@ def test_more_tokens_than_the_buffers_hold_is_refused(writer):
         writer.write(np.zeros(17, dtype=np.int32))
     with pytest.raises(ValueError, match="padded to 2"):
         writer.write(np.zeros(3, dtype=np.int32), 2)
+
+
+def test_the_kernels_plan_for_the_step_s_distinct_adapters(monkeypatch):
+    """Where the count can change the kernels (96-128 tokens on CUDA), an eager step's
+    metadata carries its distinct adapters (the base not counted); a graph carries the most it
+    was captured for (a few-adapter graph) or a count past any step (the graph for many);
+    elsewhere (other sizes, the CPU's torch reference) the count stays unknown."""
+    from loraplex.platform.runner.lora_slots import distinct_adapters
+
+    meta = LoRABatchMeta(num_slots=64, max_rank=8, max_num_tokens=256, device=torch.device("cpu"))
+    writer = LoRASlotWriter(meta, torch.device("cpu"))
+    slots = np.array([5, -1, 5, 7, 63, 7] * 16, dtype=np.int32)  # 96 tokens, 3 adapters
+    assert distinct_adapters(slots) == 3 and writer.few_adapters_limit(96) is None
+    writer.write(slots)
+    assert meta.kernel_meta.num_adapters is None
+    monkeypatch.setattr(writer, "_cuda", True)
+    assert [writer.few_adapters_limit(n) for n in (64, 95, 96, 128, 129)] == [
+        None, None, 8, 10, None
+    ]  # fmt: skip
+    writer.write(slots)
+    assert meta.kernel_meta.num_adapters == 3
+    writer.write(slots[:64])
+    assert meta.kernel_meta.num_adapters is None
+    writer.for_graph(112, slots[:100], 9)
+    assert meta.kernel_meta.num_adapters == 9
+    writer.for_graph(112, slots[:100])
+    assert not meta.kernel_meta.num_adapters * 12 <= 112  # planned for many
