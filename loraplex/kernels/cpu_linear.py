@@ -299,18 +299,51 @@ SHARE_MIN_MACS = 1 << 22
 
 
 class LentThreads:
-    """Threads an engine borrows for some of its steps (`lending`): the few-row kernel splits a
-    product's 64-column blocks between the calling thread and them. Each output is summed over k
-    in order whoever computes it, so the product is the same to the bit as on one thread."""
+    """Threads an engine on one compute thread borrows for some of its steps (`lending`): the
+    few-row kernel splits a product's 64-column blocks between the calling thread and them
+    (each output is summed over k in order whoever computes it, so the product is the same to
+    the bit as on one thread), and oneDNN's products run on `1 + count` OpenMP threads (its
+    blocks of outputs shared out, K whole: equal to the bit on the embedded model's shapes on
+    the 2-core AVX-512 host, which a test checks)."""
 
     def __init__(self, count: int, cores: tuple[int, ...] | None = None) -> None:
         """`count` threads, bound to `cores` where given (else placed by the OS)."""
         if count < 1:
             raise ValueError(f"LentThreads needs at least one thread, got {count}")
-        self.count = count
+        self.count, self.cores = count, cores
         self._pool = ThreadPoolExecutor(
             count, "loraplex-lent", initializer=_bind_thread, initargs=(cores,)
         )
+        self._omp_started = False
+
+    @contextmanager
+    def parallel(self) -> Iterator[None]:
+        """torch's intra-op threads raised by `count` within the block. NOTE: OpenMP starts its
+        worker threads on the first parallel region and they keep the affinity of the thread
+        that started them; an engine bound to its own core would have them share it, so they are
+        started once with that thread's affinity widened to the lent cores."""
+        before = torch.get_num_threads()
+        if not self._omp_started:
+            self._omp_started = True
+            self._start_omp(before)
+        torch.set_num_threads(before + self.count)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+
+    def _start_omp(self, threads: int) -> None:
+        own = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        widen = own is not None and self.cores is not None and not set(self.cores) <= own
+        if widen:
+            os.sched_setaffinity(0, own | set(self.cores))  # type: ignore[arg-type, operator]
+        try:
+            torch.set_num_threads(threads + self.count)
+            torch.ones(1 << 20).add_(1.0)  # NOTE: a parallel region: the workers start here
+        finally:
+            torch.set_num_threads(threads)
+            if widen:
+                os.sched_setaffinity(0, own)  # type: ignore[arg-type]
 
     def gemm(
         self, lib: ctypes.CDLL, rows: torch.Tensor, weight: PackedWeight, bias: int | None,
@@ -347,8 +380,9 @@ _LENT: ContextVar[LentThreads | None] = ContextVar("loraplex_lent_threads", defa
 
 @contextmanager
 def lending(threads: LentThreads | None) -> Iterator[None]:
-    """Within the block, few-row products of at least `SHARE_MIN_ROWS` rows share their work
-    with `threads` (None: none lent)."""
+    """Within the block, on an engine of one compute thread, few-row products of at least
+    `SHARE_MIN_ROWS` rows share their work with `threads` and oneDNN's run on them too (None:
+    none lent)."""
     token = _LENT.set(threads)
     try:
         yield
@@ -403,13 +437,12 @@ def linear_packed(
     rows = x.reshape(-1, weight.k)
     if rows.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], weight.n)
-    m, lib = rows.shape[0], _gemv_library()
+    m, lib, lent = rows.shape[0], _gemv_library(), _LENT.get()
     few = m == 1 or (m <= FEW_ROWS_MAX and torch.get_num_threads() == 1)
     if few and lib is not None and (bias is None or bias.is_contiguous()):
         rows = rows.contiguous()
         out = torch.empty(m, weight.n, dtype=torch.float32)
         b = None if bias is None else bias.data_ptr()
-        lent = _LENT.get()
         if m == 1:
             lib.gemv_blocked(rows.data_ptr(), weight.data_ptr, b, out.data_ptr(), weight.n,
                              weight.k, weight.k_padded)  # fmt: skip
@@ -418,6 +451,9 @@ def linear_packed(
         else:
             lib.gemm_blocked(rows.data_ptr(), m, weight.data_ptr, b, out.data_ptr(), weight.n,
                              weight.k, weight.k_padded, 0, weight.n)  # fmt: skip
+    elif lent is not None and torch.get_num_threads() == 1:
+        with lent.parallel():
+            out = _onednn(rows.contiguous(), weight.tensor, bias)
     else:
         out = _onednn(rows.contiguous(), weight.tensor, bias)
     return out.view(*x.shape[:-1], weight.n)

@@ -143,6 +143,20 @@ def test_a_product_shared_with_lent_threads_is_the_same_to_the_bit(monkeypatch) 
         with cpu_linear.lending(lent):
             cpu_linear.linear_packed(torch.randn(32, 96, generator=gen), packed, b)
         assert len(shares) == 3  # too little work to share
+        # more rows go to oneDNN, on the lent threads too: the embedded model's MLP shapes
+        threads_seen: list[int] = []
+        onednn = cpu_linear._onednn
+        monkeypatch.setattr(cpu_linear, "_onednn",
+                            lambda *a: threads_seen.append(torch.get_num_threads()) or onednn(*a))  # fmt: skip
+        for n, k in ((1536, 576), (576, 1536)):
+            w2 = torch.randn(n, k, generator=gen)
+            packed2 = _packed_or_skip(w2)
+            x = torch.randn(cpu_linear.FEW_ROWS_MAX + 37, k, generator=gen)
+            alone = cpu_linear.linear_packed(x, packed2)
+            with cpu_linear.lending(lent):
+                shared = cpu_linear.linear_packed(x, packed2)
+            assert torch.equal(shared, alone), (n, k)
+        assert threads_seen == [1, 3, 1, 3] and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(threads)
         lent.close()

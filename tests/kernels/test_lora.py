@@ -338,8 +338,8 @@ def test_triton_bf16_on_gpu_replays_in_a_cuda_graph(num_tokens):
     for seed in (4, 5):  # new slots written in place, same graph
         _, new_slots = _inputs(num_tokens, 4096, 8, seed)
         fresh = lora_kernel_meta(new_slots.cuda(), 8)
-        for mine, new in zip(vars(meta).values(), vars(fresh).values()):
-            mine.copy_(new)
+        for name in ("lora_slots", "token_order", "slot_start", "slot_count"):
+            getattr(meta, name).copy_(getattr(fresh, name))
         out.zero_()
         graph.replay()
         expected = _dense_delta(x.cpu(), cpu, new_slots, out.shape[1])

@@ -274,9 +274,10 @@ def test_the_first_configuration_records_who_chose_the_threads(monkeypatch, rest
 
 
 def test_a_prompt_filled_with_a_lent_core_gives_the_very_same_tokens(model_dir, tmp_path):
-    """End to end on the embedded model: a 64-token prompt whose prefill borrows the spare core
-    (forced idle here) shares its linears with the lent thread and answers with exactly the
-    tokens and logprobs the engine gives on its own thread."""
+    """End to end on the embedded model: prompts whose prefill borrows the spare core (forced
+    idle here) share their linears with the lent thread (64 tokens: the few-row kernel; 150:
+    oneDNN on two threads) and answer with exactly the tokens and logprobs the engine gives on
+    its own thread."""
     from loraplex import LLM, SamplingParams
 
     llm = LLM(str(model_dir), dtype="float32", device="cpu", num_kv_blocks=64,
@@ -294,20 +295,26 @@ def test_a_prompt_filled_with_a_lent_core_gives_the_very_same_tokens(model_dir, 
         gemm(*args)
 
     lender.lent.gemm = counted  # type: ignore[method-assign]
-    prompt = [(i * 7919) % 30000 + 100 for i in range(64)]
+    # NOTE: 64 tokens run the few-row kernel, 150 oneDNN
+    prompts = [[(i * 7919) % 30000 + 100 for i in range(n)] for n in (64, 150)]
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=2)
+
+    def run() -> list:
+        return [llm.generate([p], params)[0].outputs[0] for p in prompts]
+
     try:
         runner.spare_cores = None
-        alone = llm.generate([prompt], params)[0].outputs[0]
+        alone = run()
         runner.spare_cores = lender
-        shared = llm.generate([prompt], params)[0].outputs[0]
+        shared = run()
     finally:
         runner.spare_cores = None
         lender.close()
         llm.engine.shutdown()
-    assert lender.lent_steps == 1  # the prefill; the decode steps stay on the engine's thread
+    assert lender.lent_steps == 2  # the prefills; the decode steps stay on the engine's thread
     assert shares[0] >= 4 * 30  # every decoder layer's linears were shared
-    assert shared.token_ids == alone.token_ids
-    assert [{t: lp.logprob for t, lp in step.items()} for step in shared.logprobs] == [
-        {t: lp.logprob for t, lp in step.items()} for step in alone.logprobs
-    ]
+    for one, other in zip(shared, alone):
+        assert one.token_ids == other.token_ids
+        assert [{t: lp.logprob for t, lp in step.items()} for step in one.logprobs] == [
+            {t: lp.logprob for t, lp in step.items()} for step in other.logprobs
+        ]
