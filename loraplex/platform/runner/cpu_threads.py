@@ -41,8 +41,9 @@ from loraplex.kernels.cpu_linear import LentThreads
 
 logger = logging.getLogger(__name__)
 
-#: (the cores usable before any binding, the compute thread's binding or None) of the first
-#: `configure_cpu_threads` of this process, and whether it chose the thread count itself.
+#: (the cores usable before any binding, the compute thread's binding or None, whether the
+#: engine chose its threads and placement itself) of the process's first
+#: `configure_cpu_threads` (an engine core's own, where it has one).
 _placement: tuple[tuple[int, ...], tuple[int, ...] | None, bool] | None = None
 
 
@@ -178,10 +179,10 @@ WINDOW_S = 0.1
 class SpareCores:
     """Lends the cores a CPU engine leaves to the API process and the host (one of two on a
     2-core machine) to its prefill steps while nothing else uses them: a prompt's linears then
-    share their column blocks with a lent thread (`kernels.cpu_linear.lending`; the same result
-    to the bit). At concurrency 1 the API process idles while a prompt fills, so its core would
-    otherwise sit unused for the whole time to first token: a 64-token prompt of the embedded
-    model took 259 ms to its first token on one thread here. Idleness is read from /proc/stat
+    run on a lent thread too (`kernels.cpu_linear.lending`; the same result to the bit). At
+    concurrency 1 the API process idles while a prompt fills, so its core would otherwise sit
+    unused for the whole time to first token: a 64-token prompt of the embedded model took
+    259 ms to its first token on one thread here. Idleness is read from /proc/stat
     over the last window (at least `WINDOW_S`): the usable cores' idle share plus the engine's
     own CPU time, less its own threads; a busy API process (many streams) or another program on
     the spare core keeps the step on the engine's own thread."""
@@ -256,8 +257,8 @@ def spare_cores() -> SpareCores | None:
         return None
     usable, bound, chosen = _placement
     threads = torch.get_num_threads()
-    # NOTE: the few-row kernel, which shares its work, runs on one compute thread only (the
-    # default of a 2-core host); more threads already take oneDNN's parallel path
+    # NOTE: lending widens an engine of one compute thread (the default of a 2-core host); one
+    # of more threads already runs oneDNN in parallel
     if not chosen or threads != 1 or len(usable) <= threads:
         return None
     lender = SpareCores(usable, bound, threads)
