@@ -14,6 +14,7 @@ it is never a dependency of ours. Without it the script says why and exits 0 (sk
     # (median over rounds) and ours / vLLM's
     python -m benchmarks.cpu_serving_vs_vllm --ours-bind auto nobind --out cpu_serving_bind.json
     # our server under two LORAPLEX_CPU_OMP_THREADS_BIND values, A B A B, instead of vLLM
+    # (--ours-env NAME=A NAME=B: under any two settings of one variable)
 
 Each figure is the median of its rounds; the load average at each run is recorded beside it.
 Every run sends prompts no earlier run sent (both sides of one round get the same ones), and the
@@ -235,9 +236,17 @@ def bind_label(value: str) -> str:
     return "bind_" + "".join(ch if ch.isalnum() else "_" for ch in value)
 
 
+def env_label(setting: str) -> str:
+    """A NAME=VALUE setting as a metric-name part (`LORAPLEX_CPU_LEND_IDLE_CORES=0` ->
+    `lend_idle_cores_0`): its name less the LORAPLEX_CPU_ prefix, lower case, and its value."""
+    name, _, value = setting.partition("=")
+    name = name.removeprefix("LORAPLEX_CPU_").removeprefix("LORAPLEX_").lower()
+    return f"{name}_{''.join(ch if ch.isalnum() else '_' for ch in value)}"
+
+
 def bind_main(args: argparse.Namespace) -> int:
-    """--ours-bind A B: two of our servers, one per placement, A B A B (offline runs are the
-    caller's process, which `auto` leaves unbound: not compared)."""
+    """--ours-bind A B, or --ours-env NAME=A NAME=B: two of our servers, one per setting,
+    A B A B (offline runs are the caller's process: not compared)."""
     from loraplex.platform.models.model_store import ensure_default_model
 
     model = str(ensure_default_model(progress=False))
@@ -248,17 +257,20 @@ def bind_main(args: argparse.Namespace) -> int:
     procs = []
     try:
         sides = {}
-        for value in args.ours_bind:
-            env = dict(os.environ, LORAPLEX_CPU_OMP_THREADS_BIND=value)
-            proc, url = launch_server(flags, env)
+        settings = args.ours_env or [f"LORAPLEX_CPU_OMP_THREADS_BIND={v}" for v in args.ours_bind]
+        for setting in settings:
+            name, _, value = setting.partition("=")
+            proc, url = launch_server(flags, dict(os.environ, **{name: value}))
             procs.append(proc)
-            sides[bind_label(value)] = url
+            label = bind_label(value) if args.ours_bind else env_label(setting)
+            sides[label] = url
         metrics.update(under_loads(args, lambda load: serving_rounds(sides, args, load)))
     finally:
         for proc in procs:
             proc.terminate()
             proc.wait(60)
-    write_result(args.out, "cpu_serving_bind", metrics, {"compared": list(sides)},
+    benchmark = "cpu_serving_bind" if args.ours_bind else "cpu_serving_env"
+    write_result(args.out, benchmark, metrics, {"compared": list(sides)},
                  workload=workload(args))  # fmt: skip
     return 0
 
@@ -295,14 +307,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="serve ours twice, under LORAPLEX_CPU_OMP_THREADS_BIND=A and =B, against each "
         "other instead of vLLM (serving only; ratios A / B)",
     )
+    p.add_argument(
+        "--ours-env",
+        nargs=2,
+        metavar=("NAME=A", "NAME=B"),
+        help="serve ours twice, with environment setting A and B (e.g. "
+        "LORAPLEX_CPU_LEND_IDLE_CORES=1 LORAPLEX_CPU_LEND_IDLE_CORES=0), against each other "
+        "instead of vLLM (serving only; ratios A / B)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="cpu_vs_vllm.json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.ours_env and (args.ours_bind or not all("=" in s for s in args.ours_env)):
+        p.error("--ours-env takes two NAME=VALUE settings, and not with --ours-bind")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.ours_bind:
+    if args.ours_bind or args.ours_env:
         return bind_main(args)
     reason = vllm_available(args.vllm_python)
     if reason is not None:
