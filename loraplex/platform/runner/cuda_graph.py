@@ -37,6 +37,7 @@ from torch import nn
 
 from loraplex.platform.models.attention_metadata import AttentionMetadata
 from loraplex.platform.runner.batch import PENDING, Batch
+from loraplex.platform.runner.lora_slots import distinct_adapters
 
 logger = logging.getLogger(__name__)
 
@@ -260,7 +261,7 @@ class CudaGraphRunner:
         if lora is None:
             return "base", None
         few = self._few_limit(num_tokens)
-        if few is not None and int(np.unique(lora[lora >= 0]).size) <= few:
+        if few is not None and distinct_adapters(lora) <= few:
             return "few", few
         return "lora", None
 
