@@ -35,6 +35,10 @@ ratio_vs_base_256_on_64_slots and ratio_lora_engine_no_adapters (greedy) with th
 `_mixed` twins, tpot_bs1_lora_over_base, registration_to_first_token_s, itl_p99_during_load_ms,
 itl_p99_before_load_ms, the engine thread's time per slot write from the first load on
 (slot_write_host_us_mean / _p99, slot_writes), and the tok/s and TPOT figures behind them.
+Each adapter run also records its engine steps (lora_<k>_steps, the base's as base_steps) and
+step_ratio_<k>: the base's steps over its own, the ratio the admission alone allows were every
+step to cost the same. Past the slots it falls below 1: a request whose adapter has no slot
+waits, and the batch thins while the tail of the adapters drains through the slots.
 
 Adapter forms, `--forms dora,lm_head`: one LoRA engine holds 64 plain adapters and 64
 of each form (rank 16 on all seven projections; DoRA adds a magnitude per projection, set near
@@ -56,6 +60,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -123,12 +128,29 @@ def zipf_choices(k: int, n: int, seed: int = 3) -> list[int]:
     return random.Random(seed).choices(range(k), weights=weights, k=n)
 
 
-def serve(llm: LLM, prompts, outputs, loras=None, suffix: str = "") -> float:
-    """Output tokens/s of one `generate` over all requests, from an empty prefix cache."""
+class Served(NamedTuple):
+    tok_s: float  # output tokens/s
+    steps: int  # engine steps it took
+
+
+def serve(llm: LLM, prompts, outputs, loras=None, suffix: str = "") -> Served:
+    """Output tokens/s and engine steps of one `generate` over all requests, from an empty
+    prefix cache."""
     params = sampling_params(suffix, outputs)
-    llm.engine.scheduler.kv.reset_prefix_cache()
-    seconds = wall_seconds(lambda: llm.generate(prompts, params, lora_request=loras))
-    return sum(outputs) / seconds
+    engine = llm.engine
+    engine.scheduler.kv.reset_prefix_cache()
+    step, count = engine.step, [0]
+
+    def counted():
+        count[0] += 1
+        return step()
+
+    engine.step = counted  # NOTE: an instance attribute over the method, removed after
+    try:
+        seconds = wall_seconds(lambda: llm.generate(prompts, params, lora_request=loras))
+    finally:
+        del engine.step
+    return Served(sum(outputs) / seconds, count[0])
 
 
 def tpot(llm: LLM, steps: int, prompt_len: int, lora: LoRARequest | None) -> float:
@@ -364,7 +386,9 @@ def run_base(args, folder: Path, base: str) -> tuple[dict[str, float], dict[str,
     short = [max(4, o // 4) for o in outputs]
     serve(llm, prompts, short)
     for suffix in args.samplings:
-        baseline[f"{pre}base_out_tok_s{suffix}"] = serve(llm, prompts, outputs, suffix=suffix)
+        run = serve(llm, prompts, outputs, suffix=suffix)
+        baseline[f"{pre}base_out_tok_s{suffix}"] = run.tok_s
+        baseline[f"{pre}base_steps{suffix}"] = run.steps
     baseline[f"{pre}tpot_bs1_base_s"] = tpot(llm, args.tpot_steps, args.prompt_len, None)
     print(f"{base} base (LoRA disabled): {baseline}")
     del llm
@@ -377,7 +401,7 @@ def run_base(args, folder: Path, base: str) -> tuple[dict[str, float], dict[str,
     # kernels and the eager steps that skip LoRA (target >= 0.99x)
     serve(llm, prompts, short)
     for suffix in args.samplings:
-        tok_s = serve(llm, prompts, outputs, suffix=suffix)
+        tok_s = serve(llm, prompts, outputs, suffix=suffix).tok_s
         metrics[f"{pre}lora_engine_no_adapters_out_tok_s{suffix}"] = tok_s
         metrics[f"{pre}ratio_lora_engine_no_adapters{suffix}"] = (
             tok_s / baseline[f"{pre}base_out_tok_s{suffix}"]
@@ -397,10 +421,16 @@ def run_base(args, folder: Path, base: str) -> tuple[dict[str, float], dict[str,
         else:
             mix = [loras[j] for j in zipf_choices(k, len(prompts))]
         for suffix in args.samplings:
-            tok_s = serve(llm, prompts, outputs, mix, suffix)
-            metrics[f"{pre}lora_{label}_out_tok_s{suffix}"] = tok_s
+            run = serve(llm, prompts, outputs, mix, suffix)
+            metrics[f"{pre}lora_{label}_out_tok_s{suffix}"] = run.tok_s
             metrics[f"{pre}ratio_vs_base_{label}{suffix}"] = (
-                tok_s / baseline[f"{pre}base_out_tok_s{suffix}"]
+                run.tok_s / baseline[f"{pre}base_out_tok_s{suffix}"]
+            )
+            # NOTE: the base's steps over these: the ratio the admission alone allows were every
+            # step to cost the same (adapters past the slots wait for one, and the batch thins)
+            metrics[f"{pre}lora_{label}_steps{suffix}"] = run.steps
+            metrics[f"{pre}step_ratio_{label}{suffix}"] = (
+                baseline[f"{pre}base_steps{suffix}"] / run.steps
             )
         stats = llm.engine.handle_command(GetAdapterStats())
         evictions = sum(a.evictions for a in stats.adapters)
