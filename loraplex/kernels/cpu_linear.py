@@ -22,7 +22,8 @@ greedy and temperature 1, three alternating runs a side on one host). A few rows
 engine, go to a C kernel on the same layout: 6-row register tiles over each 64-column block (the
 block streamed from memory once, then read from cache), prefetching the next block while it
 computes, so the weight stream overlaps the arithmetic; about a tenth faster than oneDNN there
-(see `FEW_ROWS_MAX`).
+(see `FEW_ROWS_MAX`). Both C kernels are built for AVX-512: on x86-64 hosts without it (AVX2)
+oneDNN takes every product, one row included (`few_rows_in_c`).
 
 Any other weight (a test's, a layer built outside the model loader, an LM head that is also the
 embedding) keeps its plain tensor and a packed copy cached on it (`packed_weight`), keyed by the
@@ -36,6 +37,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import platform
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -292,6 +294,18 @@ def _gemv_library() -> ctypes.CDLL | None:
     return load_library("gemv", _GEMV_SOURCE, (("-O3",),), _GEMV_SIGNATURES)
 
 
+@functools.cache
+def few_rows_in_c() -> bool:
+    """Whether products of 1 to `FEW_ROWS_MAX` rows take the C kernels on this host (else
+    oneDNN takes every product). Not on x86-64 without AVX-512: the kernels' 16-float vectors
+    and 6-row tiles are built for its 32 registers, and on a 2-core AVX2 Zen 3 host they measured
+    5-25x oneDNN's time (3072 x 576: one row 1,431 against 176 us, 8 rows 11.4 against 0.88 ms;
+    `-march=native` builds no better), where on AVX-512 hosts they beat it (see the module doc)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return True
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
 #: The fewest rows, and multiply-adds, of a few-row product shared with lent threads
 #: (`lending`): below, a thread's share is too short to pay for handing it over (~50 us).
 SHARE_MIN_ROWS = 16
@@ -418,7 +432,7 @@ def linear_cpu(
         raise ValueError("linear_cpu takes CPU tensors")
     if x.shape[0] == 0:
         return x.new_empty(0, weight.shape[0])
-    if x.shape[0] == 1:
+    if x.shape[0] == 1 and few_rows_in_c():
         out = _gemv(x, weight, bias)
         if out is not None:
             return out
@@ -438,7 +452,7 @@ def linear_packed(
     if rows.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], weight.n)
     m, lib, lent = rows.shape[0], _gemv_library(), _LENT.get()
-    few = m == 1 or (m <= FEW_ROWS_MAX and torch.get_num_threads() == 1)
+    few = few_rows_in_c() and (m == 1 or (m <= FEW_ROWS_MAX and torch.get_num_threads() == 1))
     if few and lib is not None and (bias is None or bias.is_contiguous()):
         rows = rows.contiguous()
         out = torch.empty(m, weight.n, dtype=torch.float32)
@@ -451,7 +465,11 @@ def linear_packed(
         else:
             lib.gemm_blocked(rows.data_ptr(), m, weight.data_ptr, b, out.data_ptr(), weight.n,
                              weight.k, weight.k_padded, 0, weight.n)  # fmt: skip
-    elif lent is not None and torch.get_num_threads() == 1:
+    elif (
+        lent is not None
+        and torch.get_num_threads() == 1
+        and (m > FEW_ROWS_MAX or _worth_sharing(m, weight))
+    ):
         with lent.parallel():
             out = _onednn(rows.contiguous(), weight.tensor, bias)
     else:

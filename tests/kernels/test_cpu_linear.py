@@ -14,6 +14,13 @@ needs_onednn = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(params=[True, False], ids=["c", "onednn"])
+def few_rows_in_c(request, monkeypatch) -> bool:
+    """Both routes of few-row products, whatever this host's own (`few_rows_in_c`)."""
+    monkeypatch.setattr(cpu_linear, "few_rows_in_c", lambda: request.param)
+    return request.param
+
+
 @needs_onednn
 @pytest.mark.parametrize(
     "m,n,k",
@@ -29,7 +36,7 @@ needs_onednn = pytest.mark.skipif(
         (70, 19, 1536),
     ],
 )
-def test_matches_f_linear(m: int, n: int, k: int) -> None:
+def test_matches_f_linear(m: int, n: int, k: int, few_rows_in_c: bool) -> None:
     gen = torch.Generator().manual_seed(m * n * k)
     x, w, b = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n)
     out = cpu_linear.linear_cpu(x, w)
@@ -88,7 +95,9 @@ def _packed_or_skip(w: torch.Tensor) -> cpu_linear.PackedWeight:
 
 @needs_onednn
 @pytest.mark.parametrize("n,k", [(5, 17), (64, 16), (100, 37), (130, 200), (832, 576)])
-def test_a_weight_held_packed_gives_f_linear_at_every_row_count(n: int, k: int) -> None:
+def test_a_weight_held_packed_gives_f_linear_at_every_row_count(
+    n: int, k: int, few_rows_in_c: bool
+) -> None:
     gen = torch.Generator().manual_seed(n + k)
     w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
     packed = _packed_or_skip(w)
@@ -127,6 +136,7 @@ def test_a_product_shared_with_lent_threads_is_the_same_to_the_bit(monkeypatch) 
 
     monkeypatch.setattr(lent, "gemm", spy)
     monkeypatch.setattr(cpu_linear, "SHARE_MIN_MACS", 0)
+    monkeypatch.setattr(cpu_linear, "few_rows_in_c", lambda: True)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -174,6 +184,7 @@ def test_a_few_rows_on_one_thread_skip_onednn(monkeypatch) -> None:
     monkeypatch.setattr(
         cpu_linear, "_onednn", lambda x, *a: calls.append(x.shape[0]) or onednn(x, *a)
     )
+    monkeypatch.setattr(cpu_linear, "few_rows_in_c", lambda: True)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -187,6 +198,43 @@ def test_a_few_rows_on_one_thread_skip_onednn(monkeypatch) -> None:
         assert calls == [cpu_linear.FEW_ROWS_MAX + 1, 8]
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_onednn
+def test_without_the_c_kernels_every_product_takes_onednn(monkeypatch) -> None:
+    """On a host where the C kernels lose (x86-64 without AVX-512) every product, one row
+    included, runs oneDNN; a prompt's products under `lending` run it on the lent threads too
+    when they are worth sharing, and give what one thread gives, to the bit."""
+    monkeypatch.setattr(cpu_linear, "few_rows_in_c", lambda: False)
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(1536, 576, generator=gen)
+    packed = _packed_or_skip(w)
+    seen: list[tuple[int, int]] = []
+    onednn = cpu_linear._onednn
+    monkeypatch.setattr(cpu_linear, "_onednn", lambda x, *a: seen.append(
+        (x.shape[0], torch.get_num_threads())) or onednn(x, *a))  # fmt: skip
+    threads = torch.get_num_threads()
+    lent = cpu_linear.LentThreads(1)
+    try:
+        torch.set_num_threads(1)
+        for m in (1, 2, cpu_linear.FEW_ROWS_MAX):
+            x = torch.randn(m, 576, generator=gen)
+            torch.testing.assert_close(cpu_linear.linear_packed(x, packed), F.linear(x, w),
+                                       atol=2e-4, rtol=1e-5)  # fmt: skip
+            torch.testing.assert_close(cpu_linear.linear_cpu(x, w), F.linear(x, w), atol=2e-4,
+                                       rtol=1e-5)  # fmt: skip
+        assert [m for m, _ in seen] == [1, 1, 2, 2, 64, 64]
+        seen.clear()
+        x = torch.randn(cpu_linear.FEW_ROWS_MAX, 576, generator=gen)
+        alone = cpu_linear.linear_packed(x, packed)
+        with cpu_linear.lending(lent):
+            shared = cpu_linear.linear_packed(x, packed)
+            cpu_linear.linear_packed(x[:2], packed)  # too little work to hand over
+        assert torch.equal(shared, alone)
+        assert seen == [(64, 1), (64, 2), (2, 1)] and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+        lent.close()
 
 
 def test_pack_declines_what_linear_cpu_would_not_take() -> None:

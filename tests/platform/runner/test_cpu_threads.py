@@ -273,12 +273,18 @@ def test_the_first_configuration_records_who_chose_the_threads(monkeypatch, rest
     assert cpu_threads.spare_cores() is None
 
 
-def test_a_prompt_filled_with_a_lent_core_gives_the_very_same_tokens(model_dir, tmp_path):
+@pytest.mark.parametrize("few_rows_in_c", [True, False], ids=["c", "onednn"])
+def test_a_prompt_filled_with_a_lent_core_gives_the_very_same_tokens(
+    model_dir, tmp_path, monkeypatch, few_rows_in_c
+):
     """End to end on the embedded model: prompts whose prefill borrows the spare core (forced
-    idle here) share their linears with the lent thread (64 tokens: the few-row kernel; 150:
-    oneDNN on two threads) and answer with exactly the tokens and logprobs the engine gives on
-    its own thread."""
+    idle here) share their linears with the lent thread (64 tokens: the few-row kernel where it
+    runs, else oneDNN on two threads; 150: oneDNN on two threads) and answer with exactly the
+    tokens and logprobs the engine gives on its own thread."""
     from loraplex import LLM, SamplingParams
+    from loraplex.kernels import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "few_rows_in_c", lambda: few_rows_in_c)
 
     llm = LLM(str(model_dir), dtype="float32", device="cpu", num_kv_blocks=64,
               enable_prefix_caching=False)  # fmt: skip
@@ -295,6 +301,13 @@ def test_a_prompt_filled_with_a_lent_core_gives_the_very_same_tokens(model_dir, 
         gemm(*args)
 
     lender.lent.gemm = counted  # type: ignore[method-assign]
+    parallel, regions = lender.lent.parallel, [0]
+
+    def counted_parallel():
+        regions[0] += 1
+        return parallel()
+
+    lender.lent.parallel = counted_parallel  # type: ignore[method-assign]
     # NOTE: 64 tokens run the few-row kernel, 150 oneDNN
     prompts = [[(i * 7919) % 30000 + 100 for i in range(n)] for n in (64, 150)]
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=2)
@@ -312,7 +325,12 @@ def test_a_prompt_filled_with_a_lent_core_gives_the_very_same_tokens(model_dir, 
         lender.close()
         llm.engine.shutdown()
     assert lender.lent_steps == 2  # the prefills; the decode steps stay on the engine's thread
-    assert shares[0] >= 4 * 30  # every decoder layer's linears were shared
+    # NOTE: every decoder layer's linears were shared: the 64-token prompt's in C where it runs,
+    # through oneDNN on the lent thread where not; the 150-token prompt's through oneDNN
+    if few_rows_in_c:
+        assert shares[0] >= 4 * 30 and regions[0] >= 4 * 30
+    else:
+        assert shares[0] == 0 and regions[0] >= 2 * 4 * 30
     for one, other in zip(shared, alone):
         assert one.token_ids == other.token_ids
         assert [{t: lp.logprob for t, lp in step.items()} for step in one.logprobs] == [
