@@ -83,7 +83,7 @@ FORMS = ("dora", "lm_head")
 FORM_ADAPTERS = 64  # adapters of each form (and plain ones) in a `--forms` run
 
 
-def _settings(cpu: bool) -> dict:
+def settings(cpu: bool) -> dict:
     if cpu:
         return dict(num_requests=12, input_len=(8, 24), output_len=(4, 12), adapters=[2, 4, 8],
                     slots=4, running=12, tpot_steps=8, prompt_len=8)  # fmt: skip
@@ -107,10 +107,14 @@ def build_engine(args, enable_lora: bool) -> LLM:
     return llm
 
 
+def request_lengths(rng: random.Random, num_requests: int, input_len, output_len):
+    """(input, output) length of each request, drawn in turn from `rng`."""
+    return [(rng.randint(*input_len), rng.randint(*output_len)) for _ in range(num_requests)]
+
+
 def workload(args, vocab: int) -> tuple[list[list[int]], list[int]]:
     rng = random.Random(2)
-    lens = [(rng.randint(*args.input_len), rng.randint(*args.output_len))
-            for _ in range(args.num_requests)]  # fmt: skip
+    lens = request_lengths(rng, args.num_requests, args.input_len, args.output_len)
     return random_prompts(rng, vocab, [i for i, _ in lens]), [o for _, o in lens]
 
 
@@ -497,7 +501,7 @@ def main() -> int:
     if not cpu and not torch.cuda.is_available():
         print("benchmarks.multi_lora needs a CUDA GPU (or --device cpu); skipped")
         return 0
-    for name, value in _settings(cpu).items():
+    for name, value in settings(cpu).items():
         setattr(args, name, value)
     if args.num_prompts is not None:
         args.num_requests = args.num_prompts

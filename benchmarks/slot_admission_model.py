@@ -21,16 +21,17 @@ import argparse
 import random
 from collections import Counter
 
-from benchmarks.multi_lora import _settings, zipf_choices
+from benchmarks.multi_lora import request_lengths, settings, zipf_choices
 from benchmarks.record import write_result
 
 
 def requests(num_adapters: int) -> tuple[list[int], list[int]]:
     """(output length, adapter) of each of multi_lora's requests, drawn with its seeds."""
-    settings = _settings(cpu=False)
-    rng = random.Random(2)  # multi_lora.workload's draws: (input, output) lengths in turn
-    lens = [(rng.randint(*settings["input_len"]), rng.randint(*settings["output_len"]))
-            for _ in range(settings["num_requests"])]  # fmt: skip
+    cuda = settings(cpu=False)
+    # NOTE: multi_lora.workload's seed, so these are its requests' lengths
+    lens = request_lengths(
+        random.Random(2), cuda["num_requests"], cuda["input_len"], cuda["output_len"]
+    )
     outputs = [o for _, o in lens]
     return outputs, zipf_choices(num_adapters, len(outputs))
 
