@@ -6,8 +6,9 @@ padded mask and one `scaled_dot_product_attention`; at 32 sequences of ~60 token
 (benchmarks/cpu_step_profile.py). This kernel reads each query's context in place through the
 block table: for every query row and head, the scores against each cached position up to the
 row's own (causal), a max-subtracted softmax, and the weighted sum of V, with a query head's
-K / V head shared by its group (GQA). Sums over head_dim run in 16 lanes added up in a fixed
-tree, so the result does not depend on what shares the batch.
+K / V head shared by its group (GQA). Sums over head_dim run in the host's vector lanes (16 floats, 8 on
+x86-64 without AVX-512: `cpu_native.vector_lanes`) added up in a fixed tree, so the result does
+not depend on what shares the batch.
 
 Sequences with a query longer than `MAX_QUERY_LEN` tokens are left to the caller (torch's SDPA
 does a long prefill's quadratic work faster). Built and loaded by `cpu_native` (one build per
@@ -33,22 +34,22 @@ _SOURCE = (
 #include <stdlib.h>
 
 /* out[:n] = sum over positions l < len of w[l] * v[slot(l), :n], v's rows slot_size apart;
-   16 columns at a time in registers, two accumulators over alternate positions */
+   LANES columns at a time in registers, two accumulators over alternate positions */
 INLINE void weighted_sum(const float *w, int64_t len, const float *v, const int32_t *table,
                          int64_t block_size, int64_t slot_size, int64_t n, float *out) {
   int64_t d = 0;
-  for (; d + 16 <= n; d += 16) {
-    v16 a0 = {0}, a1 = {0};
+  for (; d + LANES <= n; d += LANES) {
+    vec a0 = {0}, a1 = {0};
     for (int64_t l0 = 0; l0 < len; l0 += block_size) {
       const float *vb = v + table[l0 / block_size] * block_size * slot_size + d;
       int64_t m = len - l0 < block_size ? len - l0 : block_size, o = 0;
       for (; o + 2 <= m; o += 2) {
-        a0 += w[l0 + o] * *(const v16 *)(vb + o * slot_size);
-        a1 += w[l0 + o + 1] * *(const v16 *)(vb + (o + 1) * slot_size);
+        a0 += w[l0 + o] * *(const vec *)(vb + o * slot_size);
+        a1 += w[l0 + o + 1] * *(const vec *)(vb + (o + 1) * slot_size);
       }
-      if (o < m) a0 += w[l0 + o] * *(const v16 *)(vb + o * slot_size);
+      if (o < m) a0 += w[l0 + o] * *(const vec *)(vb + o * slot_size);
     }
-    *(v16 *)(out + d) = a0 + a1;
+    *(vec *)(out + d) = a0 + a1;
   }
   for (; d < n; d++) {
     float a = 0.0f;

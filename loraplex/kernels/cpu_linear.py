@@ -22,14 +22,16 @@ greedy and temperature 1, three alternating runs a side on one host). A few rows
 engine, go to a C kernel on the same layout: 6-row register tiles over each 64-column block (the
 block streamed from memory once, then read from cache), prefetching the next block while it
 computes, so the weight stream overlaps the arithmetic; about a tenth faster than oneDNN there
-(see `FEW_ROWS_MAX`). Both C kernels are built for AVX-512: on x86-64 hosts without it (AVX2)
-oneDNN takes every product, one row included (`few_rows_in_c`).
+(see `FEW_ROWS_MAX`). The kernels are built for the host's vector width
+(`cpu_native.vector_lanes`): AVX-512's 32 registers hold a tile of 6 rows by 64 columns; on AVX2
+hosts (16 registers) the 8-lane build sums 16-column strips in chunks of k, its prefetch spread
+over every pass, and beats oneDNN by more (a third at 8 rows; `FEW_ROWS_MAX`).
 
 Any other weight (a test's, a layer built outside the model loader, an LM head that is also the
 embedding) keeps its plain tensor and a packed copy cached on it (`packed_weight`), keyed by the
 tensor's version counter, so a weight changed in place is packed again before its next use
-rather than read stale. Where torch was built without oneDNN, or for other dtypes, `wanted`
-says no and the caller keeps `F.linear`.
+rather than read stale; the copy in the blocked layout takes the same C kernels. Where torch was
+built without oneDNN, or for other dtypes, `wanted` says no and the caller keeps `F.linear`.
 """
 
 from __future__ import annotations
@@ -56,31 +58,6 @@ _PACKED = "_loraplex_onednn_packed"
 def available() -> bool:
     """Whether this torch has oneDNN's packed-weight linear."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
-def packed_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The oneDNN-packed form of `weight` ([N, K] fp32 on CPU), packed on first use and again
-    after any in-place change."""
-    cached = getattr(weight, _PACKED, None)
-    if cached is not None and cached[0] == weight._version:
-        return cached[1]
-    with torch.no_grad():
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
-    setattr(weight, _PACKED, (weight._version, packed))
-    return packed
-
-
-def prepack(weight: torch.Tensor) -> None:
-    """Pack `weight` now if `linear_cpu` would take it ([N, K] fp32 on CPU, no autograd), so
-    the first request does not pay for it."""
-    if (
-        weight.device.type == "cpu"
-        and weight.dim() == 2
-        and weight.dtype == torch.float32
-        and not weight.requires_grad
-        and available()
-    ):
-        packed_weight(weight)
 
 
 _BLOCK = 64  # output rows interleaved per K step in oneDNN's blocked fp32 weight layout
@@ -142,6 +119,34 @@ def pack(weight: torch.Tensor) -> PackedWeight | None:
     return PackedWeight(packed, n, k, k_padded, address)
 
 
+def packed_weight(weight: torch.Tensor) -> PackedWeight | torch.Tensor:
+    """The packed form of `weight` ([N, K] fp32 on CPU): a `PackedWeight` where oneDNN chose the
+    blocked layout the C kernels read, else oneDNN's opaque tensor; packed on first use and
+    again after any in-place change."""
+    cached = getattr(weight, _PACKED, None)
+    if cached is not None and cached[0] == weight._version:
+        return cached[1]
+    packed: PackedWeight | torch.Tensor | None = pack(weight)
+    if packed is None:
+        with torch.no_grad():
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+    setattr(weight, _PACKED, (weight._version, packed))
+    return packed
+
+
+def prepack(weight: torch.Tensor) -> None:
+    """Pack `weight` now if `linear_cpu` would take it ([N, K] fp32 on CPU, no autograd), so
+    the first request does not pay for it."""
+    if (
+        weight.device.type == "cpu"
+        and weight.dim() == 2
+        and weight.dtype == torch.float32
+        and not weight.requires_grad
+        and available()
+    ):
+        packed_weight(weight)
+
+
 _GEMV_SOURCE = (
     VECTOR_PRELUDE
     + r"""
@@ -151,14 +156,14 @@ CLONES void gemv(const float *x, const float *w, const float *bias, float *y, in
   int64_t n = 0;
   for (; n + 4 <= N; n += 4) {
     const float *w0 = w + n * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
-    v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-      v16 xv = *(const v16 *)(x + k);
-      a0 += xv * *(const v16 *)(w0 + k);
-      a1 += xv * *(const v16 *)(w1 + k);
-      a2 += xv * *(const v16 *)(w2 + k);
-      a3 += xv * *(const v16 *)(w3 + k);
+    for (; k + LANES <= K; k += LANES) {
+      vec xv = *(const vec *)(x + k);
+      a0 += xv * *(const vec *)(w0 + k);
+      a1 += xv * *(const vec *)(w1 + k);
+      a2 += xv * *(const vec *)(w2 + k);
+      a3 += xv * *(const vec *)(w3 + k);
     }
     float s[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)};
     for (; k < K; k++) {
@@ -174,29 +179,32 @@ CLONES void gemv(const float *x, const float *w, const float *bias, float *y, in
     for (n = 0; n < N; n++) y[n] += bias[n];
 }
 
+#define BLOCK_VECS (64 / LANES)
+
 /* the same product with w in oneDNN's blocked layout [ceil(N / 64)][Kp][64]: each block's 64
-   outputs in four vectors, x[k] times the block's row k added in */
+   outputs in BLOCK_VECS vectors, x[k] times the block's row k added in */
 CLONES void gemv_blocked(const float *x, const float *w, const float *bias, float *y, int64_t N,
                          int64_t K, int64_t Kp) {
   for (int64_t n0 = 0; n0 < N; n0 += 64) {
     const float *p = w + n0 * Kp;
-    v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    vec a[BLOCK_VECS];
+    for (int j = 0; j < BLOCK_VECS; j++) a[j] = (vec){0};
     for (int64_t k = 0; k < K; k++, p += 64) {
       float xk = x[k];
-      a0 += xk * *(const v16 *)p;
-      a1 += xk * *(const v16 *)(p + 16);
-      a2 += xk * *(const v16 *)(p + 32);
-      a3 += xk * *(const v16 *)(p + 48);
+#if LANES == 8
+      /* NOTE: four cache lines a step, eight steps ahead: AVX2 hosts stream weights slower */
+      for (int j = 0; j < 4; j++) __builtin_prefetch(p + 8 * 64 + 16 * j, 0, 0);
+#endif
+      for (int j = 0; j < BLOCK_VECS; j++) a[j] += xk * *(const vec *)(p + LANES * j);
     }
     float s[64];
-    *(v16 *)s = a0;
-    *(v16 *)(s + 16) = a1;
-    *(v16 *)(s + 32) = a2;
-    *(v16 *)(s + 48) = a3;
+    for (int j = 0; j < BLOCK_VECS; j++) *(vec *)(s + LANES * j) = a[j];
     int64_t m = N - n0 < 64 ? N - n0 : 64;
     for (int64_t i = 0; i < m; i++) y[n0 + i] = bias ? s[i] + bias[n0 + i] : s[i];
   }
 }
+
+#if LANES == 16
 
 #define TILE_ROWS 6
 
@@ -269,6 +277,97 @@ CLONES void gemm_blocked(const float *x, int64_t M, const float *w, const float 
     }
   }
 }
+#else /* LANES == 8: AVX2's 16 registers */
+
+#define TILE_ROWS 6
+#define CHUNK_K 32 /* k steps of a block's 16-column strip summed per pass */
+#define AHEAD 2048 /* floats of the weight stream prefetched ahead of the chunk in use */
+#define SLAB_ROWS 64 /* rows whose partial sums one block keeps on the stack */
+
+/* R rows of x [., K] times 16 of a block's columns (`p`, the block's row k at p + 64 k) over
+   k in [k0, k1): R * 2 accumulators, two weight vectors and one broadcast, 15 of AVX2's 16
+   registers at R = 6. The sums start at zero (`first`) or from t (rows 64 floats apart), and
+   go back there. Each k step prefetches one cache line of the stream at *pf while it is below
+   pf_end, so the weight keeps streaming in at an even rate whichever pass runs. */
+INLINE void strip_rows(const int R, const float *x, int64_t K, const float *p, int64_t k0,
+                       int64_t k1, float *t, int first, const float **pf, const float *pf_end) {
+  v8 acc[TILE_ROWS][2];
+  const float *f = *pf;
+  for (int r = 0; r < R; r++) {
+    acc[r][0] = first ? (v8){0} : *(const v8 *)(t + 64 * r);
+    acc[r][1] = first ? (v8){0} : *(const v8 *)(t + 64 * r + 8);
+  }
+  p += k0 * 64;
+  for (int64_t k = k0; k < k1; k++, p += 64) {
+    if (f < pf_end) {
+      __builtin_prefetch(f, 0, 2);
+      f += 16;
+    }
+    v8 w0 = *(const v8 *)p, w1 = *(const v8 *)(p + 8);
+    for (int r = 0; r < R; r++) {
+      float s = x[r * K + k];
+      acc[r][0] += s * w0;
+      acc[r][1] += s * w1;
+    }
+  }
+  *pf = f;
+  for (int r = 0; r < R; r++) {
+    *(v8 *)(t + 64 * r) = acc[r][0];
+    *(v8 *)(t + 64 * r + 8) = acc[r][1];
+  }
+}
+
+/* gemm_blocked (above) for AVX2. A 64-column block's outputs do not fit its registers, so per
+   block and CHUNK_K k steps, each 16-column strip is summed for each group of at most
+   TILE_ROWS rows (sizes balanced), the partial sums kept in t between chunks (stored and
+   reloaded exactly: every output is still summed over k in order, as `gemv_blocked` sums it).
+   The blocks [n_begin, n_end) are one run of memory, prefetched AHEAD floats beyond the chunk
+   in use, a line per k step of every pass: on a 2-core Zen 3 host this took the embedded
+   model's 120 decoder linears from DRAM to 38 ms at 8 rows against oneDNN's 54-61 (prefetching
+   only in a block's first pass: 57-61). */
+CLONES void gemm_blocked(const float *x, int64_t M, const float *w, const float *bias,
+                         float *y, int64_t N, int64_t K, int64_t Kp, int64_t n_begin,
+                         int64_t n_end) {
+  float t[SLAB_ROWS * 64] __attribute__((aligned(64)));
+  const float *stream_end = w + n_end * Kp;
+  for (int64_t r0 = 0; r0 < M; r0 += SLAB_ROWS) {
+    int64_t rows_in = M - r0 < SLAB_ROWS ? M - r0 : SLAB_ROWS;
+    int64_t groups = (rows_in + TILE_ROWS - 1) / TILE_ROWS;
+    const float *pf = w + n_begin * Kp + AHEAD;
+    for (int64_t n0 = n_begin; n0 < n_end; n0 += 64) {
+      const float *block = w + n0 * Kp;
+      int64_t cols = N - n0 < 64 ? N - n0 : 64;
+      for (int64_t k0 = 0; k0 < K; k0 += CHUNK_K) {
+        int64_t k1 = k0 + CHUNK_K < K ? k0 + CHUNK_K : K;
+        const float *pf_end = block + (k1 < K ? k1 : Kp) * 64 + AHEAD;
+        if (pf_end > stream_end) pf_end = stream_end;
+        for (int q = 0; q < 4; q++) {
+          for (int64_t g = 0, m0 = 0; g < groups; g++) {
+            int64_t rows = (rows_in - m0) / (groups - g);
+            const float *xr = x + (r0 + m0) * K, *strip = block + 16 * q;
+            float *tr = t + m0 * 64 + 16 * q;
+            int first = k0 == 0;
+            switch (rows) {
+              case 1: strip_rows(1, xr, K, strip, k0, k1, tr, first, &pf, pf_end); break;
+              case 2: strip_rows(2, xr, K, strip, k0, k1, tr, first, &pf, pf_end); break;
+              case 3: strip_rows(3, xr, K, strip, k0, k1, tr, first, &pf, pf_end); break;
+              case 4: strip_rows(4, xr, K, strip, k0, k1, tr, first, &pf, pf_end); break;
+              case 5: strip_rows(5, xr, K, strip, k0, k1, tr, first, &pf, pf_end); break;
+              default: strip_rows(6, xr, K, strip, k0, k1, tr, first, &pf, pf_end); break;
+            }
+            m0 += rows;
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows_in; r++) {
+        float *yr = y + (r0 + r) * N + n0;
+        for (int64_t i = 0; i < cols; i++) yr[i] = bias ? t[r * 64 + i] + bias[n0 + i] : t[r * 64 + i];
+      }
+    }
+  }
+}
+
+#endif
 """
 )
 _GEMV_SIGNATURES = (
@@ -286,7 +385,10 @@ _GEMV_SIGNATURES = (
 #: busy), the embedded model's 120 decoder linears measured (medians of seven interleaved runs
 #: a side against oneDNN or the 4-row kernel before this one) 50.6-61.3 against 59.9-71.5 ms at
 #: 8 rows, 91.7-116.0 against 101.6-122.7 at 32 and 179-210 against 197-233 through oneDNN at
-#: 64 (a prompt of 64 tokens); at 96 and 128 rows the two were within 3%.
+#: 64 (a prompt of 64 tokens); at 96 and 128 rows the two were within 3%. On the 2-core AVX2
+#: Zen 3 host (the 8-lane build, weights from DRAM, medians of five): 28.3 against 30.2 ms at
+#: one row, 37.3 / 52.5 at 8, 105.4 / 115.9 at 32, 191.5 / 195.6 at 64; the tied LM head
+#: (49152 x 576) 10.3 / 13.0 at 8 rows and 50.4 / 51.4 at 64.
 FEW_ROWS_MAX = 64
 
 
@@ -297,15 +399,13 @@ def _gemv_library() -> ctypes.CDLL | None:
 @functools.cache
 def few_rows_in_c() -> bool:
     """Whether products of 1 to `FEW_ROWS_MAX` rows take the C kernels on this host (else
-    oneDNN takes every product). Not on x86-64 without AVX-512: the kernels' 16-float vectors
-    and 6-row tiles are built for its 32 registers, and on a 2-core AVX2 Zen 3 host they measured
-    5-25x oneDNN's time (3072 x 576: one row 1,431 against 176 us, 8 rows 11.4 against 0.88 ms;
-    `-march=native` builds no better: GCC's AVX2 code keeps the 16-float vectors on the stack,
-    8,442 stack references in its assembly against 424 in the AVX-512 build), where on AVX-512
-    hosts they beat it (see the module doc)."""
+    oneDNN takes every product): everywhere but x86-64 below AVX2, where the kernels' plain
+    build was never measured against oneDNN's. On AVX2 they are the 8-lane build
+    (`cpu_native.vector_lanes`); the 16-lane one ran 5-25x oneDNN's time there (GCC keeps
+    16-float vectors on the stack)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return True
-    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    return torch.backends.cpu.get_cpu_capability() != "DEFAULT"
 
 
 #: The fewest rows, and multiply-adds, of a few-row product shared with lent threads
@@ -423,9 +523,9 @@ def linear_cpu(
     weight: torch.Tensor,  # [N, K] fp32 on CPU
     bias: torch.Tensor | None = None,  # [N] fp32
 ) -> torch.Tensor:  # [M, N] fp32
-    """x @ weight^T (+ bias): one row in C, more through oneDNN on the packed weight.
-    NOTE: the few-row C kernel on this packed copy measured no faster than oneDNN for the tied
-    LM head (49152 x 576) in the engine: 29.6-29.9 against 28.9-29.1 ms at 32 rows."""
+    """x @ weight^T (+ bias) on the cached packed copy: as `linear_packed` where oneDNN chose
+    the blocked layout, else one row through the C GEMV on the plain weight, more through
+    oneDNN."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x [M, K] and weight [N, K] expected, got {x.shape}, {weight.shape}")
     if x.dtype != torch.float32 or weight.dtype != torch.float32:
@@ -434,11 +534,14 @@ def linear_cpu(
         raise ValueError("linear_cpu takes CPU tensors")
     if x.shape[0] == 0:
         return x.new_empty(0, weight.shape[0])
+    packed = packed_weight(weight)
+    if isinstance(packed, PackedWeight):
+        return linear_packed(x, packed, bias)
     if x.shape[0] == 1 and few_rows_in_c():
         out = _gemv(x, weight, bias)
         if out is not None:
             return out
-    return _onednn(x.contiguous(), packed_weight(weight), bias)
+    return _onednn(x.contiguous(), packed, bias)
 
 
 def linear_packed(

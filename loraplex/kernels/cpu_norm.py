@@ -3,8 +3,8 @@
 torch's CPU `rms_norm` is a composite of half a dozen ops (pow, mean, add, rsqrt, two
 multiplies), ~30 us a call at a few rows; the embedded model calls it 61 times a step, and the
 residual add beside most of them, ~2 ms of a 26 ms batch-1 step
-(benchmarks/cpu_step_profile.py). Here each row's sum of squares runs in 16 lanes added up in a
-fixed tree, so a row's result does not depend on what shares the batch. Built and loaded by
+(benchmarks/cpu_step_profile.py). Here each row's sum of squares runs in the host's vector lanes (`cpu_native.vector_lanes`)
+added up in a fixed tree, so a row's result does not depend on what shares the batch. Built and loaded by
 `cpu_native`; where it cannot be built the caller keeps the torch path.
 """
 
@@ -36,10 +36,10 @@ CLONES void rms_norm(const float *x, int64_t x_stride, const float *res, int64_t
       for (int64_t j = 0; j < d; j++) si[j] = xi[j] + ri[j];
       s = si;
     }
-    v16 acc = {0};
+    vec acc = {0};
     int64_t j = 0;
-    for (; j + 16 <= d; j += 16) {
-      v16 v = *(const v16 *)(s + j);
+    for (; j + LANES <= d; j += LANES) {
+      vec v = *(const vec *)(s + j);
       acc += v * v;
     }
     float ss = hsum(acc);

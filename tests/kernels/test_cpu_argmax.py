@@ -19,14 +19,14 @@ needs_kernel = pytest.mark.skipif(
 
 @needs_kernel
 @pytest.mark.parametrize("rows,n", [(1, 1), (3, 7), (2, 16), (5, 17), (4, 49152), (9, 1000)])
-def test_matches_torch(rows: int, n: int) -> None:
+def test_matches_torch(rows: int, n: int, lanes: int) -> None:
     assert load() is not None
     x = torch.randn(rows, n, generator=torch.Generator().manual_seed(rows * n))
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
 
 
 @needs_kernel
-def test_ties_nans_and_infinities_follow_torch() -> None:
+def test_ties_nans_and_infinities_follow_torch(lanes: int) -> None:
     x = torch.zeros(6, 40)
     x[0, [5, 21, 39]] = 3.0  # equal maxima: the first
     x[1, 33] = float("nan")  # a NaN wins

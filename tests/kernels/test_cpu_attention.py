@@ -36,7 +36,9 @@ def _run(batch, max_query_len: int) -> torch.Tensor:
         ([(1, 30), (70, 90), (2, 9)], 6, 2, 40),  # a query past MAX_QUERY_LEN: SDPA's rows
     ],
 )
-def test_matches_dense_attention(shapes, heads: int, kv_heads: int, head_dim: int) -> None:
+def test_matches_dense_attention(
+    shapes, heads: int, kv_heads: int, head_dim: int, lanes: int
+) -> None:
     batch = make_batch(shapes, heads, kv_heads, head_dim, dtype=torch.float32, fill=float("nan"))
     assert cpu_attention.load() is not None
     out = _run(batch, max(q for q, _ in shapes))
@@ -44,7 +46,7 @@ def test_matches_dense_attention(shapes, heads: int, kv_heads: int, head_dim: in
 
 
 @needs_kernel
-def test_a_row_is_the_same_whatever_shares_the_batch() -> None:
+def test_a_row_is_the_same_whatever_shares_the_batch(lanes: int) -> None:
     batch = make_batch([(1, 50), (1, 7), (1, 33)], 8, 2, 64, dtype=torch.float32)
     full = _run(batch, 1)
     for i in range(3):

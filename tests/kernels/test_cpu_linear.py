@@ -36,7 +36,7 @@ def few_rows_in_c(request, monkeypatch) -> bool:
         (70, 19, 1536),
     ],
 )
-def test_matches_f_linear(m: int, n: int, k: int, few_rows_in_c: bool) -> None:
+def test_matches_f_linear(m: int, n: int, k: int, few_rows_in_c: bool, lanes: int) -> None:
     gen = torch.Generator().manual_seed(m * n * k)
     x, w, b = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n)
     out = cpu_linear.linear_cpu(x, w)
@@ -96,7 +96,7 @@ def _packed_or_skip(w: torch.Tensor) -> cpu_linear.PackedWeight:
 @needs_onednn
 @pytest.mark.parametrize("n,k", [(5, 17), (64, 16), (100, 37), (130, 200), (832, 576)])
 def test_a_weight_held_packed_gives_f_linear_at_every_row_count(
-    n: int, k: int, few_rows_in_c: bool
+    n: int, k: int, few_rows_in_c: bool, lanes: int
 ) -> None:
     gen = torch.Generator().manual_seed(n + k)
     w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
@@ -113,6 +113,33 @@ def test_a_weight_held_packed_gives_f_linear_at_every_row_count(
     torch.testing.assert_close(cpu_linear.linear_packed(x, packed), F.linear(x, w), atol=2e-4,
                                rtol=1e-5)  # fmt: skip
     assert cpu_linear.linear_packed(torch.zeros(0, k), packed).shape == (0, n)
+
+
+@needs_onednn
+@pytest.mark.parametrize("n,k", [(200, 96), (960, 576)])
+def test_a_row_is_the_same_whatever_shares_the_batch(n: int, k: int, lanes: int,
+                                                     monkeypatch) -> None:  # fmt: skip
+    """Each row of a few-row product, in either build of the C kernels, equals to the bit that
+    row alone (the one-row GEMV): a greedy answer does not depend on what shares its batch."""
+    monkeypatch.setattr(cpu_linear, "few_rows_in_c", lambda: True)
+    if cpu_linear._gemv_library() is None:
+        pytest.skip("no C compiler: the few-row kernel is not built")
+    gen = torch.Generator().manual_seed(n * k)
+    w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    packed = _packed_or_skip(w)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for m in (2, 5, 8, 13, cpu_linear.FEW_ROWS_MAX):
+            x = torch.randn(m, k, generator=gen)
+            together = cpu_linear.linear_packed(x, packed, b)
+            for i in range(m):
+                assert torch.equal(
+                    together[i : i + 1], cpu_linear.linear_packed(x[i : i + 1], packed, b)
+                ), (m, i)
+            torch.testing.assert_close(together, F.linear(x, w, b), atol=2e-4, rtol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @needs_onednn
@@ -202,7 +229,7 @@ def test_a_few_rows_on_one_thread_skip_onednn(monkeypatch) -> None:
 
 @needs_onednn
 def test_without_the_c_kernels_every_product_takes_onednn(monkeypatch) -> None:
-    """On a host where the C kernels lose (x86-64 without AVX-512) every product, one row
+    """On a host where the C kernels are not taken (x86-64 below AVX2) every product, one row
     included, runs oneDNN; a prompt's products under `lending` run it on the lent threads too
     when they are worth sharing, and give what one thread gives, to the bit."""
     monkeypatch.setattr(cpu_linear, "few_rows_in_c", lambda: False)

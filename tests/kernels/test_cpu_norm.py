@@ -24,7 +24,7 @@ needs_kernel = pytest.mark.skipif(
 
 @needs_kernel
 @pytest.mark.parametrize("n,d", [(1, 1), (3, 15), (8, 576), (33, 100)])
-def test_matches_the_reference(n: int, d: int) -> None:
+def test_matches_the_reference(n: int, d: int, lanes: int) -> None:
     gen = torch.Generator().manual_seed(n * d)
     x, res = torch.randn(n, d, generator=gen) * 3, torch.randn(n, d, generator=gen)
     w = torch.randn(d, generator=gen)
@@ -39,7 +39,7 @@ def test_matches_the_reference(n: int, d: int) -> None:
 
 
 @needs_kernel
-def test_strided_rows_and_batch_independence() -> None:
+def test_strided_rows_and_batch_independence(lanes: int) -> None:
     big = torch.randn(6, 700)
     x, w = big[:, 50:626], torch.randn(576)  # row stride 700
     full = rms_norm(x, w, 1e-5)

@@ -2,7 +2,7 @@
 
 torch's CPU argmax over [32, 49152] logits took 4.4 ms on one core of the 2-core test host,
 ~3 ns a float; the sampler runs one a step (the greedy rows' tokens, or the Gumbel-max draw of
-the sampled rows). Here each row is two passes, both in 16 lanes: its maximum (and whether it
+the sampled rows). Here each row is two passes, both in the host's vector lanes: its maximum (and whether it
 holds a NaN), then the first index that holds it. torch's rules are kept: the first of equal
 maxima wins, and a row with a NaN gives its first NaN. Built and loaded by `cpu_native`; where
 it cannot be built the caller keeps torch's argmax.
@@ -19,8 +19,6 @@ from loraplex.kernels.cpu_native import VECTOR_PRELUDE, load_library
 _SOURCE = (
     VECTOR_PRELUDE
     + r"""
-typedef int32_t i16v __attribute__((vector_size(64), aligned(4)));
-
 /* out[r] = the first index of row r's maximum (of its first NaN, if it has one), rows of n
    floats `stride` apart */
 CLONES void argmax_rows(const float *x, int64_t rows, int64_t stride, int64_t n, int64_t *out) {
@@ -29,16 +27,16 @@ CLONES void argmax_rows(const float *x, int64_t rows, int64_t stride, int64_t n,
     float mx = row[0];
     int nan = 0;
     int64_t i = 0;
-    if (n >= 16) {
-      v16 m = *(const v16 *)row;
-      i16v bad = m != m;
-      for (i = 16; i + 16 <= n; i += 16) {
-        v16 v = *(const v16 *)(row + i);
+    if (n >= LANES) {
+      vec m = *(const vec *)row;
+      ivec bad = m != m;
+      for (i = LANES; i + LANES <= n; i += LANES) {
+        vec v = *(const vec *)(row + i);
         bad |= v != v;
-        i16v gt = v > m;
-        m = (v16)(((i16v)v & gt) | ((i16v)m & ~gt));
+        ivec gt = v > m;
+        m = (vec)(((ivec)v & gt) | ((ivec)m & ~gt));
       }
-      for (int j = 0; j < 16; j++) {
+      for (int j = 0; j < LANES; j++) {
         nan |= bad[j] != 0;
         if (m[j] > mx) mx = m[j];
       }
