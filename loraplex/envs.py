@@ -91,8 +91,8 @@ def cpu_omp_threads_bind() -> str:
 
 
 def cpu_lend_idle_cores() -> bool:
-    """Whether a CPU engine's prefill steps borrow the cores it leaves to the API process while
-    those are idle (LORAPLEX_CPU_LEND_IDLE_CORES, default 1; 0: never; see
+    """Whether a CPU engine's steps borrow the cores it leaves to the API process while those
+    are idle (LORAPLEX_CPU_LEND_IDLE_CORES, default 1; 0: never; see
     `loraplex.platform.runner.cpu_threads.SpareCores`)."""
     return os.environ.get("LORAPLEX_CPU_LEND_IDLE_CORES", "1").strip() != "0"
 

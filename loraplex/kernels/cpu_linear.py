@@ -41,7 +41,6 @@ import functools
 import os
 import platform
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -368,6 +367,177 @@ CLONES void gemm_blocked(const float *x, int64_t M, const float *w, const float 
 }
 
 #endif
+
+/* ---- a team of helper threads sharing few-row products by column blocks (`LentThreads`) --- */
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <time.h>
+
+#define SPIN_NS 200000 /* a helper waits this long spinning for its next share, then sleeps */
+
+typedef struct {
+  const float *x, *w, *bias;
+  float *y;
+  int64_t M, N, K, Kp, n0, n1;
+} share_t;
+
+typedef struct {
+  pthread_t thread;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  atomic_long posted, done; /* the last share handed over / finished; posted < 0: stop */
+  atomic_int asleep;
+  share_t share;
+  const int32_t *cpus; /* the cores it may run on (ncpus of them), or none: any */
+  int64_t ncpus;
+} helper_t;
+
+typedef struct {
+  int64_t count;
+  pthread_mutex_t busy; /* one product at a time: another caller computes alone */
+  int32_t *cpus;        /* the team's own copy of its cores */
+  helper_t h[];
+} team_t;
+
+/* columns [n0, n1) of the product: one row through gemv_blocked, more through gemm_blocked;
+   either computes each output as it would for the whole product */
+static void run_share(const share_t *s) {
+  if (s->n1 <= s->n0) return;
+  if (s->M == 1)
+    gemv_blocked(s->x, s->w + s->n0 * s->Kp, s->bias ? s->bias + s->n0 : 0, s->y + s->n0,
+                 s->n1 - s->n0, s->K, s->Kp);
+  else
+    gemm_blocked(s->x, s->M, s->w, s->bias, s->y, s->N, s->K, s->Kp, s->n0, s->n1);
+}
+
+static int64_t now_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static void relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+static void *helper_main(void *arg) {
+  helper_t *h = arg;
+#ifdef __linux__
+  if (h->ncpus > 0) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    for (int64_t i = 0; i < h->ncpus; i++)
+      if (h->cpus[i] >= 0 && h->cpus[i] < CPU_SETSIZE) CPU_SET(h->cpus[i], &set);
+    pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+  }
+#endif
+  long seen = 0;
+  for (;;) {
+    long p = atomic_load_explicit(&h->posted, memory_order_acquire);
+    if (p == seen) { /* spin a while: the step's next product comes within microseconds */
+      int64_t until = now_ns() + SPIN_NS;
+      for (int i = 0; (p = atomic_load_explicit(&h->posted, memory_order_acquire)) == seen; i++) {
+        relax();
+        if ((i & 63) == 63 && now_ns() > until) break;
+      }
+    }
+    if (p == seen) { /* then sleep until the next share (the core is free for others) */
+      pthread_mutex_lock(&h->mu);
+      atomic_store(&h->asleep, 1);
+      while ((p = atomic_load(&h->posted)) == seen) pthread_cond_wait(&h->cv, &h->mu);
+      atomic_store(&h->asleep, 0);
+      pthread_mutex_unlock(&h->mu);
+    }
+    if (p < 0) return 0;
+    seen = p;
+    run_share(&h->share);
+    atomic_store_explicit(&h->done, p, memory_order_release);
+  }
+}
+
+static void post(helper_t *h, long p) {
+  atomic_store(&h->posted, p);
+  if (atomic_load(&h->asleep)) {
+    pthread_mutex_lock(&h->mu);
+    pthread_cond_signal(&h->cv);
+    pthread_mutex_unlock(&h->mu);
+  }
+}
+
+void team_stop(void *team);
+
+/* `count` helper threads, each bound to the `ncpus` cores `cpus` (none: placed by the OS).
+   -> the team, or 0 where a thread could not start (none is left running) */
+void *team_start(int64_t count, const int32_t *cpus, int64_t ncpus) {
+  if (count < 1 || count > 64) return 0;
+  team_t *t = calloc(1, sizeof(team_t) + count * sizeof(helper_t));
+  if (!t) return 0;
+  if (cpus && ncpus > 0) {
+    t->cpus = malloc(ncpus * sizeof(int32_t));
+    if (!t->cpus) {
+      free(t);
+      return 0;
+    }
+    for (int64_t i = 0; i < ncpus; i++) t->cpus[i] = cpus[i];
+  }
+  pthread_mutex_init(&t->busy, 0);
+  for (int64_t i = 0; i < count; i++) {
+    helper_t *h = &t->h[i];
+    pthread_mutex_init(&h->mu, 0);
+    pthread_cond_init(&h->cv, 0);
+    h->cpus = t->cpus;
+    h->ncpus = t->cpus ? ncpus : 0;
+    if (pthread_create(&h->thread, 0, helper_main, h) != 0) {
+      t->count = i;
+      team_stop(t);
+      return 0;
+    }
+    t->count = i + 1;
+  }
+  return t;
+}
+
+/* y [M, N] = x [M, K] @ w^T (+ bias), w blocked: the column blocks split in count + 1 nearly
+   equal runs, the first computed by the caller, the others by the helpers */
+void team_product(void *team, const float *x, int64_t M, const float *w, const float *bias,
+                  float *y, int64_t N, int64_t K, int64_t Kp) {
+  team_t *t = team;
+  share_t all = {x, w, bias, y, M, N, K, Kp, 0, N};
+  if (pthread_mutex_trylock(&t->busy) != 0) {
+    run_share(&all);
+    return;
+  }
+  int64_t parts = t->count + 1, blocks = (N + 63) / 64;
+  long ids[64];
+  for (int64_t i = 1; i < parts; i++) {
+    helper_t *h = &t->h[i - 1];
+    h->share = all;
+    h->share.n0 = blocks * i / parts * 64 < N ? blocks * i / parts * 64 : N;
+    h->share.n1 = blocks * (i + 1) / parts * 64 < N ? blocks * (i + 1) / parts * 64 : N;
+    ids[i - 1] = atomic_load(&h->posted) + 1;
+    post(h, ids[i - 1]);
+  }
+  all.n1 = blocks / parts * 64 < N ? blocks / parts * 64 : N;
+  run_share(&all);
+  for (int64_t i = 1; i < parts; i++)
+    while (atomic_load_explicit(&t->h[i - 1].done, memory_order_acquire) != ids[i - 1]) relax();
+  pthread_mutex_unlock(&t->busy);
+}
+
+/* stop and join the helpers, free the team */
+void team_stop(void *team) {
+  team_t *t = team;
+  for (int64_t i = 0; i < t->count; i++) {
+    post(&t->h[i], -1);
+    pthread_join(t->h[i].thread, 0);
+  }
+  free(t->cpus);
+  free(t);
+}
 """
 )
 _GEMV_SIGNATURES = (
@@ -378,7 +548,15 @@ _GEMV_SIGNATURES = (
         (ctypes.c_void_p, ctypes.c_int64) + (ctypes.c_void_p,) * 3 + (ctypes.c_int64,) * 5,
         None,
     ),
-)
+    ("team_start", (ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64), ctypes.c_void_p),
+    (
+        "team_product",
+        (ctypes.c_void_p,) * 2 + (ctypes.c_int64,) + (ctypes.c_void_p,) * 3
+        + (ctypes.c_int64,) * 3,
+        None,
+    ),
+    ("team_stop", (ctypes.c_void_p,), None),
+)  # fmt: skip
 
 #: Most rows the few-row C kernel takes on one compute thread; past that, or on more threads,
 #: oneDNN. NOTE: on one thread of the 2-core AVX-512 host (Sapphire Rapids, one other process
@@ -393,7 +571,9 @@ FEW_ROWS_MAX = 64
 
 
 def _gemv_library() -> ctypes.CDLL | None:
-    return load_library("gemv", _GEMV_SOURCE, (("-O3",),), _GEMV_SIGNATURES)
+    return load_library(
+        "gemv", _GEMV_SOURCE, (("-O3", "-pthread", "-D_GNU_SOURCE"),), _GEMV_SIGNATURES
+    )
 
 
 @functools.cache
@@ -408,29 +588,34 @@ def few_rows_in_c() -> bool:
     return torch.backends.cpu.get_cpu_capability() != "DEFAULT"
 
 
-#: The fewest rows, and multiply-adds, of a few-row product shared with lent threads
-#: (`lending`): below, a thread's share is too short to pay for handing it over (~50 us).
-SHARE_MIN_ROWS = 16
-SHARE_MIN_MACS = 1 << 22
+#: The fewest multiply-adds of a few-row product shared with lent threads (`lending`): below,
+#: a share is too short to pay for handing it over (~1 us to a helper still spinning from the
+#: last product, some tens of us to wake one).
+SHARE_MIN_MACS = 1 << 17
 
 
 class LentThreads:
     """Threads an engine on one compute thread borrows for some of its steps (`lending`): the
-    few-row kernel splits a product's 64-column blocks between the calling thread and them
-    (each output is summed over k in order whoever computes it, so the product is the same to
-    the bit as on one thread), and oneDNN's products run on `1 + count` OpenMP threads (its
-    blocks of outputs shared out, K whole: equal to the bit on the embedded model's shapes on
-    the 2-core AVX-512 host, which a test checks)."""
+    few-row C kernels split a product's 64-column blocks between the calling thread and a team
+    of C helper threads (each output is summed over k in order whoever computes it, so the
+    product is the same to the bit as on one thread), and oneDNN's products run on `1 + count`
+    OpenMP threads (its blocks of outputs shared out, K whole: equal to the bit on the embedded
+    model's shapes on the 2-core AVX-512 host, which a test checks). A helper spins for its next
+    share for a while (`SPIN_NS`, a fifth of a millisecond) after each one, so the ~120 products
+    of a step each hand over in about a microsecond, then sleeps, leaving the core to others
+    between steps."""
 
     def __init__(self, count: int, cores: tuple[int, ...] | None = None) -> None:
         """`count` threads, bound to `cores` where given (else placed by the OS)."""
         if count < 1:
             raise ValueError(f"LentThreads needs at least one thread, got {count}")
         self.count, self.cores = count, cores
-        self._pool = ThreadPoolExecutor(
-            count, "loraplex-lent", initializer=_bind_thread, initargs=(cores,)
-        )
         self._omp_started = False
+        self._lib = _gemv_library()
+        self._team: int | None = None
+        if self._lib is not None:
+            cpus = (ctypes.c_int32 * len(cores))(*cores) if cores else None
+            self._team = self._lib.team_start(count, cpus, len(cores) if cores else 0) or None
 
     @contextmanager
     def parallel(self) -> Iterator[None]:
@@ -461,34 +646,25 @@ class LentThreads:
             if widen:
                 os.sched_setaffinity(0, own)  # type: ignore[arg-type]
 
-    def gemm(
-        self, lib: ctypes.CDLL, rows: torch.Tensor, weight: PackedWeight, bias: int | None,
-        out: torch.Tensor,
-    ) -> None:  # fmt: skip
-        """`gemm_blocked` of contiguous `rows` into `out`, the column blocks shared out."""
-        n, parts = weight.n, self.count + 1
-        blocks = -(-n // 64)
-        edges = [min(n, blocks * i // parts * 64) for i in range(parts)] + [n]
-        args = (rows.data_ptr(), rows.shape[0], weight.data_ptr, bias, out.data_ptr(), n,
-                weight.k, weight.k_padded)  # fmt: skip
-        # NOTE: ctypes lets go of the GIL for the call, so the shares run side by side
-        shares = [self._pool.submit(lib.gemm_blocked, *args, lo, hi)
-                  for lo, hi in zip(edges[1:-1], edges[2:]) if hi > lo]  # fmt: skip
-        lib.gemm_blocked(*args, edges[0], edges[1])
-        for share in shares:
-            share.result()
+    def product(
+        self, rows: torch.Tensor, weight: PackedWeight, bias: int | None, out: torch.Tensor
+    ) -> bool:
+        """The few-row product of contiguous `rows` into `out`, its column blocks shared with
+        the helper team. -> False where there is no team (nothing written)."""
+        if self._team is None:
+            return False
+        self._lib.team_product(self._team, rows.data_ptr(), rows.shape[0], weight.data_ptr,
+                               bias, out.data_ptr(), weight.n, weight.k, weight.k_padded)  # fmt: skip
+        return True
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        if self._team is not None:
+            self._lib.team_stop(self._team)
+            self._team = None
 
 
 def _worth_sharing(m: int, weight: PackedWeight) -> bool:
-    return m >= SHARE_MIN_ROWS and weight.n > 64 and m * weight.n * weight.k >= SHARE_MIN_MACS
-
-
-def _bind_thread(cores: tuple[int, ...] | None) -> None:
-    if cores is not None and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, cores)  # NOTE: 0 is the calling thread on Linux
+    return weight.n > 64 and m * weight.n * weight.k >= SHARE_MIN_MACS
 
 
 _LENT: ContextVar[LentThreads | None] = ContextVar("loraplex_lent_threads", default=None)
@@ -496,9 +672,9 @@ _LENT: ContextVar[LentThreads | None] = ContextVar("loraplex_lent_threads", defa
 
 @contextmanager
 def lending(threads: LentThreads | None) -> Iterator[None]:
-    """Within the block, on an engine of one compute thread, few-row products of at least
-    `SHARE_MIN_ROWS` rows share their work with `threads` and oneDNN's run on them too (None:
-    none lent)."""
+    """Within the block, on an engine of one compute thread, products of at least
+    `SHARE_MIN_MACS` multiply-adds share their work with `threads`, through the C helper team
+    (1 to `FEW_ROWS_MAX` rows) or oneDNN's OpenMP threads (more; None: none lent)."""
     token = _LENT.set(threads)
     try:
         yield
@@ -562,11 +738,11 @@ def linear_packed(
         rows = rows.contiguous()
         out = torch.empty(m, weight.n, dtype=torch.float32)
         b = None if bias is None else bias.data_ptr()
-        if m == 1:
+        if lent is not None and _worth_sharing(m, weight) and lent.product(rows, weight, b, out):
+            pass
+        elif m == 1:
             lib.gemv_blocked(rows.data_ptr(), weight.data_ptr, b, out.data_ptr(), weight.n,
                              weight.k, weight.k_padded)  # fmt: skip
-        elif lent is not None and _worth_sharing(m, weight):
-            lent.gemm(lib, rows, weight, b, out)
         else:
             lib.gemm_blocked(rows.data_ptr(), m, weight.data_ptr, b, out.data_ptr(), weight.n,
                              weight.k, weight.k_padded, 0, weight.n)  # fmt: skip

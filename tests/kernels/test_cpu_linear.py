@@ -3,6 +3,9 @@ shapes and every row count, the bias, a weight changed in place, the dispatch in
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -144,43 +147,42 @@ def test_a_row_is_the_same_whatever_shares_the_batch(n: int, k: int, lanes: int,
 
 @needs_onednn
 def test_a_product_shared_with_lent_threads_is_the_same_to_the_bit(monkeypatch) -> None:
-    """A prompt's few-row products under `lending` split their 64-column blocks between the
-    caller and the lent threads, and give exactly what one thread gives; products too small to
-    pay for the hand-off (few rows, or little work) stay on the caller's thread."""
+    """Under `lending`, few-row products (decode steps and short prompts alike) split their
+    64-column blocks between the caller and the lent C helpers and give exactly what one thread
+    gives; products too small to pay for the hand-off stay on the caller's thread."""
     gen = torch.Generator().manual_seed(5)
     w, b = torch.randn(328, 96, generator=gen), torch.randn(328, generator=gen)
     packed = _packed_or_skip(w)
-    shares: list[tuple[int, int, int]] = []
-    lib = cpu_linear._gemv_library()
-    if lib is None:
+    shares: list[int] = []
+    if cpu_linear._gemv_library() is None:
         pytest.skip("no C compiler: the few-row kernel is not built")
     lent = cpu_linear.LentThreads(2)
-    real = lent.gemm
+    real = lent.product
 
-    def spy(lib, rows, weight, bias, out) -> None:
-        shares.append((rows.shape[0], weight.n, weight.k))
-        real(lib, rows, weight, bias, out)
+    def spy(rows, weight, bias, out) -> bool:
+        shares.append(rows.shape[0])
+        return real(rows, weight, bias, out)
 
-    monkeypatch.setattr(lent, "gemm", spy)
+    monkeypatch.setattr(lent, "product", spy)
     monkeypatch.setattr(cpu_linear, "SHARE_MIN_MACS", 0)
     monkeypatch.setattr(cpu_linear, "few_rows_in_c", lambda: True)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        for m in (cpu_linear.SHARE_MIN_ROWS - 1, cpu_linear.SHARE_MIN_ROWS, 37,
-                  cpu_linear.FEW_ROWS_MAX):  # fmt: skip
+        for m in (1, 2, 7, 37, cpu_linear.FEW_ROWS_MAX):
             x = torch.randn(m, 96, generator=gen)
             alone = cpu_linear.linear_packed(x, packed, b)
             with cpu_linear.lending(lent):
                 shared = cpu_linear.linear_packed(x, packed, b)
             assert torch.equal(shared, alone), m
             torch.testing.assert_close(shared, F.linear(x, w, b), atol=2e-4, rtol=1e-5)
-        assert [m for m, _, _ in shares] == [cpu_linear.SHARE_MIN_ROWS, 37, cpu_linear.FEW_ROWS_MAX]
+        assert shares == [1, 2, 7, 37, cpu_linear.FEW_ROWS_MAX]
         monkeypatch.setattr(cpu_linear, "SHARE_MIN_MACS", 1 << 40)
         with cpu_linear.lending(lent):
             cpu_linear.linear_packed(torch.randn(32, 96, generator=gen), packed, b)
-        assert len(shares) == 3  # too little work to share
+        assert len(shares) == 5  # too little work to share
         # more rows go to oneDNN, on the lent threads too: the embedded model's MLP shapes
+        monkeypatch.setattr(cpu_linear, "SHARE_MIN_MACS", 1 << 17)
         threads_seen: list[int] = []
         onednn = cpu_linear._onednn
         monkeypatch.setattr(cpu_linear, "_onednn",
@@ -197,6 +199,39 @@ def test_a_product_shared_with_lent_threads_is_the_same_to_the_bit(monkeypatch) 
     finally:
         torch.set_num_threads(threads)
         lent.close()
+
+
+@needs_onednn
+def test_lent_helpers_bound_to_cores_sleep_and_wake(monkeypatch) -> None:
+    """A helper bound to a core shares products after sleeping between them (a gap past its
+    spin), and several engines' helper teams work side by side; a closed team leaves the
+    products to the caller."""
+    if cpu_linear._gemv_library() is None:
+        pytest.skip("no C compiler: the few-row kernel is not built")
+    monkeypatch.setattr(cpu_linear, "few_rows_in_c", lambda: True)
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(640, 96, generator=gen)
+    packed = _packed_or_skip(w)
+    cores = tuple(sorted(os.sched_getaffinity(0)))[:1] if hasattr(os, "sched_getaffinity") else None
+    teams = [cpu_linear.LentThreads(1, cores), cpu_linear.LentThreads(3)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        x = torch.randn(3, 96, generator=gen)
+        alone = cpu_linear.linear_packed(x, packed)
+        for _ in range(3):
+            time.sleep(0.002)  # past the helpers' spin: they sleep, and are woken
+            for team in teams:
+                with cpu_linear.lending(team):
+                    assert torch.equal(cpu_linear.linear_packed(x, packed), alone)
+        teams[0].close()
+        assert not teams[0].product(x.contiguous(), packed, None, torch.empty(3, 640))
+        with cpu_linear.lending(teams[0]):
+            assert torch.equal(cpu_linear.linear_packed(x, packed), alone)
+    finally:
+        torch.set_num_threads(threads)
+        for team in teams:
+            team.close()
 
 
 @needs_onednn
@@ -235,7 +270,7 @@ def test_without_the_c_kernels_every_product_takes_onednn(monkeypatch) -> None:
     monkeypatch.setattr(cpu_linear, "few_rows_in_c", lambda: False)
     gen = torch.Generator().manual_seed(11)
     w = torch.randn(1536, 576, generator=gen)
-    packed = _packed_or_skip(w)
+    packed, small = _packed_or_skip(w), _packed_or_skip(torch.randn(200, 96, generator=gen))
     seen: list[tuple[int, int]] = []
     onednn = cpu_linear._onednn
     monkeypatch.setattr(cpu_linear, "_onednn", lambda x, *a: seen.append(
@@ -256,9 +291,10 @@ def test_without_the_c_kernels_every_product_takes_onednn(monkeypatch) -> None:
         alone = cpu_linear.linear_packed(x, packed)
         with cpu_linear.lending(lent):
             shared = cpu_linear.linear_packed(x, packed)
-            cpu_linear.linear_packed(x[:2], packed)  # too little work to hand over
+            cpu_linear.linear_packed(x[:1], packed)  # a decode step's row
+            cpu_linear.linear_packed(x[:1, :96], small)  # too little work to hand over
         assert torch.equal(shared, alone)
-        assert seen == [(64, 1), (64, 2), (2, 1)] and torch.get_num_threads() == 1
+        assert seen == [(64, 1), (64, 2), (1, 2), (1, 1)] and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(threads)
         lent.close()

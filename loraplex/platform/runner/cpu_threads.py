@@ -24,7 +24,7 @@ throughput when the other core was busy where an unbound one halved
 (benchmarks/results/cpu_serving_bind.json).
 
 Lending (`SpareCores`, LORAPLEX_CPU_LEND_IDLE_CORES): an engine that chose its one thread itself
-lends the core it leaves over to its prefill steps while that core is idle.
+lends the core it leaves over to its steps while that core is idle.
 """
 
 from __future__ import annotations
@@ -178,11 +178,13 @@ WINDOW_S = 0.1
 
 class SpareCores:
     """Lends the cores a CPU engine leaves to the API process and the host (one of two on a
-    2-core machine) to its prefill steps while nothing else uses them: a prompt's linears then
-    run on a lent thread too (`kernels.cpu_linear.lending`; the same result to the bit). At
-    concurrency 1 the API process idles while a prompt fills, so its core would otherwise sit
-    unused for the whole time to first token: a 64-token prompt of the embedded model took
-    259 ms to its first token on one thread here. Idleness is read from /proc/stat
+    2-core machine) to its steps while nothing else uses them: a step's linears then run on a
+    lent thread too (`kernels.cpu_linear.lending`; the same result to the bit). The API process
+    mostly idles, streaming a token per sequence a step, so its core would otherwise sit unused:
+    a 64-token prompt of the embedded model took 259 ms to its first token on one thread here,
+    and a decode step's weights stream in from memory faster on two cores than on one (the
+    embedded model's decoder linears on the 2-core AVX2 host: 33.2 against 20.9 ms at one row,
+    48.8 / 26.9 at 8, 113.8 / 60.1 at 32). Idleness is read from /proc/stat
     over the last window (at least `WINDOW_S`): the usable cores' idle share plus the engine's
     own CPU time, less its own threads; a busy API process (many streams) or another program on
     the spare core keeps the step on the engine's own thread."""
@@ -234,10 +236,10 @@ class SpareCores:
         self._mark = sample
         return self._free
 
-    def for_step(self, prefill: bool) -> LentThreads | None:
-        """The threads a step may borrow: the lent ones for a prefill step while every spare
-        core is free, else None."""
-        if not prefill or self.lent is None or self.free() < self.spare:
+    def for_step(self) -> LentThreads | None:
+        """The threads a step may borrow: the lent ones while every spare core is free, else
+        None."""
+        if self.lent is None or self.free() < self.spare:
             return None
         self.lent_steps += 1
         return self.lent
@@ -248,7 +250,7 @@ class SpareCores:
 
 
 def spare_cores() -> SpareCores | None:
-    """The lender of this engine's idle spare cores to its prefill steps (`SpareCores`), or None
+    """The lender of this engine's idle spare cores to its steps (`SpareCores`), or None
     where there is none to lend: LORAPLEX_CPU_LEND_IDLE_CORES=0, a thread count or CPU list set
     by the user (LORAPLEX_CPU_THREADS, OMP_NUM_THREADS, LORAPLEX_CPU_OMP_THREADS_BIND), tensor
     parallelism, an engine on more than one thread or with no core left over, or no /proc/stat.

@@ -110,8 +110,8 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.model.device)
         self.block_size = config.cache.block_size
-        # NOTE: a CPU engine's prefill steps borrow the core it leaves to the API process while
-        # that core idles (`SpareCores`)
+        # NOTE: a CPU engine's steps borrow the core it leaves to the API process while that
+        # core idles (`SpareCores`)
         self.spare_cores: SpareCores | None = None
         if self.device.type == "cpu":
             configure_cpu_threads(tensor_parallel_size=config.parallel.tensor_parallel_size)
@@ -473,9 +473,14 @@ class ModelRunner:
         positions = to_device(batch.positions, dev)
         lent = None
         if self.spare_cores is not None:
-            lent = self.spare_cores.for_step(prefill=batch.max_query_len > 1)
-        with lending(lent):
+            lent = self.spare_cores.for_step()
+        with lending(lent):  # NOTE: the LM head's product shares the lent core too
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            return self._logits(batch, hidden)
+
+    def _logits(self, batch: Batch, hidden: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """`_forward`'s logits and prompt logprobs from the forward pass's hidden rows."""
+        dev = self.device
         prompt_logprobs: PromptLogprobScores = {}
         for req_id, offset, targets, first_pos in batch.prompt_scores:
             row = self.input_batch.req_index[req_id]

@@ -205,10 +205,10 @@ def _stat(path, ticks: dict[int, tuple[int, int]]) -> None:
     path.write_text("\n".join(lines) + "\nintr 1 2 3\n")
 
 
-def test_a_prefill_step_borrows_the_spare_core_only_while_it_idles(tmp_path, monkeypatch):
-    """The engine computes on core 1 and leaves core 0 to the API process: a prefill step
-    borrows core 0 while, over the last window, it went idle (the engine's own CPU time aside),
-    not while the API process or another program keeps it busy, and a decode step never."""
+def test_a_step_borrows_the_spare_core_only_while_it_idles(tmp_path, monkeypatch):
+    """The engine computes on core 1 and leaves core 0 to the API process: a step borrows core 0
+    while, over the last window, it went idle (the engine's own CPU time, its helper's spinning
+    included, aside), not while the API process or another program keeps it busy."""
     clock = _Clock()
     monkeypatch.setattr(cpu_threads, "time", clock)
     stat = tmp_path / "stat"
@@ -224,18 +224,19 @@ def test_a_prefill_step_borrows_the_spare_core_only_while_it_idles(tmp_path, mon
             _stat(stat, {0: core0, 1: core1})
 
         window((5, 95), (95, 5), ours=0.95)  # one stream: the API process near idle
-        assert cores.for_step(prefill=True) is cores.lent
-        assert cores.for_step(prefill=False) is None
-        window((5 + 60, 95 + 40), (190, 10), ours=0.95)  # many streams: core 0 60 % busy
-        assert cores.for_step(prefill=True) is None
-        window((165, 140), (195, 105), ours=0.0)  # another program on core 0, the engine idle
-        assert cores.for_step(prefill=True) is None
-        window((170, 235), (200, 200), ours=0.0)  # the host idle
-        assert cores.for_step(prefill=True) is cores.lent
-        assert cores.lent_steps == 2
+        assert cores.for_step() is cores.lent
+        window((65, 135), (190, 10), ours=1.55)  # the engine's helper on core 0
+        assert cores.for_step() is cores.lent
+        window((125, 175), (285, 15), ours=0.95)  # many streams: core 0 60 % busy
+        assert cores.for_step() is None
+        window((225, 180), (290, 110), ours=0.0)  # another program on core 0, engine idle
+        assert cores.for_step() is None
+        window((230, 275), (295, 205), ours=0.0)  # the host idle
+        assert cores.for_step() is cores.lent
+        assert cores.lent_steps == 3
         clock.wall += cpu_threads.WINDOW_S / 2  # too short a window: the last answer holds
-        _stat(stat, {0: (270, 235), 1: (300, 200)})
-        assert cores.for_step(prefill=True) is cores.lent
+        _stat(stat, {0: (330, 275), 1: (395, 205)})
+        assert cores.for_step() is cores.lent
     finally:
         cores.close()
 
@@ -277,10 +278,10 @@ def test_the_first_configuration_records_who_chose_the_threads(monkeypatch, rest
 def test_a_prompt_filled_with_a_lent_core_gives_the_very_same_tokens(
     model_dir, tmp_path, monkeypatch, few_rows_in_c
 ):
-    """End to end on the embedded model: prompts whose prefill borrows the spare core (forced
-    idle here) share their linears with the lent thread (64 tokens: the few-row kernel where it
-    runs, else oneDNN on two threads; 150: oneDNN on two threads) and answer with exactly the
-    tokens and logprobs the engine gives on its own thread."""
+    """End to end on the embedded model: prompts whose steps borrow the spare core (forced idle
+    here) share their linears with the lent thread (decode steps and 64 tokens: the few-row
+    kernel where it runs, else oneDNN on two threads; 150: oneDNN on two threads) and answer
+    with exactly the tokens and logprobs the engine gives on its own thread."""
     from loraplex import LLM, SamplingParams
     from loraplex.kernels import cpu_linear
 
@@ -294,13 +295,13 @@ def test_a_prompt_filled_with_a_lent_core_gives_the_very_same_tokens(
     lender = cpu_threads.SpareCores((0, 1), None, threads=1, stat=stat)
     lender.free = lambda: lender.spare  # type: ignore[method-assign]
     assert lender.lent is not None
-    shares, gemm = [0], lender.lent.gemm
+    shares, product = [0], lender.lent.product
 
-    def counted(*args) -> None:
+    def counted(*args) -> bool:
         shares[0] += 1
-        gemm(*args)
+        return product(*args)
 
-    lender.lent.gemm = counted  # type: ignore[method-assign]
+    lender.lent.product = counted  # type: ignore[method-assign]
     parallel, regions = lender.lent.parallel, [0]
 
     def counted_parallel():
@@ -324,11 +325,12 @@ def test_a_prompt_filled_with_a_lent_core_gives_the_very_same_tokens(
         runner.spare_cores = None
         lender.close()
         llm.engine.shutdown()
-    assert lender.lent_steps == 2  # the prefills; the decode steps stay on the engine's thread
-    # NOTE: every decoder layer's linears were shared: the 64-token prompt's in C where it runs,
-    # through oneDNN on the lent thread where not; the 150-token prompt's through oneDNN
+    assert lender.lent_steps == 2 * 8  # each prompt's prefill and its 7 decode steps
+    # NOTE: every decoder layer's linears were shared: the 64-token prompt's and the decode
+    # steps' in C where it runs, through oneDNN on the lent thread where not; the 150-token
+    # prompt's through oneDNN
     if few_rows_in_c:
-        assert shares[0] >= 4 * 30 and regions[0] >= 4 * 30
+        assert shares[0] >= (1 + 2 * 7) * 4 * 30 and regions[0] >= 4 * 30
     else:
         assert shares[0] == 0 and regions[0] >= 2 * 4 * 30
     for one, other in zip(shared, alone):
