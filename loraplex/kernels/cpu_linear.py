@@ -40,7 +40,7 @@ import ctypes
 import functools
 import os
 import platform
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -610,6 +610,10 @@ class LentThreads:
         if count < 1:
             raise ValueError(f"LentThreads needs at least one thread, got {count}")
         self.count, self.cores = count, cores
+        #: asked before each product that would share: whether the threads may be used now
+        #: (None: always; `SpareCores` sets it to its idleness check)
+        self.gate: Callable[[], bool] | None = None
+        self.shared = 0  # products shared so far
         self._omp_started = False
         self._lib = _gemv_library()
         self._team: int | None = None
@@ -623,6 +627,7 @@ class LentThreads:
         worker threads on the first parallel region and they keep the affinity of the thread
         that started them; an engine bound to its own core would have them share it, so they are
         started once with that thread's affinity widened to the lent cores."""
+        self.shared += 1
         before = torch.get_num_threads()
         if not self._omp_started:
             self._omp_started = True
@@ -653,6 +658,7 @@ class LentThreads:
         the helper team. -> False where there is no team (nothing written)."""
         if self._team is None:
             return False
+        self.shared += 1
         self._lib.team_product(self._team, rows.data_ptr(), rows.shape[0], weight.data_ptr,
                                bias, out.data_ptr(), weight.n, weight.k, weight.k_padded)  # fmt: skip
         return True
@@ -663,8 +669,13 @@ class LentThreads:
             self._team = None
 
 
-def _worth_sharing(m: int, weight: PackedWeight) -> bool:
-    return weight.n > 64 and m * weight.n * weight.k >= SHARE_MIN_MACS
+def _share_with(m: int, weight: PackedWeight) -> LentThreads | None:
+    """The lent threads this product shares its work with: those of `lending`, where the product
+    is big enough to pay for the hand-off and their gate lets it."""
+    lent = _LENT.get()
+    if lent is None or weight.n <= 64 or m * weight.n * weight.k < SHARE_MIN_MACS:
+        return None
+    return lent if lent.gate is None or lent.gate() else None
 
 
 _LENT: ContextVar[LentThreads | None] = ContextVar("loraplex_lent_threads", default=None)
@@ -732,13 +743,15 @@ def linear_packed(
     rows = x.reshape(-1, weight.k)
     if rows.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], weight.n)
-    m, lib, lent = rows.shape[0], _gemv_library(), _LENT.get()
-    few = few_rows_in_c() and (m == 1 or (m <= FEW_ROWS_MAX and torch.get_num_threads() == 1))
+    m, lib = rows.shape[0], _gemv_library()
+    one_thread = torch.get_num_threads() == 1
+    few = few_rows_in_c() and (m == 1 or (m <= FEW_ROWS_MAX and one_thread))
     if few and lib is not None and (bias is None or bias.is_contiguous()):
         rows = rows.contiguous()
         out = torch.empty(m, weight.n, dtype=torch.float32)
         b = None if bias is None else bias.data_ptr()
-        if lent is not None and _worth_sharing(m, weight) and lent.product(rows, weight, b, out):
+        lent = _share_with(m, weight)
+        if lent is not None and lent.product(rows, weight, b, out):
             pass
         elif m == 1:
             lib.gemv_blocked(rows.data_ptr(), weight.data_ptr, b, out.data_ptr(), weight.n,
@@ -746,11 +759,7 @@ def linear_packed(
         else:
             lib.gemm_blocked(rows.data_ptr(), m, weight.data_ptr, b, out.data_ptr(), weight.n,
                              weight.k, weight.k_padded, 0, weight.n)  # fmt: skip
-    elif (
-        lent is not None
-        and torch.get_num_threads() == 1
-        and (m > FEW_ROWS_MAX or _worth_sharing(m, weight))
-    ):
+    elif one_thread and (lent := _share_with(m, weight)) is not None:
         with lent.parallel():
             out = _onednn(rows.contiguous(), weight.tensor, bias)
     else:

@@ -181,6 +181,12 @@ def test_a_product_shared_with_lent_threads_is_the_same_to_the_bit(monkeypatch) 
         with cpu_linear.lending(lent):
             cpu_linear.linear_packed(torch.randn(32, 96, generator=gen), packed, b)
         assert len(shares) == 5  # too little work to share
+        monkeypatch.setattr(cpu_linear, "SHARE_MIN_MACS", 0)
+        lent.gate = lambda: False  # the lent core is busy now
+        with cpu_linear.lending(lent):
+            cpu_linear.linear_packed(torch.randn(32, 96, generator=gen), packed, b)
+        assert len(shares) == 5
+        lent.gate = None
         # more rows go to oneDNN, on the lent threads too: the embedded model's MLP shapes
         monkeypatch.setattr(cpu_linear, "SHARE_MIN_MACS", 1 << 17)
         threads_seen: list[int] = []

@@ -195,9 +195,10 @@ class SpareCores:
         self.spare = len(usable) - threads
         spare_cores = tuple(c for c in usable if c not in bound) if bound is not None else None
         self.lent = LentThreads(self.spare, spare_cores or None) if self.spare > 0 else None
+        if self.lent is not None:
+            self.lent.gate = self.lendable
         self._free = 0
         self._mark = self._sample()
-        self.lent_steps = 0  # steps that ran with the lent threads
 
     def _sample(self) -> tuple[float, float, dict[int, tuple[int, int]]] | None:
         """(wall clock, this process's CPU seconds, {core: (idle ticks, total ticks)})."""
@@ -236,13 +237,12 @@ class SpareCores:
         self._mark = sample
         return self._free
 
-    def for_step(self) -> LentThreads | None:
-        """The threads a step may borrow: the lent ones while every spare core is free, else
-        None."""
-        if self.lent is None or self.free() < self.spare:
-            return None
-        self.lent_steps += 1
-        return self.lent
+    def lendable(self) -> bool:
+        """Whether a product may borrow the lent threads now: every spare core free (`free`,
+        measured again at most every `WINDOW_S`). Asked product by product (`LentThreads.gate`),
+        so a long step (a burst of prompts filling, while the API process took them in) starts
+        sharing once the core goes idle, not only from its next step."""
+        return self.lent is not None and self.free() >= self.spare
 
     def close(self) -> None:
         if self.lent is not None:

@@ -471,9 +471,7 @@ class ModelRunner:
         input_ids = to_device(batch.input_ids, dev)
         fill_pending(input_ids, batch, last_token)
         positions = to_device(batch.positions, dev)
-        lent = None
-        if self.spare_cores is not None:
-            lent = self.spare_cores.for_step()
+        lent = None if self.spare_cores is None else self.spare_cores.lent
         with lending(lent):  # NOTE: the LM head's product shares the lent core too
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
             return self._logits(batch, hidden)

@@ -205,8 +205,8 @@ def _stat(path, ticks: dict[int, tuple[int, int]]) -> None:
     path.write_text("\n".join(lines) + "\nintr 1 2 3\n")
 
 
-def test_a_step_borrows_the_spare_core_only_while_it_idles(tmp_path, monkeypatch):
-    """The engine computes on core 1 and leaves core 0 to the API process: a step borrows core 0
+def test_products_borrow_the_spare_core_only_while_it_idles(tmp_path, monkeypatch):
+    """The engine computes on core 1 and leaves core 0 to the API process: a product borrows core 0
     while, over the last window, it went idle (the engine's own CPU time, its helper's spinning
     included, aside), not while the API process or another program keeps it busy."""
     clock = _Clock()
@@ -216,6 +216,7 @@ def test_a_step_borrows_the_spare_core_only_while_it_idles(tmp_path, monkeypatch
     cores = cpu_threads.SpareCores((0, 1), (1,), threads=1, stat=stat)
     try:
         assert cores.spare == 1 and cores.lent is not None and cores.lent.count == 1
+        assert cores.lent.gate == cores.lendable  # asked before each shared product
 
         def window(core0: tuple[int, int], core1: tuple[int, int], ours: float) -> None:
             """One second of ticks (100 a core) and the engine's own CPU seconds."""
@@ -224,19 +225,18 @@ def test_a_step_borrows_the_spare_core_only_while_it_idles(tmp_path, monkeypatch
             _stat(stat, {0: core0, 1: core1})
 
         window((5, 95), (95, 5), ours=0.95)  # one stream: the API process near idle
-        assert cores.for_step() is cores.lent
+        assert cores.lendable()
         window((65, 135), (190, 10), ours=1.55)  # the engine's helper on core 0
-        assert cores.for_step() is cores.lent
+        assert cores.lendable()
         window((125, 175), (285, 15), ours=0.95)  # many streams: core 0 60 % busy
-        assert cores.for_step() is None
+        assert not cores.lendable()
         window((225, 180), (290, 110), ours=0.0)  # another program on core 0, engine idle
-        assert cores.for_step() is None
+        assert not cores.lendable()
         window((230, 275), (295, 205), ours=0.0)  # the host idle
-        assert cores.for_step() is cores.lent
-        assert cores.lent_steps == 3
+        assert cores.lendable()
         clock.wall += cpu_threads.WINDOW_S / 2  # too short a window: the last answer holds
         _stat(stat, {0: (330, 275), 1: (395, 205)})
-        assert cores.for_step() is cores.lent
+        assert cores.lendable()
     finally:
         cores.close()
 
@@ -325,7 +325,6 @@ def test_a_prompt_filled_with_a_lent_core_gives_the_very_same_tokens(
         runner.spare_cores = None
         lender.close()
         llm.engine.shutdown()
-    assert lender.lent_steps == 2 * 8  # each prompt's prefill and its 7 decode steps
     # NOTE: every decoder layer's linears were shared: the 64-token prompt's and the decode
     # steps' in C where it runs, through oneDNN on the lent thread where not; the 150-token
     # prompt's through oneDNN
