@@ -374,6 +374,7 @@ CLONES void gemm_blocked(const float *x, int64_t M, const float *w, const float 
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <time.h>
+#include <unistd.h>
 
 #define SPIN_NS 200000 /* a helper waits this long spinning for its next share, then sleeps */
 
@@ -396,6 +397,7 @@ typedef struct {
 
 typedef struct {
   int64_t count;
+  pid_t pid;            /* the process whose helpers these are (a forked child has none) */
   pthread_mutex_t busy; /* one product at a time: another caller computes alone */
   int32_t *cpus;        /* the team's own copy of its cores */
   helper_t h[];
@@ -484,6 +486,7 @@ void *team_start(int64_t count, const int32_t *cpus, int64_t ncpus) {
     }
     for (int64_t i = 0; i < ncpus; i++) t->cpus[i] = cpus[i];
   }
+  t->pid = getpid();
   pthread_mutex_init(&t->busy, 0);
   for (int64_t i = 0; i < count; i++) {
     helper_t *h = &t->h[i];
@@ -507,7 +510,7 @@ void team_product(void *team, const float *x, int64_t M, const float *w, const f
                   float *y, int64_t N, int64_t K, int64_t Kp) {
   team_t *t = team;
   share_t all = {x, w, bias, y, M, N, K, Kp, 0, N};
-  if (pthread_mutex_trylock(&t->busy) != 0) {
+  if (t->pid != getpid() || pthread_mutex_trylock(&t->busy) != 0) {
     run_share(&all);
     return;
   }
@@ -528,10 +531,10 @@ void team_product(void *team, const float *x, int64_t M, const float *w, const f
   pthread_mutex_unlock(&t->busy);
 }
 
-/* stop and join the helpers, free the team */
+/* stop and join the helpers, free the team (in a forked child: only free it) */
 void team_stop(void *team) {
   team_t *t = team;
-  for (int64_t i = 0; i < t->count; i++) {
+  for (int64_t i = 0; t->pid == getpid() && i < t->count; i++) {
     post(&t->h[i], -1);
     pthread_join(t->h[i].thread, 0);
   }

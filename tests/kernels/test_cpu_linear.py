@@ -241,6 +241,45 @@ def test_lent_helpers_bound_to_cores_sleep_and_wake(monkeypatch) -> None:
 
 
 @needs_onednn
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_computes_lent_products_alone(monkeypatch) -> None:
+    """A process forked from an engine has none of its parent's helper threads: its products
+    under `lending` run whole on its own thread (the same result, never a wait on a helper
+    that is not there)."""
+    if cpu_linear._gemv_library() is None:
+        pytest.skip("no C compiler: the few-row kernel is not built")
+    monkeypatch.setattr(cpu_linear, "few_rows_in_c", lambda: True)
+    gen = torch.Generator().manual_seed(13)
+    w, x = torch.randn(640, 96, generator=gen), torch.randn(4, 96, generator=gen)
+    packed = _packed_or_skip(w)
+    lent = cpu_linear.LentThreads(1)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with cpu_linear.lending(lent):
+            expected = cpu_linear.linear_packed(x, packed)
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 only with the right product
+            code = 1
+            try:
+                with cpu_linear.lending(lent):
+                    code = 0 if torch.equal(cpu_linear.linear_packed(x, packed), expected) else 1
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 60
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if done[0] == 0:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0
+        assert lent.shared == 1  # the parent's product only
+    finally:
+        torch.set_num_threads(threads)
+        lent.close()
+
+
+@needs_onednn
 def test_a_few_rows_on_one_thread_skip_onednn(monkeypatch) -> None:
     """Decode batches of 2 to FEW_ROWS_MAX rows on one compute thread (the default 2-core engine)
     run the few-row C kernel; more rows, or more threads, run oneDNN."""
